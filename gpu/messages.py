@@ -1,0 +1,99 @@
+"""Plain data that crosses the engine → worker boundary, once per step.
+
+Only diffs travel: a sequence's prompt ids and sampling settings are sent once (``NewSeq``);
+afterwards a step names the scheduled sequence ids, how many new tokens each computes and
+which blocks were appended to each block table. Workers keep the rest of the per-sequence
+state (token ids, number of computed tokens, block table) and append the token they sample
+themselves, so a decode step carries no token ids at all.
+
+Worker-side order of operations for one ``StepInput``:
+  1. forget every id in ``finished_seq_ids`` (finished, aborted or preempted sequences);
+  2. register every ``NewSeq`` (a preempted sequence comes back as a NewSeq with the same id,
+     its generated tokens included in ``token_ids``);
+  3. for each scheduled sequence i: extend its block table with ``new_block_ids[i]``, then
+     compute tokens ``token_ids[num_computed : num_computed + num_new_tokens[i]]``;
+  4. a sequence whose ``num_computed`` reaches ``len(token_ids)`` samples one token, appends it
+     to its own ``token_ids`` and reports it in ``StepOutput`` (a partial prefill chunk samples
+     nothing).
+
+Structs are msgspec Structs so the multi-process executor can encode them with msgpack
+without pickling Python objects; the in-process executor passes them as they are.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingOptions(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """What the device-side sampler needs for one sequence (converted from SamplingParams)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    # Sampling is a pure function of (seed, number of tokens generated so far, logits), so a
+    # seeded sequence gives the same tokens whatever else is in the batch and after preemption.
+    # The engine always sets a seed (a random one when the user gave none).
+    seed: int = 0
+    logprobs: int | None = None  # None = no logprobs; k >= 0 = sampled token's logprob + top-k
+    prompt_logprobs: int | None = None  # None = none; k >= 0 = per prompt position, actual + top-k
+    min_tokens: int = 0
+    # Token ids that may not be sampled while fewer than min_tokens tokens were generated.
+    min_tokens_blocked_ids: tuple[int, ...] = ()
+
+
+class NewSeq(msgspec.Struct, array_like=True):
+    seq_id: int
+    token_ids: list[int]  # prompt + tokens already generated (a sequence resumed after preemption)
+    num_prompt_tokens: int  # token_ids[:num_prompt_tokens] is the prompt (penalties need the split)
+    num_computed_tokens: int  # leading tokens whose K/V are already in the cache (prefix-cache hit)
+    block_ids: list[int]  # initial block table
+    sampling: SamplingOptions
+
+
+class StepInput(msgspec.Struct, array_like=True):
+    step_id: int
+    new_seqs: list[NewSeq]
+    seq_ids: list[int]  # scheduled this step, in batch order
+    num_new_tokens: list[int]  # per scheduled sequence
+    new_block_ids: list[list[int]]  # blocks appended to each scheduled sequence's table
+    finished_seq_ids: list[int]  # forget these before running the step
+
+
+class SampledLogprobs(msgspec.Struct, array_like=True):
+    """Logprob of the chosen token and the top-k alternatives, as (token_id, logprob) pairs."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Prompt logprobs computed by one prefill chunk.
+
+    ``entries[i]`` is for prompt position ``first_position + i`` (>= 1): the logprob of the
+    actual prompt token there given the tokens before it, and the top-k at that position.
+    """
+
+    seq_id: int
+    first_position: int
+    entries: list[SampledLogprobs]
+
+
+class StepOutput(msgspec.Struct, array_like=True):
+    step_id: int
+    seq_ids: list[int]  # sequences that sampled a token this step, in batch order
+    token_ids: list[int]  # the sampled token of each
+    # One entry per sampled sequence when any sequence of the step asked for logprobs
+    # (None for those that did not ask); None when nobody asked.
+    logprobs: list[SampledLogprobs | None] | None = None
+    prompt_logprobs: list[PromptLogprobs] | None = None
+    error: str | None = None  # set when the worker failed this step; the engine fails the requests
+
+
+STEP_INPUT_ENCODER = msgspec.msgpack.Encoder()
+STEP_INPUT_DECODER = msgspec.msgpack.Decoder(StepInput)
+STEP_OUTPUT_DECODER = msgspec.msgpack.Decoder(StepOutput)
