@@ -1,0 +1,48 @@
+"""Engine options shared by `serve`, `generate`, `chat` and `bench`: one flag per config field."""
+from __future__ import annotations
+
+import argparse
+
+from gpu.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--kv-cache-memory", type=float, default=4.0, help="KV cache budget in GiB (CPU)")
+    g.add_argument("--num-gpu-blocks-override", dest="num_blocks", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--executor", default=None, choices=["inproc", "mp"],
+                   help="inproc (same process) or mp (worker processes over shared memory)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode runner")
+    g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+
+
+def engine_config_from_args(args: argparse.Namespace, default_executor: str = "inproc") -> EngineConfig:
+    return EngineConfig.from_options(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        served_model_name=getattr(args, "served_model_name", None),
+        block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        num_blocks=args.num_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        executor=args.executor or default_executor,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        policy=args.scheduling_policy,
+        max_waiting_requests=getattr(args, "max_waiting_requests", 1024),
+    )
