@@ -1,0 +1,247 @@
+"""The model runner: owns the model, the paged KV cache and the per-sequence device-side state.
+
+It turns a StepInput (diffs only, see gpu/messages.py) into flat input tensors, runs one forward
+over the mixed batch of decodes and prefill chunks, samples, and returns a StepOutput.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gpu.config import EngineConfig
+from gpu.device import resolve_device, resolve_dtype
+from gpu.forward_context import forward_context
+from gpu.messages import NewSeq, PromptLogprobs, SamplingOptions, StepInput, StepOutput
+from kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SeqState:
+    """What a worker remembers about one sequence between steps."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed: int
+    block_table: list[int]
+    options: SamplingOptions
+
+
+@dataclass(slots=True)
+class BatchRequest:
+    """One request of a hand-built batch (``ModelRunner.forward``): tokens to compute now."""
+
+    token_ids: list[int]  # the new tokens
+    start_position: int  # position of token_ids[0] (= tokens already in the cache)
+    block_table: list[int]
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config.parallel.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.seqs: dict[int, SeqState] = {}
+        self.model = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.sampler = None
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def initialize(self) -> int:
+        """Load the model, size and allocate the KV cache; returns the number of blocks."""
+        from gpu.models.loader import load_model
+        from gpu.sampler import Sampler
+
+        t0 = time.perf_counter()
+        self.model = load_model(self.config.model, self.device, self.dtype)
+        logger.info("loaded model in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype, self.device)
+        self.sampler = Sampler()
+        self.num_blocks = self._num_blocks()
+        self.allocate_kv_cache(self.num_blocks)
+        return self.num_blocks
+
+    def kv_bytes_per_block(self) -> int:
+        m = self.model
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget(cache.gpu_memory_utilization)
+        else:
+            # On CPU the KV budget is configured directly (like VLLM_CPU_KVCACHE_SPACE).
+            budget = int(cache.kv_cache_memory_gib * (1 << 30))
+        blocks = budget // per_block
+        if blocks < 2:
+            raise MemoryError(f"KV cache budget {budget / 2**30:.2f} GiB holds no blocks "
+                              f"({per_block} bytes each): raise --kv-cache-memory")
+        return int(blocks)
+
+    def _cuda_kv_budget(self, utilization: float) -> int:
+        """Device memory left for KV after weights and the peak of a profile forward."""
+        torch.cuda.reset_peak_memory_stats()
+        n = self.config.scheduler.max_num_batched_tokens
+        with torch.inference_mode(), forward_context(None, []):
+            self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                       torch.arange(n, device=self.device))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        _, total = torch.cuda.mem_get_info()
+        return int(total * utilization) - peak
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        m = self.model
+        shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        # Zeros, not empty: masked-out slots must hold finite numbers (0 * NaN is NaN).
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(m.num_layers)
+        ]
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks, self.block_size,
+                    num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / 2**30)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def prepare(self, requests: list[BatchRequest]) -> PreparedBatch:
+        """Flat tensors and attention metadata for a batch (decodes should come first)."""
+        B = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        num_decodes = 0
+        counting_decodes = True
+        max_blocks = 1
+        for r in requests:
+            n = len(r.token_ids)
+            input_ids.extend(r.token_ids)
+            positions.extend(range(r.start_position, r.start_position + n))
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(r.start_position + n)
+            if counting_decodes and n == 1:
+                num_decodes += 1
+            else:
+                counting_decodes = False
+            max_blocks = max(max_blocks, len(r.block_table))
+        block_tables = torch.zeros((len(requests), max_blocks), dtype=torch.int32)
+        for i, r in enumerate(requests):
+            if r.block_table:
+                block_tables[i, : len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        req_index = torch.repeat_interleave(
+            torch.arange(len(requests)), torch.tensor([len(r.token_ids) for r in requests]))
+        slots = block_tables[req_index, pos // B].long() * B + pos % B
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=slots.to(dev),
+            num_decodes=num_decodes,
+            max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(requests))),
+            max_seq_len=max(seq_lens),
+            query_start_loc_host=query_start,
+            seq_lens_host=seq_lens,
+        )
+        return PreparedBatch(torch.tensor(input_ids, dtype=torch.long, device=dev), pos.to(dev), meta)
+
+    @torch.inference_mode()
+    def forward(self, requests: list[BatchRequest]) -> torch.Tensor:
+        """Run a hand-built batch; returns float32 logits at each request's last new token."""
+        batch = self.prepare(requests)
+        hidden = self._run_model(batch)
+        last = torch.tensor(batch.meta.query_start_loc_host[1:], device=self.device) - 1
+        return self.model.compute_logits(hidden[last])
+
+    def _run_model(self, batch: PreparedBatch) -> torch.Tensor:
+        with forward_context(batch.meta, self.kv_caches):
+            return self.model(batch.input_ids, batch.positions)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        for seq_id in step.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in step.new_seqs:
+            self.seqs[new.seq_id] = self._new_state(new)
+        if not step.seq_ids:
+            return StepOutput(step.step_id, [], [])
+
+        requests: list[BatchRequest] = []
+        states: list[SeqState] = []
+        for seq_id, n, blocks in zip(step.seq_ids, step.num_new_tokens, step.new_block_ids):
+            s = self.seqs[seq_id]
+            if blocks:
+                s.block_table.extend(blocks)
+            start = s.num_computed
+            requests.append(BatchRequest(s.token_ids[start:start + n], start, s.block_table))
+            states.append(s)
+        batch = self.prepare(requests)
+        hidden = self._run_model(batch)
+
+        qsl = batch.meta.query_start_loc_host
+        sample_rows: list[int] = []
+        sample_ids: list[int] = []
+        sample_states: list[SeqState] = []
+        prompt_logprobs: list[PromptLogprobs] = []
+        for i, (seq_id, s) in enumerate(zip(step.seq_ids, states)):
+            n = qsl[i + 1] - qsl[i]
+            if s.options.prompt_logprobs is not None and s.num_computed < s.num_prompt_tokens:
+                prompt_logprobs.append(self._prompt_logprobs(seq_id, s, hidden[qsl[i]:qsl[i + 1]]))
+            s.num_computed += n
+            if s.num_computed == len(s.token_ids):
+                sample_rows.append(qsl[i + 1] - 1)
+                sample_ids.append(seq_id)
+                sample_states.append(s)
+
+        out = StepOutput(step.step_id, sample_ids, [], prompt_logprobs=prompt_logprobs or None)
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            result = self.sampler.sample(
+                logits,
+                [s.options for s in sample_states],
+                [s.token_ids for s in sample_states],
+                [s.num_prompt_tokens for s in sample_states],
+            )
+            for s, token in zip(sample_states, result.token_ids):
+                s.token_ids.append(token)
+            out.token_ids = result.token_ids
+            out.logprobs = result.logprobs
+        return out
+
+    def _new_state(self, new: NewSeq) -> SeqState:
+        return SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
+                        list(new.block_ids), new.sampling)
+
+    def _prompt_logprobs(self, seq_id: int, s: SeqState, hidden: torch.Tensor) -> PromptLogprobs:
+        """Logprobs of prompt tokens start+1 .. end of this chunk, given the tokens before them."""
+        from gpu.sampler import compute_prompt_logprobs
+
+        start = s.num_computed
+        end = min(start + hidden.shape[0], s.num_prompt_tokens - 1)  # the last prompt token predicts no prompt token
+        if end <= start:
+            return PromptLogprobs(seq_id, start + 1, [])
+        logits = self.model.compute_logits(hidden[: end - start])
+        targets = s.token_ids[start + 1:end + 1]
+        entries = compute_prompt_logprobs(logits, targets, s.options.prompt_logprobs)
+        return PromptLogprobs(seq_id, start + 1, entries)
