@@ -1,0 +1,78 @@
+"""Turn user options into a running engine core: resolve the model, read its config, load the
+tokenizer, start the executor. Shared by the offline LLM and the AsyncEngine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from gpu.config import DEFAULT_MODEL_NAME, ConfigError, EngineConfig, default_model_path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    config: EngineConfig
+    hf_config: dict
+    tokenizer: object
+    executor: object
+    core: object
+
+
+def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
+    """Fill in the model path, its HF config, the served name and the context length."""
+    from gpu.models.hf_config import load_hf_config
+
+    m = config.model
+    if m.model is None and not (m.load_format == "dummy" and m.hf_config):
+        m.model = default_model_path()
+        m.served_model_name = m.served_model_name or DEFAULT_MODEL_NAME
+    if m.model is not None and not os.path.exists(m.model):
+        raise ConfigError(f"model path {m.model!r} does not exist: pass a .gguf file or a model directory")
+    hf = dict(m.hf_config) if m.hf_config else load_hf_config(m.model)
+    if m.hf_config is None:
+        m.hf_config = hf
+    model_max = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
+    if m.max_model_len is None:
+        m.max_model_len = model_max
+    elif m.max_model_len > model_max:
+        raise ConfigError(f"--max-model-len {m.max_model_len} is over the model's context of {model_max} tokens")
+    if m.served_model_name is None:
+        m.served_model_name = os.path.basename(os.path.normpath(m.model)) if m.model else "dummy"
+    s = config.scheduler
+    if s.max_num_batched_tokens < 1 or s.max_num_seqs < 1:
+        raise ConfigError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
+    bs = config.cache.block_size
+    if bs < 8 or bs & (bs - 1):
+        raise ConfigError(f"--block-size {bs} must be a power of two >= 8")
+    return config, hf
+
+
+def load_tokenizer(config: EngineConfig):
+    from engine.tokenizer import Tokenizer
+
+    path = config.model.model
+    if path is None:
+        raise ConfigError("a dummy model without a path has no tokenizer; pass --model with a tokenizer")
+    return Tokenizer.from_model(path)
+
+
+def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
+    from engine.core import EngineCore
+    from gpu.executor import create_executor
+
+    config, hf = resolve_config(config)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(config)
+    executor = create_executor(config)
+    try:
+        core = EngineCore(config, executor, tokenizer)
+    except BaseException:
+        executor.shutdown()
+        raise
+    logger.info("engine ready: model %s, %d KV blocks x %d tokens, max_model_len %d",
+                config.model.served_model_name, executor.num_blocks, config.cache.block_size,
+                config.model.max_model_len)
+    return EngineParts(config, hf, tokenizer, executor, core)

@@ -1,0 +1,1 @@
+"""Tests of the paged-KV attention and cache kernels."""
