@@ -1,0 +1,61 @@
+"""Dispatch for the paged-KV ops: Triton kernels for CUDA tensors, torch everywhere else."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+
+__all__ = ["write_kv_cache", "paged_attention", "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and triton_available()
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V ``[T, Hkv, D]`` into caches ``[num_blocks, block_size, Hkv, D]``; slot -1 = skip."""
+    if _use_triton(k):
+        from kernels.triton_attention import write_kv_cache_triton
+
+        write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of the flat batch ``q [T, H, D]`` over the paged cache -> ``[T, H, D]``.
+
+    The new tokens' K/V must already be in the cache (``write_kv_cache``). H is a multiple of Hkv.
+    ``out`` (same shape and dtype as q) is filled and returned when given, e.g. a static buffer;
+    rows beyond ``meta.num_tokens`` are zeroed.
+    """
+    if _use_triton(q):
+        from kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, out)
+    return paged_attention_torch(q, k_cache, v_cache, meta, scale, out)
