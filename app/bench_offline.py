@@ -1,0 +1,61 @@
+"""`pagedserve bench throughput`: the offline workload W1 (or another file of its shape).
+
+A workload file holds {"sampling": {...SamplingParams fields}, "requests": [{"prompt_token_ids",
+"max_tokens"}]}. Two requests warm up first, then the whole set runs through LLM.generate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from app.engine_args import add_engine_args, engine_config_from_args
+from app.offline_cmd import _flat
+
+DEFAULT_WORKLOAD = Path(__file__).resolve().parent.parent / "loadtest" / "workloads" / "w1.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="workload JSON (default: W1)")
+    parser.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    add_engine_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    workload = json.loads(Path(args.workload).read_text())
+    requests = workload["requests"][: args.num_requests]
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    params = [SamplingParams(**workload.get("sampling", {}), max_tokens=r["max_tokens"]) for r in requests]
+    llm = LLM(**_flat(engine_config_from_args(args)))
+    try:
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    input_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = {
+        "workload": Path(args.workload).name,
+        "requests": len(prompts),
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(len(prompts) / elapsed, 3),
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": round(output_tokens / elapsed, 1),
+        "total_tokens_per_s": round((input_tokens + output_tokens) / elapsed, 1),
+    }
+    if args.json:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        for key, value in result.items():
+            print(f"{key:>22}: {value}")
+    return 0

@@ -1,0 +1,45 @@
+"""`pagedserve chat`: a small interactive loop over the model's chat template."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from app.engine_args import add_engine_args, engine_config_from_args
+from app.offline_cmd import _flat
+from app.sampling_args import add_sampling_args, sampling_params_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(parser)
+    add_sampling_args(parser, max_tokens=256)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+
+    llm = LLM(**_flat(engine_config_from_args(args)))
+    params = sampling_params_from_args(args)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            prompt = {"prompt": llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                      "add_special_tokens": False}
+            reply = []
+            for delta in llm.stream(prompt, params):
+                reply.append(delta.outputs[0].text)
+                sys.stdout.write(delta.outputs[0].text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": "".join(reply)})
+    finally:
+        llm.shutdown()
+    return 0

@@ -1,0 +1,225 @@
+"""AsyncEngine: the engine loop as one task on the server's event loop.
+
+The loop schedules a step, awaits the executor (a worker thread or worker processes, so the
+event loop stays free to accept requests and stream), processes the outputs and feeds one
+asyncio queue per request. Slow work (tokenizing, chat templates, model loading) runs in a
+thread pool. If the loop dies, every in-flight request ends with EngineDeadError and new
+ones are refused: never a hang.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from engine.errors import EngineDeadError, EngineOverloadedError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from gpu.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# How often an idle engine loop checks that its workers are alive.
+IDLE_HEALTH_CHECK_S = 1.0
+
+
+class RequestStream:
+    """Async iterator of one request's RequestOutput deltas; closing it early aborts the request."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, queue: asyncio.Queue):
+        self._engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._finish()
+            raise item
+        if item.finished:
+            self._finish()
+        return item
+
+    def _finish(self) -> None:
+        self._done = True
+        self._engine._queues.pop(self.request_id, None)
+
+    async def aclose(self) -> None:
+        """Stop listening; aborts the request if it has not finished (client went away)."""
+        if not self._done:
+            self._finish()
+            self._engine._abort_now(self.request_id)
+
+    def __del__(self):
+        if not self._done and self._engine._queues.get(self.request_id) is self._queue:
+            # Dropped without being closed: make sure the request does not run on unseen.
+            self._engine._pending_aborts.append(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.parts = None
+        self.tokenizer = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_aborts: list[str] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._accepting = False
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pagedserve-cpu")
+        self.last_step_gap_s = 0.0  # time between a step's reply and the next step's send
+
+    # ---- life cycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from engine.bootstrap import build_engine
+
+        loop = asyncio.get_running_loop()
+        self.parts = await loop.run_in_executor(self._pool, build_engine, self.config)
+        self.tokenizer = self.parts.tokenizer
+        self._wake = asyncio.Event()
+        self._accepting = True
+        self._task = asyncio.create_task(self._run(), name="pagedserve-engine-loop")
+
+    @property
+    def core(self):
+        return self.parts.core
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.served_model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.parts.executor.num_blocks
+
+    def is_healthy(self) -> bool:
+        return self._error is None and self._task is not None and not self._task.done()
+
+    def stats(self):
+        return self.core.stats()
+
+    async def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Stop accepting; let in-flight requests finish for up to timeout_s; abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        while self._queues and self.is_healthy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(EngineDeadError("the server is shutting down; the request was aborted"))
+            self._abort_now(request_id)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.parts is not None:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self.parts.executor.shutdown)
+        self._pool.shutdown(wait=False)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tokenizer.encode, text, add_special_tokens)
+
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.tokenizer.decode, token_ids, skip_special_tokens)
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          continue_final_message: bool = False) -> str:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, lambda: self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message))
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 prompt: str | None = None, priority: int = 0) -> RequestStream:
+        """Register a request and return its stream of deltas. Raises at once, before any
+        output, when the engine is dead (EngineDeadError), the waiting queue is full
+        (EngineOverloadedError) or the request can never run (RequestRejectedError)."""
+        self._check_alive()
+        waiting = self.core.stats().num_waiting
+        if waiting >= self.config.scheduler.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"{waiting} requests are already waiting (--max-waiting-requests); retry shortly")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.core.add_request(request_id, prompt, prompt_token_ids, params, priority=priority)
+        self._queues[request_id] = queue
+        self._wake.set()
+        return RequestStream(self, request_id, queue)
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._queues.pop(request_id, None)
+        self._abort_now(request_id)
+        if queue is not None:
+            queue.put_nowait(EngineDeadError(f"request {request_id} was aborted"))
+
+    def _abort_now(self, request_id: str) -> None:
+        if self.parts is not None and self._error is None:
+            self.core.abort_request(request_id)
+            if self._wake is not None:
+                self._wake.set()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error}")
+        if not self._accepting or self._task is None or self._task.done():
+            raise EngineDeadError("the engine is not running (starting up or shutting down)")
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        core, executor = self.parts.core, self.parts.executor
+        try:
+            while True:
+                while self._pending_aborts:
+                    core.abort_request(self._pending_aborts.pop())
+                scheduled = core.schedule() if core.has_unfinished() else None
+                if scheduled is None:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), IDLE_HEALTH_CHECK_S)
+                    except asyncio.TimeoutError:
+                        executor.check_health()
+                    continue
+                output = await executor.execute_async(scheduled.step_input)
+                reply_time = time.perf_counter()
+                for out in core.process(scheduled, output):
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                # Let streams flush before the next step is sent; the gap is measured.
+                await asyncio.sleep(0)
+                self.last_step_gap_s = time.perf_counter() - reply_time
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - any failure must reach every request
+            logger.exception("engine loop died")
+            self._error = e
+            dead = EngineDeadError(f"the engine stopped: {e}")
+            for queue in self._queues.values():
+                queue.put_nowait(dead)
+            self._queues.clear()

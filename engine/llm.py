@@ -1,0 +1,141 @@
+"""The offline API, as vLLM users know it: ``LLM(model).generate(prompts, params)``."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engine.outputs import RequestOutput, merge_delta
+from engine.sampling_params import SamplingParams
+from gpu.config import EngineConfig
+
+# Show a progress bar only when a run is long enough to want one.
+TQDM_MIN_REQUESTS = 16
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    """Offline engine. ``model=None`` is the bundled default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | None = None, **engine_options):
+        from engine.bootstrap import build_engine
+
+        self.config = EngineConfig.from_options(model=model, **engine_options)
+        self.parts = build_engine(self.config)
+        self.tokenizer = self.parts.tokenizer
+        self._ids = itertools.count()
+
+    @property
+    def core(self):
+        return self.parts.core
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order."""
+        prompt_list = self._as_prompt_list(prompts)
+        params = self._as_params_list(sampling_params, len(prompt_list))
+        request_ids = []
+        for i, (prompt, sp) in enumerate(zip(prompt_list, params)):
+            text, ids = self._tokenize(prompt)
+            rid = str(next(self._ids))
+            self.core.add_request(rid, text, ids, sp, priority=priority[i] if priority else 0)
+            request_ids.append(rid)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations, via the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt": self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message),
+             "add_special_tokens": False}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None):
+        """Yield one request's RequestOutput deltas as they are generated (for terminals)."""
+        text, ids = self._tokenize(prompt)
+        rid = str(next(self._ids))
+        self.core.add_request(rid, text, ids, sampling_params or SamplingParams())
+        try:
+            while self.core.has_unfinished():
+                for delta in self.core.step():
+                    if delta.request_id == rid:
+                        yield delta
+        finally:
+            self.core.abort_request(rid)
+
+    def shutdown(self) -> None:
+        if self.parts is not None:
+            self.parts.executor.shutdown()
+            self.parts = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[Prompt]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if prompts and isinstance(prompts[0], int):
+            return [list(prompts)]
+        return list(prompts)
+
+    @staticmethod
+    def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
+        return list(sampling_params)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            text = prompt["prompt"]
+            return text, self.tokenizer.encode(text, add_special_tokens=prompt.get("add_special_tokens", True))
+        return None, list(prompt)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        if use_tqdm is None:
+            use_tqdm = len(request_ids) >= TQDM_MIN_REQUESTS
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while self.core.has_unfinished():
+                for delta in self.core.step():
+                    acc = results.get(delta.request_id)
+                    results[delta.request_id] = delta if acc is None else merge_delta(acc, delta)
+                    if delta.finished and bar is not None:
+                        bar.update(1)
+        except BaseException:
+            for rid in request_ids:
+                self.core.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in request_ids]
