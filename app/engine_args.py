@@ -22,7 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--executor", default=None, choices=["inproc", "mp"],
                    help="inproc (same process) or mp (worker processes over shared memory)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode runner")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no CUDA-graph decode runner (the default on CPU)")
     g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
 
 

@@ -63,7 +63,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     executor: str = "inproc"  # inproc | mp
     device: str = "auto"  # auto | cpu | cuda
-    enforce_eager: bool = False
+    # None = auto: CUDA graphs for decode on CUDA; eager on CPU, where padding buys nothing
+    # (False forces the padded static-buffer path on CPU too, as the tests do).
+    enforce_eager: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
 
 

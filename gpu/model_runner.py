@@ -59,6 +59,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.sampler = None
+        self.graph_runner = None
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -73,7 +74,22 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_blocks = self._num_blocks()
         self.allocate_kv_cache(self.num_blocks)
+        self._setup_graph_runner()
         return self.num_blocks
+
+    def _setup_graph_runner(self) -> None:
+        from gpu.graphs import DecodeGraphRunner
+
+        eager = self.config.parallel.enforce_eager
+        if eager is None:
+            eager = self.device.type != "cuda"
+        if eager:
+            return
+        max_len = self.config.model.max_model_len or 2048
+        self.graph_runner = DecodeGraphRunner(
+            self.model, self.kv_caches, self.config.parallel.cuda_graph_batch_sizes,
+            max_blocks_per_seq=-(-max_len // self.block_size), device=self.device, max_model_len=max_len)
+        self.graph_runner.capture()
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
@@ -175,6 +191,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last])
 
     def _run_model(self, batch: PreparedBatch) -> torch.Tensor:
+        if self.graph_runner is not None and self.graph_runner.can_run(batch.meta):
+            return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta)
         with forward_context(batch.meta, self.kv_caches):
             return self.model(batch.input_ids, batch.positions)
 
