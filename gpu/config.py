@@ -66,7 +66,7 @@ class ParallelConfig:
     # None = auto: CUDA graphs for decode on CUDA; eager on CPU, where padding buys nothing
     # (False forces the padded static-buffer path on CPU too, as the tests do).
     enforce_eager: bool | None = None
-    cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
 
 
 @dataclass(slots=True)
