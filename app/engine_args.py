@@ -10,6 +10,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--hf-config", default=None,
+                   help="HF config overrides as JSON or a JSON file; with --load-format dummy this is the "
+                        "model (random weights), e.g. a tiny config for tests")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -27,6 +30,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
 
 
+def _json_arg(value: str | None) -> dict | None:
+    if value is None:
+        return None
+    import json
+    import os
+
+    if os.path.isfile(value):
+        with open(value) as f:
+            return json.load(f)
+    return json.loads(value)
+
+
 def engine_config_from_args(args: argparse.Namespace, default_executor: str = "inproc") -> EngineConfig:
     return EngineConfig.from_options(
         model=args.model,
@@ -34,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace, default_executor: str = "i
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        hf_config=_json_arg(args.hf_config),
         served_model_name=getattr(args, "served_model_name", None),
         block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory,
