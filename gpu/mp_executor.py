@@ -1,0 +1,310 @@
+"""Multi-process executor: ``tensor_parallel_size`` spawned workers fed over shared-memory rings.
+
+The engine writes each StepInput to the step ring (read by every rank); rank 0 answers on the
+reply ring. ``execute_async`` waits for the reply with ``loop.add_reader`` on the reply ring's
+eventfd and on every worker's sentinel, so the event loop never blocks on a worker and a worker
+that dies fails the pending step at once. After a death the executor tears everything down and
+every later call raises ``ExecutorError`` with the same message.
+
+Everything the executor owns (processes, rings, pipes) sits in ``_Resources``, released by
+``shutdown()``, by the garbage collector or at interpreter exit; the rings' creator is this
+process, so its resource tracker also unlinks them if this process is killed, and the workers
+exit when they see this process's sentinel close.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+
+from gpu.config import EngineConfig
+from gpu.executor import Executor, ExecutorError
+from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
+from gpu.shm_ring import RingError, RingPeerDied, ShmRing
+from gpu.worker import SHUTDOWN_MESSAGE, WorkerArgs, encode_step, worker_main
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_WORKER_STARTUP_TIMEOUT", "600"))
+RING_SLOTS = 64
+RING_SLOT_SIZE = 16384
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe_exit(proc: multiprocessing.process.BaseProcess) -> str:
+    code = proc.exitcode
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Resources:
+    """What the executor owns; ``close`` is the finalizer (never references the executor)."""
+
+    def __init__(self):
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        self.step_ring: ShmRing | None = None
+        self.reply_ring: ShmRing | None = None
+        self.closed = False
+
+    def close(self, graceful: bool = True, join_timeout: float = 5.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        alive = [p for p in self.procs if p.exitcode is None]
+        if self.step_ring is not None and alive and graceful:
+            try:
+                self.step_ring.send(SHUTDOWN_MESSAGE, timeout=0.5)
+            except (RingError, OSError):
+                pass
+        if self.step_ring is not None:
+            self.step_ring.mark_closed()  # wakes workers blocked on the ring
+        deadline = time.monotonic() + (join_timeout if graceful else 0.0)
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in self.procs:
+            p.join(2.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join(2.0)
+        for ring in (self.step_ring, self.reply_ring):
+            if ring is not None:
+                ring.close()
+        for c in self.conns:
+            c.close()
+        logger.debug("executor resources released")
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, *, runner_factory: str | None = None,
+                 startup_timeout: float | None = None, num_threads: int | None = None):
+        """Spawn the workers and wait until each reports its KV block count (or an error)."""
+        self.config = config
+        self.world_size = config.parallel.tensor_parallel_size
+        if self.world_size < 1:
+            raise ExecutorError("tensor_parallel_size must be >= 1")
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.close)
+        self._error: ExecutorError | None = None
+        self._stale_replies = 0  # replies of steps whose waiter was cancelled: dropped on arrival
+        self._lock: asyncio.Lock | None = None
+        self._lock_loop = None
+        self._sentinels: list[int] = []
+        try:
+            self._start(runner_factory, startup_timeout or DEFAULT_STARTUP_TIMEOUT_S, num_threads)
+        except BaseException:
+            self._res.close(graceful=False)
+            raise
+
+    def _start(self, runner_factory: str | None, timeout: float, num_threads: int | None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        res = self._res
+        res.step_ring = ShmRing.create(self.world_size, RING_SLOTS, RING_SLOT_SIZE, role="writer")
+        res.reply_ring = ShmRing.create(1, RING_SLOTS, RING_SLOT_SIZE, role=0)
+        init_method = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
+        t0 = time.monotonic()
+        for rank in range(self.world_size):
+            recv_conn, send_conn = ctx.Pipe(duplex=False)
+            args = WorkerArgs(self.config, rank, self.world_size, res.step_ring.spec, res.reply_ring.spec,
+                              send_conn, init_method, runner_factory,
+                              logging.getLogger().getEffectiveLevel(), num_threads)
+            proc = ctx.Process(target=worker_main, args=(args,), name=f"pagedserve-worker-{rank}",
+                               daemon=True)
+            proc.start()
+            send_conn.close()
+            res.procs.append(proc)
+            res.conns.append(recv_conn)
+        self._sentinels = [p.sentinel for p in res.procs]
+        res.step_ring.peer_fds = list(self._sentinels)
+        res.reply_ring.peer_fds = list(self._sentinels)
+        self.num_blocks = self._wait_ready(timeout)
+        logger.info("%d worker process(es) ready in %.1f s, %d KV blocks each", self.world_size,
+                    time.monotonic() - t0, self.num_blocks)
+
+    def _wait_ready(self, timeout: float) -> int:
+        res = self._res
+        pending = dict(enumerate(res.conns))
+        blocks: dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ExecutorError(
+                    f"worker(s) {sorted(pending)} did not report ready within {timeout:.0f} s; "
+                    "raise PAGEDSERVE_WORKER_STARTUP_TIMEOUT if the model is slow to load")
+            waitables = list(pending.values()) + [res.procs[r].sentinel for r in pending]
+            ready = wait(waitables, left)
+            for rank, conn in list(pending.items()):
+                proc = res.procs[rank]
+                if conn in ready or proc.sentinel in ready:
+                    try:
+                        kind, value = conn.recv()
+                    except (EOFError, OSError):
+                        proc.join(1.0)
+                        raise ExecutorError(
+                            f"worker {rank} {_describe_exit(proc)} while starting, without reporting why "
+                            "(out of memory?)") from None
+                    if kind == "error":
+                        raise ExecutorError(f"worker {rank} failed to start:\n{value}")
+                    blocks[rank] = int(value)
+                    del pending[rank]
+        if len(set(blocks.values())) > 1:
+            logger.warning("ranks allocated different KV block counts %s; using the smallest", blocks)
+        return min(blocks.values())
+
+    # ------------------------------------------------------------------ health
+
+    def _dead_message(self) -> str | None:
+        """Why the group is unusable, or None when every worker is alive."""
+        for rank, proc in enumerate(self._res.procs):
+            if proc.exitcode is None:
+                continue
+            text = f"worker {rank} (pid {proc.pid}) {_describe_exit(proc)}"
+            conn = self._res.conns[rank]
+            try:
+                if conn.poll(0):
+                    kind, value = conn.recv()
+                    if kind == "error":
+                        text += f":\n{value}"
+            except (EOFError, OSError):
+                pass
+            return text + "; in-flight requests cannot finish, restart the server"
+        return None
+
+    def _fail(self, message: str) -> ExecutorError:
+        """Remember the error, tear the group down, return the error to raise."""
+        if self._error is None:
+            self._error = ExecutorError(message)
+            logger.error("%s", message)
+            self._res.close(graceful=False)
+        return self._error
+
+    def _fail_from_death(self) -> ExecutorError:
+        for _ in range(20):  # the sentinel fires as the process ends; exitcode needs the reap
+            msg = self._dead_message()
+            if msg is not None:
+                return self._fail(msg)
+            time.sleep(0.01)
+        return self._fail("a worker process exited; in-flight requests cannot finish")
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._res.closed:
+            raise ExecutorError("the executor was shut down")
+        if self._dead_message() is not None:
+            raise self._fail_from_death()
+
+    def check_health(self) -> None:
+        self._check_usable()
+
+    # ------------------------------------------------------------------ steps
+
+    def _send(self, step: StepInput) -> None:
+        try:
+            self._res.step_ring.send(encode_step(step))
+        except RingPeerDied:
+            raise self._fail_from_death() from None
+
+    def _poll_reply(self) -> StepOutput | None:
+        ring = self._res.reply_ring
+        while True:
+            msg = ring.try_recv()
+            if msg is None:
+                return None
+            if self._stale_replies:
+                self._stale_replies -= 1
+                continue
+            return STEP_OUTPUT_DECODER.decode(msg)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        self._check_usable()
+        self._send(step)
+        ring = self._res.reply_ring
+        try:
+            while True:
+                out = self._poll_reply()
+                if out is not None:
+                    return out
+                ring._wait_data(None)
+        except RingPeerDied:
+            raise self._fail_from_death() from None
+        except BaseException:
+            self._stale_replies += 1  # e.g. KeyboardInterrupt: the reply still comes
+            raise
+
+    async def execute_async(self, step: StepInput) -> StepOutput:
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock_loop is not loop:
+            self._lock, self._lock_loop = asyncio.Lock(), loop
+        async with self._lock:  # one step in flight; replies come back in order
+            self._check_usable()
+            self._send(step)
+            out = self._poll_reply()
+            if out is not None:
+                return out
+            fut: asyncio.Future = loop.create_future()
+            ring = self._res.reply_ring
+            reply_fd = ring.fileno()
+
+            def on_reply() -> None:
+                if fut.done():
+                    return
+                ring.clear_wakeup()
+                try:
+                    result = self._poll_reply()
+                except Exception as e:  # a corrupt reply: surface it rather than hang
+                    fut.set_exception(e)
+                    return
+                if result is not None:
+                    fut.set_result(result)
+
+            def on_death() -> None:
+                if not fut.done():
+                    fut.set_exception(RingPeerDied("worker exited"))
+
+            loop.add_reader(reply_fd, on_reply)
+            for s in self._sentinels:
+                loop.add_reader(s, on_death)
+            try:
+                return await fut
+            except RingPeerDied:
+                pass
+            except asyncio.CancelledError:
+                self._stale_replies += 1
+                raise
+            finally:
+                loop.remove_reader(reply_fd)
+                for s in self._sentinels:
+                    loop.remove_reader(s)
+            raise self._fail_from_death()
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        """Stop message, join with a timeout, kill leftovers, unlink the rings. Idempotent."""
+        self._res.close(graceful=self._error is None)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._res.procs]

@@ -1,0 +1,199 @@
+"""The worker process: one per tensor-parallel rank, started with ``spawn`` by MultiprocExecutor.
+
+Start-up: attach the rings, set torch threads, (tp > 1) join the gloo/NCCL group and set the
+tensor-parallel state, build the model runner and report ``("ready", num_blocks)`` or
+``("error", traceback text)`` over the ready pipe. Then loop: read a message from the step ring
+(every rank reads every step), execute it, and rank 0 writes the StepOutput to the reply ring.
+
+Failures: a step that raises on rank 0 becomes ``StepOutput(error=...)`` and the worker keeps
+serving; on another rank the traceback goes over the ready pipe and the worker exits, since its
+peers are now stuck in a collective and the executor must tear the group down. A parent that
+dies is noticed through its sentinel while waiting for the next step, and the worker exits.
+SIGINT is ignored: Ctrl-C reaches the whole process group, and the parent shuts workers down.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from gpu.config import EngineConfig
+from gpu.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepInput, StepOutput
+from gpu.shm_ring import RingClosed, RingPeerDied, RingSpec, ShmRing
+
+logger = logging.getLogger(__name__)
+
+# First byte of every message on the step ring.
+TAG_STEP = ord("S")
+TAG_SHUTDOWN = ord("Q")
+SHUTDOWN_MESSAGE = bytes([TAG_SHUTDOWN])
+
+DEFAULT_RUNNER = "gpu.model_runner:ModelRunner"
+
+
+def encode_step(step: StepInput) -> bytearray:
+    """Tag byte + msgpack, encoded in place (no intermediate copy)."""
+    buf = bytearray(b"S")
+    STEP_INPUT_ENCODER.encode_into(step, buf, 1)
+    return buf
+
+
+def decode_step(msg) -> StepInput:
+    return STEP_INPUT_DECODER.decode(memoryview(msg)[1:])
+
+
+def encode_output(out: StepOutput) -> bytes:
+    return STEP_INPUT_ENCODER.encode(out)
+
+
+@dataclass(slots=True)
+class WorkerArgs:
+    config: EngineConfig
+    rank: int
+    world_size: int
+    step_ring: RingSpec
+    reply_ring: RingSpec  # only rank 0 writes it
+    ready_conn: Connection  # worker -> executor: ("ready", num_blocks) | ("error", text)
+    dist_init_method: str | None = None  # tcp://127.0.0.1:PORT when world_size > 1
+    runner_factory: str | None = None  # "module:callable" taking (config, rank); None = ModelRunner
+    log_level: int = logging.INFO
+    num_threads: int | None = None  # torch intra-op threads; None = this rank's share of the CPUs
+
+
+def load_factory(spec: str):
+    """Resolve ``"package.module:attr"`` to the callable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"runner factory {spec!r} must look like 'package.module:callable'")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _threads_for_rank(world_size: int, requested: int | None) -> int:
+    if requested:
+        return requested
+    env = os.environ.get("PAGEDSERVE_WORKER_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // world_size)
+
+
+def _setup_torch(args: WorkerArgs) -> None:
+    import torch
+
+    threads = _threads_for_rank(args.world_size, args.num_threads)
+    torch.set_num_threads(threads)
+    logger.debug("rank %d uses %d torch threads", args.rank, threads)
+    if args.world_size > 1:
+        import datetime
+
+        import torch.distributed as dist
+
+        from gpu.parallel_state import init_tensor_parallel
+
+        use_cuda = args.config.parallel.device.startswith("cuda") or (
+            args.config.parallel.device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            torch.cuda.set_device(args.rank % torch.cuda.device_count())
+        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=args.dist_init_method,
+                                rank=args.rank, world_size=args.world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        init_tensor_parallel(args.rank, args.world_size, dist.group.WORLD)
+
+
+def _teardown_torch(args: WorkerArgs) -> None:
+    if args.world_size > 1 and "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # best effort on the way out
+                pass
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """Entry point of a spawned worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level,
+                        format=f"%(asctime)s %(levelname)s [worker {args.rank}] %(name)s: %(message)s")
+    parent = multiprocessing.parent_process()
+    parent_fds = [parent.sentinel] if parent is not None and parent.sentinel is not None else []
+    conn = args.ready_conn
+    try:
+        step_ring = ShmRing.attach(args.step_ring, args.rank, peer_fds=parent_fds)
+        reply_ring = (ShmRing.attach(args.reply_ring, "writer", peer_fds=parent_fds)
+                      if args.rank == 0 else None)
+        if args.runner_factory is None or args.world_size > 1:
+            _setup_torch(args)
+        factory = load_factory(args.runner_factory or DEFAULT_RUNNER)
+        runner = factory(args.config, args.rank)
+        num_blocks = runner.initialize()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        conn.close()
+        _teardown_torch(args)
+        sys.exit(1)
+    conn.send(("ready", int(num_blocks)))
+    code = 0
+    try:
+        _serve(args, runner, step_ring, reply_ring, conn)
+    except (RingPeerDied, RingClosed) as e:
+        logger.info("stopping: %s", e)
+    except BaseException:
+        code = 1
+        text = traceback.format_exc()
+        logger.error("worker %d failed:\n%s", args.rank, text)
+        try:
+            conn.send(("error", text))
+        except OSError:
+            pass
+    finally:
+        _teardown_torch(args)
+        step_ring.close()
+        if reply_ring is not None:
+            reply_ring.close()
+        conn.close()
+    sys.exit(code)
+
+
+def _serve(args: WorkerArgs, runner, step_ring: ShmRing, reply_ring: ShmRing | None, conn) -> None:
+    while True:
+        msg = step_ring.recv()
+        tag = msg[0]
+        if tag == TAG_SHUTDOWN:
+            logger.debug("rank %d: shutdown message", args.rank)
+            return
+        if tag != TAG_STEP:
+            raise RuntimeError(f"unknown message tag {tag!r} on the step ring")
+        step_id = -1
+        try:
+            step = decode_step(msg)
+            step_id = step.step_id
+            out = runner.execute(step)
+        except Exception:
+            text = traceback.format_exc()
+            if reply_ring is None:
+                raise  # rank > 0: peers are stuck in a collective; let the executor tear down
+            logger.error("step %d failed:\n%s", step_id, text)
+            out = StepOutput(step_id, [], [], error=text)
+        if reply_ring is not None:
+            try:
+                payload = encode_output(out)
+            except (msgspec.EncodeError, TypeError, OverflowError) as e:
+                payload = encode_output(StepOutput(step_id, [], [], error=f"cannot encode StepOutput: {e}"))
+            reply_ring.send(payload)

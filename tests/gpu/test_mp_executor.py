@@ -1,0 +1,220 @@
+"""MultiprocExecutor with a fake runner (no model): start-up, steps, failures, clean shutdown."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from gpu.config import EngineConfig
+from gpu.executor import ExecutorError
+from gpu.messages import NewSeq, SamplingOptions, StepInput, StepOutput
+from gpu.shm_ring import leftover_segments
+
+HERE = "tests.gpu.test_mp_executor"
+SLOW_STEP = -2  # a step id the fake runner sleeps on (to be killed mid-step)
+FAILING_STEP = -1  # a step id the fake runner raises on
+
+
+class FakeRunner:
+    """Echoes deterministic tokens: seq s at step k samples s * 1000 + its number of tokens."""
+
+    def __init__(self, config: EngineConfig, rank: int):
+        self.config = config
+        self.rank = rank
+        self.seqs: dict[int, list[int]] = {}
+
+    def initialize(self) -> int:
+        return self.config.cache.num_blocks or 42
+
+    def execute(self, step: StepInput) -> StepOutput:
+        if step.step_id == FAILING_STEP:
+            raise ValueError("boom in the fake runner")
+        if step.step_id == SLOW_STEP:
+            time.sleep(60)
+        for s in step.finished_seq_ids:
+            self.seqs.pop(s, None)
+        for new in step.new_seqs:
+            self.seqs[new.seq_id] = list(new.token_ids)
+        tokens = []
+        for s in step.seq_ids:
+            t = s * 1000 + len(self.seqs[s])
+            self.seqs[s].append(t)
+            tokens.append(t)
+        return StepOutput(step.step_id, list(step.seq_ids), tokens)
+
+
+class BrokenRunner(FakeRunner):
+    def initialize(self) -> int:
+        raise FileNotFoundError("fake weights missing: /nowhere/model.gguf")
+
+
+def exiting_runner(config, rank):
+    os._exit(3)
+
+
+def _config(tp: int = 1, num_blocks: int = 77) -> EngineConfig:
+    return EngineConfig.from_options(tensor_parallel_size=tp, executor="mp", num_blocks=num_blocks)
+
+
+def _step(step_id: int, seq_ids: list[int], new: list[int] = ()) -> StepInput:
+    news = [NewSeq(s, [1, 2, 3], 3, 0, [s], SamplingOptions()) for s in new]
+    return StepInput(step_id, news, seq_ids, [1] * len(seq_ids), [[] for _ in seq_ids], [])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"  # a zombie is gone too
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture
+def executor():
+    from gpu.mp_executor import MultiprocExecutor
+
+    before = set(leftover_segments())
+    ex = MultiprocExecutor(_config(), runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
+    yield ex
+    ex.shutdown()
+    assert set(leftover_segments()) <= before
+
+
+def test_ready_sync_and_async_steps(executor):
+    assert executor.num_blocks == 77
+    out = executor.execute(_step(1, [5, 6], new=[5, 6]))
+    assert (out.step_id, out.seq_ids, out.token_ids, out.error) == (1, [5, 6], [5003, 6003], None)
+
+    async def two_steps():
+        a = await executor.execute_async(_step(2, [5, 6]))
+        b = await executor.execute_async(_step(3, [6]))
+        return a, b
+
+    a, b = asyncio.run(two_steps())
+    assert a.token_ids == [5004, 6004] and b.token_ids == [6005]
+    executor.check_health()
+
+
+def test_step_error_is_returned_and_worker_keeps_serving(executor):
+    out = executor.execute(_step(FAILING_STEP, []))
+    assert out.error is not None and "boom in the fake runner" in out.error
+    assert executor.execute(_step(4, [9], new=[9])).token_ids == [9003]
+    executor.check_health()
+
+
+def test_event_loop_stays_free_while_a_step_runs(executor):
+    async def main():
+        ticks = 0
+        task = asyncio.ensure_future(executor.execute_async(_step(5, list(range(256)), new=list(range(256)))))
+        while not task.done():
+            ticks += 1
+            await asyncio.sleep(0)
+        return await task, ticks
+
+    out, ticks = asyncio.run(main())
+    assert out.token_ids == [s * 1000 + 3 for s in range(256)]
+    assert ticks > 1
+
+
+def test_startup_error_is_reported_with_the_worker_traceback():
+    from gpu.mp_executor import MultiprocExecutor
+
+    before = set(leftover_segments())
+    with pytest.raises(ExecutorError) as info:
+        MultiprocExecutor(_config(), runner_factory=f"{HERE}:BrokenRunner", startup_timeout=60)
+    assert "worker 0 failed to start" in str(info.value)
+    assert "fake weights missing: /nowhere/model.gguf" in str(info.value)
+    assert set(leftover_segments()) <= before
+
+
+def test_worker_dying_silently_at_startup_is_reported():
+    from gpu.mp_executor import MultiprocExecutor
+
+    with pytest.raises(ExecutorError, match="exited with code 3"):
+        MultiprocExecutor(_config(), runner_factory=f"{HERE}:exiting_runner", startup_timeout=60)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill9_mid_step_raises_within_seconds(executor, mode):
+    pids = executor.worker_pids
+    executor.execute(_step(1, [1], new=[1]))
+    killer = None
+
+    def kill_soon():
+        time.sleep(0.3)
+        os.kill(pids[0], signal.SIGKILL)
+
+    import threading
+
+    killer = threading.Thread(target=kill_soon)
+    t0 = time.monotonic()
+    killer.start()
+    with pytest.raises(ExecutorError, match="killed by SIGKILL"):
+        if mode == "sync":
+            executor.execute(_step(SLOW_STEP, [1]))
+        else:
+            asyncio.run(executor.execute_async(_step(SLOW_STEP, [1])))
+    killer.join()
+    assert time.monotonic() - t0 < 5
+    # later calls fail the same way, at once
+    with pytest.raises(ExecutorError, match="killed by SIGKILL"):
+        executor.execute(_step(2, [1]))
+    with pytest.raises(ExecutorError):
+        executor.check_health()
+    executor.shutdown()
+    assert all(_gone(p) for p in pids)
+
+
+def test_shutdown_is_clean_and_idempotent():
+    from gpu.mp_executor import MultiprocExecutor
+
+    before = set(leftover_segments())
+    ex = MultiprocExecutor(_config(), runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
+    pids = ex.worker_pids
+    assert set(leftover_segments()) - before  # the rings exist while running
+    ex.execute(_step(1, [1], new=[1]))
+    t0 = time.monotonic()
+    ex.shutdown()
+    assert time.monotonic() - t0 < 5
+    ex.shutdown()
+    assert all(_gone(p) for p in pids)
+    assert set(leftover_segments()) <= before
+    with pytest.raises(ExecutorError, match="shut down"):
+        ex.execute(_step(2, [1]))
+
+
+def test_parent_killed_leaves_no_worker_and_no_segment(tmp_path):
+    """The owner is SIGKILLed: workers see its sentinel close and exit; the tracker unlinks."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from gpu.config import EngineConfig
+        from gpu.mp_executor import MultiprocExecutor
+        cfg = EngineConfig.from_options(executor="mp", num_blocks=5)
+        ex = MultiprocExecutor(cfg, runner_factory="{HERE}:FakeRunner", startup_timeout=60)
+        print(" ".join(map(str, ex.worker_pids)), ex._res.step_ring.name, ex._res.reply_ring.name, flush=True)
+        time.sleep(120)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        fields = proc.stdout.readline().split()
+        assert len(fields) == 3, fields
+        pid, names = int(fields[0]), fields[1:]
+        assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+        proc.kill()
+        proc.wait(5)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (_gone(pid) and not any(
+                os.path.exists(f"/dev/shm/{n}") for n in names)):
+            time.sleep(0.05)
+        assert _gone(pid)
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+    finally:
+        proc.kill()
+        proc.wait()
