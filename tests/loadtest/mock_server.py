@@ -31,6 +31,7 @@ class MockState:
     mode: str = "ok"  # ok | faulty
     ttft_s: float = 0.02
     itl_s: float = 0.002
+    tokenize: bool = True  # False: no /tokenize, clients must fall back
     count: int = 0
     usage: list[tuple[int, int]] = field(default_factory=list)  # (prompt, completion) of full answers
     faults: dict[str, int] = field(default_factory=dict)
@@ -55,11 +56,15 @@ def create_app(state: MockState) -> Starlette:
         return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "mock"}]})
 
     async def tokenize(request: Request) -> Response:
+        if not state.tokenize:
+            return JSONResponse({"detail": "Not Found"}, 404)
         body = await request.json()
         ids = [state.word_id(w) for w in str(body["prompt"]).split()]
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": 4096})
 
     async def detokenize(request: Request) -> Response:
+        if not state.tokenize:
+            return JSONResponse({"detail": "Not Found"}, 404)
         body = await request.json()
         words = state.words
         return JSONResponse({"prompt": " ".join(words[i] for i in body["tokens"] if 0 <= i < len(words))})
