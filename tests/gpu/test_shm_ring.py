@@ -1,0 +1,257 @@
+"""ShmRing: ordering, splitting, wrap-around, back-pressure and dead peers, across processes."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from gpu.shm_ring import (RingClosed, RingPeerDied, RingTimeout, ShmRing, leftover_segments)
+
+CTX = multiprocessing.get_context("spawn")
+SLOTS, SLOT_SIZE = 16, 256  # payload 240 bytes; the whole ring holds 3840 bytes
+POOL_SEED = 1234
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_segments():
+    before = set(leftover_segments())
+    yield
+    assert set(leftover_segments()) <= before
+
+
+def _pool() -> bytes:
+    return random.Random(POOL_SEED).randbytes(1 << 16)
+
+
+def _messages(seed: int, count: int, payload: int):
+    """Deterministic messages: 4-byte index + bytes of a random pool. Sizes from 1 byte to
+    several slots, a few larger than the whole ring."""
+    rnd = random.Random(seed)
+    pool = _pool()
+    for i in range(count):
+        r = rnd.random()
+        if r < 0.6:
+            size = rnd.randint(1, payload)
+        elif r < 0.995:
+            size = rnd.randint(payload + 1, 4 * payload)
+        else:
+            size = rnd.randint(SLOTS * payload, SLOTS * payload * 3)
+        off = rnd.randrange(len(pool) - size)
+        head = i.to_bytes(4, "little")
+        yield (head + pool[off:off + size])[:size] if size < 4 else head + pool[off:off + size - 4]
+
+
+def _reader_main(spec, index: int, seed: int, count: int, conn, delay_every: int = 0) -> None:
+    ring = ShmRing.attach(spec, index)
+    received, bad = 0, None
+    try:
+        for i, expected in enumerate(_messages(seed, count, ring.payload_size)):
+            if delay_every and i % delay_every == 0:
+                time.sleep(0.02)
+            got = ring.recv(timeout=60)
+            if bad is None and bytes(got) != expected:
+                bad = (i, len(got), len(expected))
+            received += 1
+        conn.send((received, bad, ring.try_recv() is None))
+    except BaseException as e:  # report, do not hang the test
+        conn.send((received, repr(e), False))
+    finally:
+        ring.close()
+
+
+def _stalling_reader(spec, index: int, consume: int, conn) -> None:
+    ring = ShmRing.attach(spec, index)
+    for _ in range(consume):
+        ring.recv(timeout=60)
+    conn.send("stalled")
+    time.sleep(120)
+
+
+def _run_stress(num_readers: int, count: int, seed: int, delay_every: int = 0) -> float:
+    ring = ShmRing.create(num_readers, SLOTS, SLOT_SIZE, role="writer")
+    procs, conns = [], []
+    try:
+        for i in range(num_readers):
+            recv_conn, send_conn = CTX.Pipe(duplex=False)
+            p = CTX.Process(target=_reader_main, args=(ring.spec, i, seed, count, send_conn, delay_every))
+            p.start()
+            send_conn.close()
+            procs.append(p)
+            conns.append(recv_conn)
+        ring.peer_fds = [p.sentinel for p in procs]
+        t0 = time.monotonic()
+        for msg in _messages(seed, count, ring.payload_size):
+            ring.send(msg, timeout=60)
+        results = [c.recv() for c in conns]
+        elapsed = time.monotonic() - t0
+        for p in procs:
+            p.join(10)
+        assert results == [(count, None, True)] * num_readers
+        assert all(p.exitcode == 0 for p in procs)
+        return elapsed
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        ring.close()
+
+
+# 100k messages per reader count keeps each run within ~10 s on a loaded 2-core machine.
+@pytest.mark.parametrize("num_readers", [1, 3])
+def test_stress_every_message_once_in_order_byte_identical(num_readers):
+    _run_stress(num_readers, 100_000, seed=num_readers)
+
+
+def test_slow_reader_makes_writer_wait_never_overwrite():
+    # one fast and one slow reader: the writer must wait for the slow one at every wrap
+    count = 400
+    ring = ShmRing.create(2, SLOTS, SLOT_SIZE, role="writer")
+    procs, conns = [], []
+    try:
+        for i, delay in enumerate([0, 10]):
+            recv_conn, send_conn = CTX.Pipe(duplex=False)
+            p = CTX.Process(target=_reader_main, args=(ring.spec, i, 7, count, send_conn, delay))
+            p.start()
+            send_conn.close()
+            procs.append(p)
+            conns.append(recv_conn)
+        ring.peer_fds = [p.sentinel for p in procs]
+        t0 = time.monotonic()
+        for msg in _messages(7, count, ring.payload_size):
+            ring.send(msg, timeout=60)
+        assert time.monotonic() - t0 > 0.3  # 40 delays of 20 ms held the writer back
+        assert [c.recv() for c in conns] == [(count, None, True)] * 2
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+        ring.close()
+
+
+def test_full_ring_blocks_writer_until_the_reader_consumes():
+    with ShmRing.create(1, 4, 64, role="writer") as w:
+        r = ShmRing.attach(w.spec, 0)
+        for i in range(4):
+            w.send(bytes([i]) * 48)  # one slot each
+        with pytest.raises(RingTimeout):
+            w.send(b"x", timeout=0.05)
+        assert r.recv() == bytes([0]) * 48  # slot 0 was not overwritten
+        w.send(b"fifth", timeout=1)
+        assert [bytes(r.recv(timeout=1)) for _ in range(4)] == [bytes([i]) * 48 for i in (1, 2, 3)] + [b"fifth"]
+        assert r.try_recv() is None
+        r.close()
+
+
+def test_message_larger_than_the_ring_streams_through():
+    with ShmRing.create(1, 4, 64, role="writer") as w:  # 4 x 48 byte payloads
+        r = ShmRing.attach(w.spec, 0)
+        big = os.urandom(10_000)
+        got = []
+        t = threading.Thread(target=lambda: got.append(bytes(r.recv(timeout=10))))
+        t.start()
+        w.send(big, timeout=10)
+        t.join()
+        assert got == [big]
+        w.send(b"")  # an empty message is a message
+        assert r.recv(timeout=1) == b""
+        r.close()
+
+
+def test_reader_killed_mid_run_is_detected_by_the_writer():
+    ring = ShmRing.create(3, SLOTS, SLOT_SIZE, role="writer")
+    procs, conns = [], []
+    try:
+        for i in range(3):
+            recv_conn, send_conn = CTX.Pipe(duplex=False)
+            consume = 50 if i == 1 else 10**9
+            target = _stalling_reader if i == 1 else _reader_main
+            args = (ring.spec, i, 50, send_conn) if i == 1 else (ring.spec, i, 3, 10**6, send_conn)
+            p = CTX.Process(target=target, args=args, daemon=True)
+            p.start()
+            send_conn.close()
+            procs.append(p)
+            conns.append(recv_conn)
+        ring.peer_fds = [p.sentinel for p in procs]
+        msgs = _messages(3, 10**6, ring.payload_size)
+        for _ in range(50):
+            ring.send(next(msgs), timeout=30)
+        assert conns[1].recv() == "stalled"
+        killed_at = None
+
+        def kill_later():
+            nonlocal killed_at
+            time.sleep(0.3)
+            killed_at = time.monotonic()
+            os.kill(procs[1].pid, signal.SIGKILL)
+
+        threading.Thread(target=kill_later).start()
+        with pytest.raises(RingPeerDied):
+            for msg in msgs:  # fills the ring, then waits for reader 1 until it dies
+                ring.send(msg)
+        assert killed_at is not None and time.monotonic() - killed_at < 2
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+        ring.close()
+
+
+def test_stalled_reader_without_sentinel_times_out_or_fails_liveness():
+    with ShmRing.create(2, 4, 64, role="writer") as w:
+        alive = [True]
+        w.alive = lambda: alive[0]
+        for _ in range(4):
+            w.send(b"a")
+        with pytest.raises(RingTimeout):
+            w.send(b"b", timeout=0.05)
+        alive[0] = False
+        with pytest.raises(RingPeerDied):
+            w.send(b"b", timeout=5)
+
+
+def _writer_then_exit(spec) -> None:
+    ring = ShmRing.attach(spec, "writer")
+    ring.send(b"last words")
+    ring.close()
+
+
+def test_reader_sees_dead_writer_and_closed_ring():
+    ring = ShmRing.create(1, SLOTS, SLOT_SIZE, role=0)
+    try:
+        p = CTX.Process(target=_writer_then_exit, args=(ring.spec,))
+        p.start()
+        ring.peer_fds = [p.sentinel]
+        assert ring.recv(timeout=30) == b"last words"  # data before death is still delivered
+        t0 = time.monotonic()
+        with pytest.raises(RingPeerDied):
+            ring.recv(timeout=30)
+        assert time.monotonic() - t0 < 2
+        p.join()
+        ring.peer_fds = []
+        ring.mark_closed()
+        with pytest.raises(RingClosed):
+            ring.recv(timeout=5)
+    finally:
+        ring.close()
+
+
+def test_names_are_unique_and_unlinked_by_the_creator_only():
+    a = ShmRing.create(1, 4, 64, role="writer")
+    b = ShmRing.create(1, 4, 64)
+    assert a.name != b.name and a.name.startswith("pagedserve-")
+    r = ShmRing.attach(a.spec, 0)
+    r.close()  # an attached end never unlinks
+    assert os.path.exists(f"/dev/shm/{a.name}")
+    a.send(b"still works")
+    a.close()
+    a.close()
+    del b  # garbage collection unlinks too
+    assert not os.path.exists(f"/dev/shm/{a.name}")
