@@ -1,0 +1,155 @@
+"""Prometheus metrics, one CollectorRegistry per app (so tests can build several apps).
+
+Engine-side figures (running / waiting requests, KV usage, prefix-cache and preemption counters)
+are read from ``engine.stats()`` at scrape time by a custom collector; per-request figures
+(tokens, finish reasons, latencies) are recorded by the routes through ``RequestTracker``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pagedserve:"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class EngineStatsCollector:
+    """Reads the engine's stats at each scrape: gauges now, counters cumulative since start."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self):  # registered without calling collect() (the engine may not be up yet)
+        return []
+
+    def collect(self):
+        try:
+            s = self.engine.stats()
+        except Exception:  # a dead engine must not break /metrics
+            logger.warning("engine.stats() failed; engine metrics omitted", exc_info=True)
+            return
+        labels = ["model_name"]
+        value = [self.model_name]
+        for name, doc, v in (
+            ("num_requests_running", "Requests being computed on the device.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric(value, float(v))
+            yield g
+        for name, doc, v in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions),
+        ):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(value, float(v))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any, model_name: str) -> None:
+        disable_created_metrics()  # the *_created samples only add noise to every scrape
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r = self.registry
+        self.registry.register(EngineStatsCollector(engine, model_name))
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.",
+                                     ["model_name"], registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",
+                                         ["model_name"], registry=r).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                              ["model_name"], buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens.",
+                             ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to "
+                             "last token.", ["model_name"], buckets=LATENCY_BUCKETS,
+                             registry=r).labels(model_name)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to "
+                                    "first scheduling.", ["model_name"], buckets=LATENCY_BUCKETS,
+                                    registry=r).labels(model_name)
+        self._success_children: dict[str, Any] = {}
+
+    def success(self, reason: str) -> None:
+        child = self._success_children.get(reason)
+        if child is None:
+            child = self._success_children[reason] = self._success.labels(self.model_name, reason)
+        child.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Latency bookkeeping for one engine request (one sequence of one prompt)."""
+
+    __slots__ = ("m", "arrival", "first", "last", "num_tokens", "done", "queue_observed")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+        self.arrival = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.num_tokens = 0
+        self.done = False
+        self.queue_observed = False
+
+    def on_output(self, output: Any, num_new_tokens: int) -> None:
+        if not num_new_tokens:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.m.ttft.observe(now - self.arrival)
+            self._observe_queue(output)
+            if num_new_tokens > 1:
+                self._observe_itl(0.0, num_new_tokens - 1)
+        else:
+            self._observe_itl(now - self.last, num_new_tokens)
+        self.last = now
+        self.num_tokens += num_new_tokens
+
+    def _observe_itl(self, gap: float, count: int) -> None:
+        # Several tokens in one delta (a slow consumer) share the gap evenly.
+        share = gap / count
+        for _ in range(count):
+            self.m.itl.observe(share)
+
+    def _observe_queue(self, output: Any) -> None:
+        metrics = getattr(output, "metrics", None)
+        arrival = getattr(metrics, "arrival_time", None)
+        scheduled = getattr(metrics, "first_scheduled_time", None)
+        if arrival is not None and scheduled is not None:
+            self.m.queue_time.observe(max(0.0, scheduled - arrival))
+            self.queue_observed = True
+
+    def finish(self, finish_reason: str | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.m.e2e.observe(time.monotonic() - self.arrival)
+        if not self.queue_observed and self.first is not None:
+            # Without engine timestamps, the best bound on queueing is the time to first token.
+            self.m.queue_time.observe(self.first - self.arrival)
+        if finish_reason in ("stop", "length"):
+            self.m.success(finish_reason)

@@ -1,0 +1,106 @@
+"""`pagedserve serve`: the OpenAI-compatible server (uvicorn + uvloop + httptools).
+
+Shutdown on SIGTERM/SIGINT: uvicorn stops accepting, in-flight requests get up to
+--shutdown-timeout seconds to finish, the rest are cancelled (their engine requests aborted),
+then the engine stops and the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+from app.engine_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger("pagedserve.serve")
+
+DEFAULT_EXECUTOR = "inproc"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name the API answers to (default: the model file or directory name)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDSERVE_API_KEY)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="past this many waiting requests, new ones get 503 + Retry-After")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
+    g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(args, default_executor=DEFAULT_EXECUTOR)
+    uv_config = uvicorn.Config(
+        "app.server:build_app",  # replaced below; uvicorn only needs a placeholder until load()
+        host=args.host, port=args.port, loop="uvloop", http="httptools", lifespan="off",
+        timeout_graceful_shutdown=args.shutdown_timeout, log_level=args.log_level,
+        access_log=args.log_level == "debug",
+    )
+    runner = asyncio.Runner(loop_factory=uv_config.get_loop_factory())
+    with runner:
+        return runner.run(_serve(args, config, uv_config))
+
+
+async def _serve(args: argparse.Namespace, config, uv_config) -> int:
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    from app.server import build_app
+    from engine.async_engine import AsyncEngine
+
+    # In-flight streams must run to completion on shutdown (up to --shutdown-timeout), not be
+    # cut the moment the signal arrives.
+    AppStatus.disable_automatic_graceful_drain()
+
+    engine = AsyncEngine(config)
+    await engine.start()
+    try:
+        app = build_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
+                        max_body_bytes=args.max_body_bytes)
+        uv_config.app = app
+        num_blocks = engine.num_blocks
+        block_size = config.cache.block_size
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets)
+                if self.started:
+                    logger.info("serving %s on http://%s:%d | KV cache %d blocks x %d = %d tokens | "
+                                "max_model_len %d | ready", engine.model_name, args.host, args.port,
+                                num_blocks, block_size, num_blocks * block_size, engine.max_model_len)
+
+        server = Server(uv_config)
+        # uvicorn re-raises the signal it caught once it has shut down; handlers that do nothing
+        # make that harmless so the engine can stop cleanly and the process exit 0.
+        previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            await server.serve()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if not server.started:
+            logger.error("the server did not start (is port %d free?)", args.port)
+            return 1
+        logger.info("HTTP server stopped; stopping the engine")
+    finally:
+        await engine.shutdown()
+    logger.info("shutdown complete")
+    return 0
+
+
+def _ignore(signum, frame) -> None:
+    pass

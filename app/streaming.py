@@ -1,0 +1,107 @@
+"""Server-sent events: OpenAI framing (``data: <json>\\n\\n`` … ``data: [DONE]\\n\\n``) through
+sse-starlette, and the merge of several engine streams (n > 1, several prompts) into one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import orjson
+from sse_starlette.sse import EventSourceResponse
+
+from app.errors import to_api_error
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+PING_INTERVAL_S = 15
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def close_quietly(it: Any) -> None:
+    """Close an engine stream (aborting its request if unfinished), even inside a cancelled scope."""
+    aclose = getattr(it, "aclose", None)
+    if aclose is None:
+        return
+    with anyio.CancelScope(shield=True):
+        try:
+            await aclose()
+        except Exception:  # closing must never mask the real outcome
+            logger.warning("closing an engine stream failed", exc_info=True)
+
+
+_END = object()
+
+
+async def merge_async_iterators(iterators: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Yield ``(i, item)`` from several async iterators as items arrive.
+
+    On any exit (exhausted, error, cancellation, consumer closing us), every iterator is closed,
+    which aborts the engine requests that have not finished.
+    """
+    if len(iterators) == 1:
+        it = iterators[0]
+        try:
+            async for item in it:
+                yield 0, item
+        finally:
+            await close_quietly(it)
+        return
+
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                queue.put_nowait((i, item, None))
+            queue.put_nowait((i, _END, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(iterators)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        with anyio.CancelScope(shield=True):
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for it in iterators:
+            await close_quietly(it)
+
+
+async def sse_body(events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """Frame chunk dicts as SSE; ``[DONE]`` at the end, or an error event if the stream fails."""
+    try:
+        async for payload in events:
+            yield sse_event(payload)
+    except Exception as e:  # noqa: BLE001 - reported to the client in the stream
+        err = to_api_error(e)
+        yield sse_event(err.body())
+        return
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
+                await aclose()
+    yield DONE
+
+
+def sse_response(events: AsyncIterator[Any]) -> EventSourceResponse:
+    return EventSourceResponse(sse_body(events), sep="\n", ping=PING_INTERVAL_S)

@@ -1,0 +1,190 @@
+"""A tokenizer-free stand-in for engine.async_engine.AsyncEngine (same public API).
+
+Tokens are bytes: encode(text) = the UTF-8 bytes, decode(ids) = bytes(ids) decoded. A request
+generates a scripted reply one token (byte) per delta, honouring max_tokens, stop strings,
+logprobs and prompt_logprobs, so routes can be checked exactly without a model.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+import time
+
+
+class FakeTokenizer:
+    vocab_size = 256
+    eos_token_ids = [0]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class Call:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    prompt: str | None
+    priority: int
+
+
+class FakeStream:
+    def __init__(self, engine: "FakeAsyncEngine", call: Call) -> None:
+        self.engine = engine
+        self.call = call
+        self.outputs = engine.script(call)
+        self.pos = 0
+        self.closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.closed or self.pos >= len(self.outputs):
+            raise StopAsyncIteration
+        try:
+            if self.engine.delay:
+                await asyncio.sleep(self.engine.delay)
+            else:
+                await asyncio.sleep(0)
+            if self.engine.fail_after is not None and self.pos >= self.engine.fail_after:
+                raise EngineDeadError("the engine stopped: worker died")
+        except BaseException:
+            await self.aclose()
+            raise
+        out = self.outputs[self.pos]
+        self.pos += 1
+        if out.finished:
+            self.closed = True
+            self.engine.running.discard(self.call.request_id)
+        return out
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.engine.running.discard(self.call.request_id)
+            self.engine.aborted.append(self.call.request_id)
+
+
+class FakeAsyncEngine:
+    def __init__(self, reply: str = "Hello world, this is a fake reply.", max_model_len: int = 128,
+                 model_name: str = "fake-model") -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = FakeTokenizer()
+        self.reply = reply
+        self.calls: list[Call] = []
+        self.aborted: list[str] = []
+        self.running: set[str] = set()
+        self.delay = 0.0
+        self.fail_after: int | None = None
+        self.overloaded = False
+        self.dead = False
+        self.reject: str | None = None
+        self.stats_value = FakeStats()
+        self.chat_calls: list[tuple] = []
+        self.num_blocks = 64
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    async def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False) -> str:
+        self.chat_calls.append((messages, add_generation_prompt, continue_final_message))
+        if any(m["role"] == "tool" for m in messages):
+            raise ValueError("tool messages are not in this template")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if continue_final_message:
+            text = text[:-1]
+        if add_generation_prompt:
+            text += "<assistant>"
+        return text
+
+    def generate(self, prompt_token_ids, params, request_id, prompt=None, priority=0) -> FakeStream:
+        if self.dead:
+            raise EngineDeadError("the engine stopped: test")
+        if self.overloaded:
+            raise EngineOverloadedError("3 requests are already waiting; retry shortly")
+        if self.reject:
+            raise RequestRejectedError(self.reject)
+        assert isinstance(params, SamplingParams)
+        call = Call(list(prompt_token_ids), params, request_id, prompt, priority)
+        self.calls.append(call)
+        self.running.add(request_id)
+        return FakeStream(self, call)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def is_healthy(self) -> bool:
+        return not self.dead
+
+    def stats(self) -> FakeStats:
+        return self.stats_value
+
+    def reply_for(self, call: Call) -> str:
+        """Sample i of a request answers the reply with its index in front (distinct choices)."""
+        index = int(call.request_id.rsplit("-", 1)[1])
+        return (f"[{index}] " if index else "") + self.reply
+
+    def script(self, call: Call) -> list[RequestOutput]:
+        p = call.params
+        ids = list(self.reply_for(call).encode("utf-8"))
+        finish, stop_reason = "stop", None
+        text = bytes(ids).decode("utf-8", errors="replace")
+        for s in p.stop_strings:
+            at = text.find(s)
+            if at >= 0:
+                keep = at + (len(s) if p.include_stop_str_in_output else 0)
+                ids = list(text[:keep].encode("utf-8"))
+                finish, stop_reason = "stop", s
+                break
+        if p.max_tokens is not None and len(ids) > p.max_tokens:
+            ids = ids[: p.max_tokens]
+            finish, stop_reason = "length", None
+        metrics = RequestMetrics(arrival_time=time.monotonic(), first_scheduled_time=time.monotonic())
+        prompt_lps = None
+        if p.prompt_logprobs is not None:
+            prompt_lps = [None] + [{t: Logprob(-1.0, 1)} for t in call.prompt_token_ids[1:]]
+        outs = []
+        for k, tid in enumerate(ids):
+            lps = None
+            if p.logprobs is not None:
+                entry = {tid: Logprob(-0.25, 1)}
+                for j in range(p.logprobs):
+                    alt = 65 + j  # 'A', 'B', ...
+                    if alt != tid:
+                        entry[alt] = Logprob(-2.0 - j, j + 2)
+                lps = [entry]
+            last = k == len(ids) - 1
+            comp = CompletionOutput(0, bytes([tid]).decode("utf-8", errors="replace"), [tid],
+                                    logprobs=lps, finish_reason=finish if last else None,
+                                    stop_reason=stop_reason if last else None)
+            outs.append(RequestOutput(call.request_id, call.prompt, call.prompt_token_ids,
+                                      prompt_lps if k == 0 else None, [comp], last, metrics))
+        if not ids:
+            comp = CompletionOutput(0, "", [], logprobs=[] if p.logprobs is not None else None,
+                                    finish_reason=finish, stop_reason=stop_reason)
+            outs.append(RequestOutput(call.request_id, call.prompt, call.prompt_token_ids,
+                                      prompt_lps, [comp], True, metrics))
+        return outs
