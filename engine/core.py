@@ -1,0 +1,333 @@
+"""EngineCore: requests in, scheduled steps out, step outputs in, RequestOutput deltas out.
+
+Synchronous and single-threaded; AsyncEngine (event loop) and LLM (offline) drive it with
+``schedule()`` → ``executor.execute*`` → ``process()``, or ``step()`` which does all three.
+Never call ``schedule()`` twice without ``process()`` in between.
+
+Stop conditions, checked on every generated token in this order (as vLLM): nothing but the
+length limit stops a sequence before ``min_tokens``; EOS (unless ``ignore_eos``) → "stop",
+stop_reason None; a ``stop_token_ids`` token → "stop", stop_reason = the id; a stop string in
+the text → "stop", stop_reason = the string; ``max_tokens`` / context length / KV cache
+capacity (when max_tokens is None) → "length". The EOS or stop token stays in ``token_ids``
+but its text is not output unless ``include_stop_str_in_output``.
+
+Worker failure: when ``StepOutput.error`` is set, every request with a sequence in that step
+finishes with finish_reason "error" (``RequestOutput.error`` holds the message); the other
+requests go on. Executor exceptions (ExecutorError) propagate from ``step()``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import EngineError, RequestRejectedError
+from engine.kv_blocks import BlockManager
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from engine.request import Request, Sequence, SeqStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledStep, Scheduler
+from gpu.config import EngineConfig
+from gpu.messages import SampledLogprobs, StepOutput
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineCore", "EngineStats", "ScheduledStep"]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int  # unfinished requests with a sequence running
+    num_waiting: int  # unfinished requests with no sequence running
+    kv_cache_usage: float  # fraction of KV blocks held by sequences
+    prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int  # tokens found there (cumulative)
+    num_preemptions: int  # cumulative
+    num_running_seqs: int = 0
+    num_waiting_seqs: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor, tokenizer):
+        if config.model.max_model_len is None:
+            raise EngineError("config.model.max_model_len must be set before building the engine core")
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.max_model_len = int(config.model.max_model_len)
+        self.block_manager = BlockManager(int(executor.num_blocks), config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids: set[int] = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.requests: dict[str, Request] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._seq_ids = itertools.count(1)
+        self._token_text: dict[int, str] = {}  # decoded_token cache for logprobs
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        params = params if params is not None else SamplingParams()
+        if request_id in self.requests:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RequestRejectedError("a request needs a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        self._check_fits(prompt_token_ids, params)
+        num_prompt = len(prompt_token_ids)
+        B = self.block_manager.block_size
+        capacity = self.block_manager.num_usable_blocks * B  # tokens one sequence can hold
+        if params.max_tokens is not None:
+            max_tokens = params.max_tokens
+        else:  # up to the context, or what the whole cache can hold (the last token needs no K/V)
+            max_tokens = min(self.max_model_len, capacity + 1) - num_prompt
+        now = time.monotonic()
+        req = Request(
+            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
+            priority=int(priority),
+            metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now),
+        )
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * num_prompt
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids), request=req, index=i,
+                token_ids=list(prompt_token_ids), num_prompt_tokens=num_prompt,
+                options=params.to_sampling_options(i, sorted(self.eos_token_ids)),
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
+                                             params.include_stop_str_in_output, params.skip_special_tokens),
+                max_tokens=max_tokens,
+            )
+            # Prompt logprobs need every prompt position computed, so no prefix-cache hit.
+            seq.use_prefix_cache = seq.options.prompt_logprobs is None
+            if params.logprobs is not None:
+                seq.logprobs = []
+                seq.cumulative_logprob = 0.0
+            req.seqs.append(seq)
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self._seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+
+    def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestRejectedError("the prompt is empty: give at least one token")
+        if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
+            raise RequestRejectedError("prompt token ids must be integers >= 0")
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            if num_prompt >= limit:
+                raise RequestRejectedError(
+                    f"the prompt has {num_prompt} tokens but the model's context (max_model_len) is "
+                    f"{limit}: leave room for at least one generated token; shorten the prompt")
+        elif num_prompt + params.max_tokens > limit:
+            raise RequestRejectedError(
+                f"the prompt has {num_prompt} tokens and max_tokens is {params.max_tokens}: "
+                f"{num_prompt + params.max_tokens} > the model's context (max_model_len) {limit}; "
+                f"shorten the prompt or lower max_tokens")
+        bm = self.block_manager
+        # K/V is needed for every token but the last generated one.
+        kv_tokens = num_prompt + (params.max_tokens - 1 if params.max_tokens is not None else 0)
+        need = bm.blocks_for(kv_tokens)
+        if need > bm.num_usable_blocks:
+            what = f"the prompt ({num_prompt} tokens)" if params.max_tokens is None else (
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens})")
+            raise RequestRejectedError(
+                f"{what} needs {need} KV blocks of {bm.block_size} tokens but the whole cache has "
+                f"{bm.num_usable_blocks} ({bm.num_usable_blocks * bm.block_size} tokens); "
+                f"shorten the request or give the KV cache more memory")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort in any state and free everything. Returns the final delta
+        (finish_reason "abort"), or None for an unknown or already finished request."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish_seq(seq, "abort")
+        return self._make_output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep | None:
+        step = self.scheduler.schedule()
+        if step is None:
+            return None
+        now = time.monotonic()
+        for seq in step.seqs:
+            m = seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        return step
+
+    def process(self, scheduled: ScheduledStep, step_output: StepOutput) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        if step_output.error is not None:
+            logger.error("step %d failed on the worker: %s", scheduled.step_input.step_id, step_output.error)
+            for seq in scheduled.seqs:
+                req = seq.request
+                if req.request_id not in self.requests:
+                    continue
+                req.error = step_output.error
+                for s in req.seqs:
+                    if not s.is_finished:
+                        self._finish_seq(s, "error")
+                touched[req.request_id] = req
+            return [out for req in touched.values() if (out := self._make_output(req)) is not None]
+
+        self.scheduler.step_done(scheduled)
+        if step_output.prompt_logprobs:
+            for pl in step_output.prompt_logprobs:
+                seq = self._seqs.get(pl.seq_id)
+                if seq is None or seq.is_finished or seq.request.prompt_logprobs is None:
+                    continue
+                req = seq.request
+                for j, entry in enumerate(pl.entries):
+                    pos = pl.first_position + j
+                    if 0 < pos < len(req.prompt_token_ids):
+                        req.prompt_logprobs[pos] = self._logprob_entry(req.prompt_token_ids[pos], entry)
+        now = time.monotonic()
+        logprobs = step_output.logprobs
+        for i, (seq_id, token_id) in enumerate(zip(step_output.seq_ids, step_output.token_ids)):
+            seq = self._seqs.get(seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue  # aborted while the step ran
+            lp = logprobs[i] if logprobs is not None else None
+            self._append_token(seq, token_id, lp)
+            req = seq.request
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            touched[req.request_id] = req
+        return [out for req in touched.values() if (out := self._make_output(req)) is not None]
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.schedule()
+        if scheduled is None:
+            return []
+        return self.process(scheduled, self.executor.execute(scheduled.step_input))
+
+    def stats(self) -> EngineStats:
+        running = sum(1 for r in self.requests.values() if any(s.status is SeqStatus.RUNNING for s in r.seqs))
+        bm = self.block_manager
+        return EngineStats(
+            num_running=running,
+            num_waiting=len(self.requests) - running,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_running_seqs=len(self.scheduler.running),
+            num_waiting_seqs=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_usable_blocks,
+        )
+
+    # ---- per token --------------------------------------------------------------------------
+
+    def _append_token(self, seq: Sequence, token_id: int, lp: SampledLogprobs | None) -> None:
+        seq.token_ids.append(token_id)
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(self._logprob_entry(token_id, lp))
+            seq.cumulative_logprob += lp.logprob
+        params = seq.request.params
+        n_out = seq.num_output_tokens
+        past_min = n_out >= params.min_tokens
+        finish: str | None = None
+        stop_reason: int | str | None = None
+        if past_min and not params.ignore_eos and token_id in self.eos_token_ids:
+            finish = "stop"
+        elif past_min and token_id in params.stop_token_ids:
+            finish, stop_reason = "stop", token_id
+        if finish is None or params.include_stop_str_in_output:
+            matched = seq.detok.add_token(token_id, check_stop=past_min and finish is None)
+            if matched is not None:
+                finish, stop_reason = "stop", matched
+        if finish is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            self._finish_seq(seq, finish, stop_reason)
+
+    def _finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if not seq.detok.stopped:
+            seq.detok.flush()
+        self.scheduler.finish(seq)
+        del self._seqs[seq.seq_id]
+        req = seq.request
+        if req.all_finished:
+            req.finished = True
+            req.metrics.finished_time = time.monotonic()
+            self.requests.pop(req.request_id, None)
+
+    def _decoded(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text) < 1_000_000:
+                self._token_text[token_id] = text
+        return text
+
+    def _logprob_entry(self, token_id: int, lp: SampledLogprobs) -> TokenLogprobs:
+        entry: TokenLogprobs = {}
+        rank = None
+        for r, (tid, logprob) in enumerate(lp.top, start=1):
+            entry[tid] = Logprob(logprob, r, self._decoded(tid))
+            if tid == token_id:
+                rank = r
+        entry[token_id] = Logprob(lp.logprob, rank, self._decoded(token_id))
+        return entry
+
+    # ---- outputs ----------------------------------------------------------------------------
+
+    def _make_output(self, req: Request) -> RequestOutput | None:
+        outs: list[CompletionOutput] = []
+        for seq in req.seqs:
+            n_out = seq.num_output_tokens
+            finishing = seq.is_finished and not seq.finish_sent
+            if n_out == seq.num_sent_tokens and not finishing:
+                continue
+            new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
+            outs.append(CompletionOutput(
+                index=seq.index,
+                text=seq.detok.take_delta(),
+                token_ids=new_ids,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs[seq.num_sent_tokens:] if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            ))
+            seq.num_sent_tokens = n_out
+            if seq.is_finished:
+                seq.finish_sent = True
+        if not outs:
+            return None
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_logprobs = list(req.prompt_logprobs)
+            req.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=outs,
+            finished=req.finished,
+            metrics=req.metrics,
+            num_cached_tokens=req.num_cached_tokens,
+            error=req.error,
+        )

@@ -1,0 +1,30 @@
+"""Typed errors of the engine. Errors a user can cause subclass ValueError (HTTP 400)."""
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """The engine cannot go on with a request (a worker failure, a broken invariant)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped; nothing in flight can finish (HTTP 503)."""
+
+
+class EngineOverloadedError(EngineError):
+    """Too many requests are waiting; the client should retry later (HTTP 503 + Retry-After)."""
+
+    def __init__(self, message: str = "the engine is overloaded; retry shortly", retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never run (too long for the context or the KV cache, bad ids)."""
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range. ``param`` names the field (for the HTTP layer)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,225 @@
+"""KV block manager: paging of the KV cache, ref counts and automatic prefix caching.
+
+The cache has ``num_blocks`` blocks of ``block_size`` token slots. Block 0 is the NULL BLOCK:
+never handed out, so the worker may pad block tables with 0 and point padding slots at it
+without clobbering real data. Token t of a sequence lives in slot
+``table[t // block_size] * block_size + t % block_size``.
+
+Free blocks sit in one LRU (an OrderedDict, O(1) pop/append/remove). A freed block that holds a
+registered prefix hash goes to the back (most recently used) and stays reusable until it reaches
+the front and is reallocated (evicted); a freed block without a hash goes to the front, so it is
+reused before any cached one. A sequence's blocks are freed tail first, so the end of a prefix
+is evicted before its beginning.
+
+Prefix caching: a FULL block is identified by ``hash((parent_hash, tuple(its token ids)))``,
+chained from the first block. A block is registered only after the step that computed its K/V
+came back (``register_computed``), so a hit always points at data that is really in the cache,
+even if its owner was preempted or aborted in the meantime. A lookup never covers the last
+token of a sequence: that token must be computed to produce logits.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+
+NULL_BLOCK = 0
+
+
+class SequenceLike(Protocol):
+    seq_id: int
+    token_ids: list[int]
+    block_hashes: list[int]
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks[NULL_BLOCK].ref_count = 1  # pinned forever
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.tables: dict[int, list[int]] = {}  # seq id -> block table
+        self._num_registered: dict[int, int] = {}  # seq id -> leading blocks already registered
+        self.prefix_cache_queries = 0  # tokens looked up (cumulative)
+        self.prefix_cache_hits = 0  # tokens found (cumulative)
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by sequences (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_usable_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def table(self, seq_id: int) -> list[int]:
+        return self.tables[seq_id]
+
+    # ---- prefix cache -----------------------------------------------------------------------
+
+    def _extend_hashes(self, seq: SequenceLike, num_full_blocks: int) -> list[int]:
+        """Chained hashes of the first ``num_full_blocks`` blocks (memoised on the sequence)."""
+        hashes = seq.block_hashes
+        B = self.block_size
+        tokens = seq.token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[i * B:(i + 1) * B])))
+        return hashes
+
+    def find_cached_prefix(self, seq: SequenceLike) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq`` (never covering its last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        hashes = self._extend_hashes(seq, max_blocks)
+        hit: list[int] = []
+        for i in range(max_blocks):
+            block_id = self._cached.get(hashes[i])
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def register_computed(self, seq: SequenceLike, num_computed_tokens: int) -> None:
+        """Publish the full blocks among the first ``num_computed_tokens`` (their K/V is written)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return
+        start = self._num_registered[seq.seq_id]
+        end = min(num_computed_tokens // self.block_size, len(table))
+        if end <= start:
+            return
+        hashes = self._extend_hashes(seq, end)
+        for i in range(start, end):
+            block = self.blocks[table[i]]
+            h = hashes[i]
+            if block.block_hash is None and h not in self._cached:
+                block.block_hash = h
+                self._cached[h] = block.block_id
+            # else: the block is already registered (a hit) or another block holds the same
+            # content; this one stays anonymous and is recycled first when freed.
+        self._num_registered[seq.seq_id] = end
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its cached content
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def can_allocate_new(self, cached: list[int], num_tokens: int) -> bool:
+        need = max(0, self.blocks_for(num_tokens) - len(cached))
+        pinned_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return need <= len(self._free) - pinned_free
+
+    def allocate_new(self, seq: SequenceLike, cached: list[int], num_tokens: int) -> list[int] | None:
+        """Give a sequence without a table the cached prefix blocks ``cached`` plus fresh blocks
+        for ``num_tokens`` tokens in all. Returns the table, or None (nothing changed) if the
+        free blocks do not suffice."""
+        if seq.seq_id in self.tables:
+            raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
+        if not self.can_allocate_new(cached, num_tokens):
+            return None
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        need = max(0, self.blocks_for(num_tokens) - len(cached))
+        table = list(cached) + [self._pop_free() for _ in range(need)]
+        self.tables[seq.seq_id] = table
+        self._num_registered[seq.seq_id] = len(cached)
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(seq.token_ids)
+            self.prefix_cache_hits += len(cached) * self.block_size
+        return table
+
+    def append_slots(self, seq_id: int, num_tokens: int) -> list[int] | None:
+        """Grow a table to hold ``num_tokens`` tokens; returns the new block ids, or None
+        (nothing changed) when the free blocks do not suffice."""
+        table = self.tables[seq_id]
+        need = self.blocks_for(num_tokens) - len(table)
+        if need <= 0:
+            return []
+        if need > len(self._free):
+            return None
+        new = [self._pop_free() for _ in range(need)]
+        table.extend(new)
+        return new
+
+    def free(self, seq_id: int) -> None:
+        """Drop a sequence's table; blocks nobody else holds return to the free LRU."""
+        table = self.tables.pop(seq_id, None)
+        self._num_registered.pop(seq_id, None)
+        if table is None:
+            return
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+
+    # ---- checks (tests, debugging) ----------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent."""
+        refs = [0] * self.num_blocks
+        refs[NULL_BLOCK] = 1
+        for seq_id, table in self.tables.items():
+            assert NULL_BLOCK not in table, f"seq {seq_id} holds the null block"
+            assert len(set(table)) == len(table), f"seq {seq_id} holds a block twice: {table}"
+            for b in table:
+                refs[b] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count} but held by {refs[block.block_id]} tables")
+            in_free = block.block_id in self._free
+            assert in_free == (block.ref_count == 0), f"block {block.block_id} free-list membership is wrong"
+        assert len(self._free) + sum(1 for b in self.blocks[1:] if b.ref_count > 0) == self.num_usable_blocks
+        for h, block_id in self._cached.items():
+            assert self.blocks[block_id].block_hash == h, f"cache entry {h} points at block {block_id}"
+        for block in self.blocks:
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) == block.block_id

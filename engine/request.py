@@ -1,0 +1,94 @@
+"""Requests and their sequences, as the engine tracks them.
+
+A request with ``n`` > 1 owns n sequences; each is scheduled on its own (its own seq id, block
+table and worker state) and they share the prompt's full blocks through the prefix cache.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestMetrics, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from gpu.messages import SamplingOptions
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request: "Request"
+    index: int  # position among the request's n sequences
+    token_ids: list[int]  # prompt + generated, exactly as the worker holds them
+    num_prompt_tokens: int
+    options: SamplingOptions
+    detok: IncrementalDetokenizer
+    max_tokens: int  # effective limit of generated tokens (context and cache included)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V is (or, once this step runs, will be) cached
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full blocks
+    on_worker: bool = False  # the worker holds state for this seq id
+    use_prefix_cache: bool = True
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    num_sent_tokens: int = 0  # generated tokens already reported in a delta
+    finish_sent: bool = False
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.metrics.arrival_time
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request.request_id!r}, {self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    # None unless asked; index 0 stays None, index p holds position p's entry once computed.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+    prefill_done: bool = False  # some sequence computed the whole prompt (siblings may now hit it)
+    num_cached_tokens: int = 0
+    finished: bool = False
+    error: str | None = None
+
+    @property
+    def all_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,180 @@
+"""Test doubles for the engine: a byte-level tokenizer and an executor that mirrors the worker.
+
+FakeExecutor keeps the worker's per-sequence state exactly as gpu/messages.py describes, writes
+(token, position) into a fake paged KV cache at ``table[t // B] * B + t % B`` and, before a
+sequence samples, checks that its whole context is in the cache at the right slots (so a wrong
+prefix-cache hit, a lost block or a bad preemption shows up as an assertion).
+"""
+from __future__ import annotations
+
+from gpu.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from gpu.messages import SampledLogprobs, StepInput, StepOutput
+
+PAD, BOS, EOS = 0, 1, 2
+BYTE0 = 3  # ids 3..258 are the bytes 0..255
+WORDS = [" hello", " world", "STOP", "ab", "é", "!", " the", "\n"]
+WORD0 = BYTE0 + 256
+VOCAB = WORD0 + len(WORDS)
+
+
+class FakeTokenizer:
+    eos_token_ids = [EOS]
+    bos_token_id = BOS
+    all_special_ids = {PAD, BOS, EOS}
+    vocab_size = VOCAB
+    _special_text = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
+
+    def token_bytes(self, tid: int, skip_special_tokens: bool = True) -> bytes:
+        if tid in self._special_text:
+            return b"" if skip_special_tokens else self._special_text[tid].encode()
+        if BYTE0 <= tid < WORD0:
+            return bytes([tid - BYTE0])
+        return WORDS[tid - WORD0].encode()
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decode_calls = getattr(self, "decode_calls", 0) + 1
+        return b"".join(self.token_bytes(t, skip_special_tokens) for t in ids).decode("utf-8", errors="replace")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([BOS] if add_special_tokens else []) + [BYTE0 + b for b in text.encode()]
+
+    def word(self, w: str) -> int:
+        return WORD0 + WORDS.index(w)
+
+    def byte_ids(self, s: str) -> list[int]:
+        return [BYTE0 + b for b in s.encode()]
+
+
+def default_next_token(tokens: list[int], options, num_prompt: int) -> int:
+    """Deterministic 'model': a function of the sequence's tokens (and seed when sampling)."""
+    key = tuple(tokens) if options.temperature == 0 else (options.seed, tuple(tokens))
+    return BYTE0 + 32 + hash(key) % 90  # printable ASCII, never EOS
+
+
+class _WorkerSeq:
+    __slots__ = ("token_ids", "num_prompt", "computed", "table", "options")
+
+    def __init__(self, ns):
+        self.token_ids = list(ns.token_ids)
+        self.num_prompt = ns.num_prompt_tokens
+        self.computed = ns.num_computed_tokens
+        self.table = list(ns.block_ids)
+        self.options = ns.sampling
+
+
+class FakeExecutor:
+    def __init__(self, num_blocks: int, block_size: int, next_token=default_next_token):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.next_token = next_token
+        self.seqs: dict[int, _WorkerSeq] = {}
+        self.kv: dict[int, tuple[int, int]] = {}  # slot -> (token id, position)
+        self.steps: list[StepInput] = []
+        self.error: str | None = None  # set to make the next step fail
+
+    def slot(self, s: _WorkerSeq, t: int) -> int:
+        B = self.block_size
+        block = s.table[t // B]
+        assert block != 0, "a token was placed in the null block"
+        return block * B + t % B
+
+    def execute(self, step: StepInput) -> StepOutput:
+        self.steps.append(step)
+        for sid in step.finished_seq_ids:
+            assert sid in self.seqs, f"finished id {sid} unknown to the worker"
+            del self.seqs[sid]
+        for ns in step.new_seqs:
+            assert ns.seq_id not in self.seqs, f"seq {ns.seq_id} registered twice"
+            s = _WorkerSeq(ns)
+            assert s.computed < len(s.token_ids)
+            for t in range(s.computed):  # a prefix-cache hit must point at the right K/V
+                assert self.kv.get(self.slot(s, t)) == (s.token_ids[t], t), f"bad cached prefix at {t}"
+            self.seqs[ns.seq_id] = s
+        assert len(step.seq_ids) == len(step.num_new_tokens) == len(step.new_block_ids)
+        assert len(set(step.seq_ids)) == len(step.seq_ids)
+        decode_flags = [n == 1 for n in step.num_new_tokens]
+        assert decode_flags == sorted(decode_flags, reverse=True), "decodes must come first"
+        if self.error is not None:
+            err, self.error = self.error, None
+            return StepOutput(step.step_id, [], [], error=err)
+        owners: dict[int, int] = {}
+        for sid, s in self.seqs.items():
+            for b in s.table:
+                owners[b] = owners.get(b, 0) + 1
+        for sid, new_blocks in zip(step.seq_ids, step.new_block_ids):
+            for b in new_blocks:
+                owners[b] = owners.get(b, 0) + 1
+        out_ids, out_tokens, out_lps = [], [], []
+        any_lp = False
+        for sid, n, new_blocks in zip(step.seq_ids, step.num_new_tokens, step.new_block_ids):
+            s = self.seqs[sid]
+            s.table.extend(new_blocks)
+            assert n >= 1 and s.computed + n <= len(s.token_ids), (sid, n, s.computed, len(s.token_ids))
+            assert len(s.table) * self.block_size >= s.computed + n, "block table too short"
+            for t in range(s.computed, s.computed + n):
+                block = s.table[t // self.block_size]
+                assert owners[block] == 1, f"write into block {block} shared by {owners[block]} seqs"
+                self.kv[self.slot(s, t)] = (s.token_ids[t], t)
+            s.computed += n
+            if s.computed == len(s.token_ids):
+                for t in range(len(s.token_ids)):
+                    assert self.kv.get(self.slot(s, t)) == (s.token_ids[t], t), f"seq {sid}: bad K/V at {t}"
+                tok = self.next_token(s.token_ids, s.options, s.num_prompt)
+                generated = len(s.token_ids) - s.num_prompt
+                if generated < s.options.min_tokens and tok in s.options.min_tokens_blocked_ids:
+                    tok = BYTE0 + ord("x")
+                s.token_ids.append(tok)
+                out_ids.append(sid)
+                out_tokens.append(tok)
+                if s.options.logprobs is not None:
+                    any_lp = True
+                    top = [(tok, -0.25), (BYTE0 + ord("y"), -1.5)][: s.options.logprobs]
+                    out_lps.append(SampledLogprobs(-0.25, top))
+                else:
+                    out_lps.append(None)
+        return StepOutput(step.step_id, out_ids, out_tokens, logprobs=out_lps if any_lp else None)
+
+    async def execute_async(self, step):
+        return self.execute(step)
+
+    def shutdown(self):
+        pass
+
+    def check_health(self):
+        pass
+
+
+def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
+                max_num_seqs: int = 16, max_model_len: int = 256, policy: str = "fcfs",
+                prefix_caching: bool = True) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  policy=policy),
+    )
+
+
+def make_core(next_token=default_next_token, **kw):
+    from engine.core import EngineCore
+
+    config = make_config(**kw)
+    executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size, next_token)
+    return EngineCore(config, executor, FakeTokenizer()), executor
+
+
+def run_to_completion(core, max_steps: int = 10_000, check=None) -> dict:
+    """Step until idle; returns request id -> merged RequestOutput."""
+    from engine.outputs import merge_delta
+
+    results = {}
+    for _ in range(max_steps):
+        if not core.has_unfinished():
+            break
+        for d in core.step():
+            results[d.request_id] = d if d.request_id not in results else merge_delta(results[d.request_id], d)
+        if check is not None:
+            check(core)
+    else:
+        raise AssertionError("the engine did not finish")
+    return results
