@@ -262,16 +262,17 @@ def prefix_requests(
     """Many requests sharing one long prefix (a system prompt for chat), each with its own suffix."""
     rng = random.Random(seed)
     pool = _token_pool(tokenizer)
-    prefix, prefix_n = make_prompt(tokenizer, pool, prefix_len, rng)
+    prefix, _ = make_prompt(tokenizer, pool, prefix_len, rng)
     out = []
     for _ in range(num_prompts):
         target = _sample_len(input_len, range_ratio, rng)
-        text, n = make_prompt(tokenizer, pool, target, rng)
-        # A separator keeps the suffix from merging with the prefix's last token.
+        text, _ = make_prompt(tokenizer, pool, target, rng)
+        # A separator keeps the suffix from merging with the prefix's last token; the length
+        # is what the tokenizer sees for the whole completion prompt.
         out.append(
             SampleRequest(
                 prompt="\n" + text,
-                prompt_len=prefix_n + n + 1,
+                prompt_len=len(tokenizer.encode(prefix + "\n" + text)),
                 output_len=_sample_len(output_len, range_ratio, rng),
                 system_prompt=prefix,
             )
