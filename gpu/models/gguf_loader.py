@@ -1,0 +1,82 @@
+"""GGUF tensors as (Hugging Face name, float32 tensor) pairs, one at a time.
+
+Quantized tensors are dequantized by the ``gguf`` package. llama.cpp's converter permutes the
+rows of attn_q / attn_k (and their biases) for its rotary layout on Llama-architecture files;
+that is undone here so the weights match the Hugging Face (neox) layout our rotary uses.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from gpu.models.errors import ModelLoadError
+
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Architectures whose converter permuted q/k rows.
+_PERMUTED_ARCHS = {"llama", "mistral"}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _TOP:
+        return _TOP[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK:
+        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (per head: interleaved pairs -> two halves)."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def iter_gguf_weights(path: str, hf_config: dict, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass ``reader`` (a gguf.GGUFReader of ``path``) to skip parsing the file a second time."""
+    from gguf.quants import dequantize
+
+    if reader is None:
+        from gpu.models.hf_config import open_gguf
+
+        reader = open_gguf(path)
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else "llama"
+    heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
+    for t in reader.tensors:
+        hf_name = gguf_to_hf_name(t.name)
+        if hf_name is None:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} has no counterpart in the model")
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{path}: tensor {t.name!r}: cannot dequantize {t.tensor_type.name}: {e}") from None
+        # GGUF lists dims fastest-first; the array comes out as (rows, cols).
+        w = np.asarray(w, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        proj = hf_name.rsplit(".", 2)[-2]
+        if arch in _PERMUTED_ARCHS and proj in heads:
+            w = unpermute_rows(w, heads[proj])
+        if not w.flags.writeable:  # F32 tensors come straight from the read-only memory map
+            w = w.copy()
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(w))

@@ -1,0 +1,149 @@
+"""The Llama family in one class: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm). Differences are config switches, not subclasses.
+
+Parameter names follow Hugging Face's (``model.layers.N.self_attn...``) except where projections
+are fused: q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu.models.attention import Attention
+from gpu.models.errors import ModelLoadError
+from gpu.models.layers import (GatedMLP, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
+                               VocabParallelEmbedding)
+from gpu.models.rotary import RotaryEmbedding, rope_params_from_config
+
+_STACKED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _cfg(cfg: dict, *names, default=None):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    if default is None:
+        raise ModelLoadError(f"model config lacks {names[0]!r}")
+    return default
+
+
+class LlamaAttentionBlock(nn.Module):
+    def __init__(self, cfg: dict, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 rotary_emb: RotaryEmbedding):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        num_heads = cfg["num_attention_heads"]
+        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
+        self.rotary_emb = rotary_emb  # one table shared by every layer
+        eps = float(_cfg(cfg, "rms_norm_eps", default=1e-6))
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 rotary_emb: RotaryEmbedding):
+        super().__init__()
+        eps = float(_cfg(cfg, "rms_norm_eps", default=1e-6))
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.self_attn = LlamaAttentionBlock(cfg, layer_idx, qkv_bias, o_bias, qk_norm, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], bias=bool(cfg.get("mlp_bias")))
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        theta, scaling = rope_params_from_config(cfg)
+        partial = float(cfg.get("partial_rotary_factor") or 1.0)
+        rotary = RotaryEmbedding(head_dim, int(head_dim * partial),
+                                 int(_cfg(cfg, "max_position_embeddings", default=2048)), theta, scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary)
+                                    for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], float(_cfg(cfg, "rms_norm_eps", default=1e-6)))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # Per-architecture switches: (q/k/v bias, o_proj bias, per-head q/k norm); None = the
+    # config's attention_bias.
+    VARIANTS = {
+        "LlamaForCausalLM": (None, None, False),
+        "MistralForCausalLM": (False, False, False),
+        "Qwen2ForCausalLM": (True, False, False),
+        "Qwen3ForCausalLM": (None, None, True),
+    }
+
+    def __init__(self, cfg: dict, architecture: str = "LlamaForCausalLM"):
+        super().__init__()
+        self.config = cfg
+        qkv_bias, o_bias, qk_norm = self.VARIANTS.get(architecture, (None, None, False))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        qkv_bias = attention_bias if qkv_bias is None else qkv_bias
+        o_bias = attention_bias if o_bias is None else o_bias
+        self.model = LlamaModel(cfg, qkv_bias, o_bias, qk_norm)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+        first = self.model.layers[0].self_attn
+        self.num_layers = len(self.model.layers)
+        self.num_kv_heads = first.num_kv_heads
+        self.head_dim = first.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def map_weight_name(self, name: str):
+        if "rotary_emb.inv_freq" in name or name.endswith((".cos_cached", ".sin_cached")):
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None  # the tied embedding is loaded under its own name
+        parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
+        if len(parts) == 3 and parts[1] in _STACKED:
+            fused, shard = _STACKED[parts[1]]
+            return [(f"{parts[0]}.{fused}.{parts[2]}", shard, None)]
+        return [(name, None, None)]

@@ -1,0 +1,30 @@
+"""From the HF ``architectures`` name to our model class (imported lazily)."""
+from __future__ import annotations
+
+import importlib
+
+from gpu.models.errors import UnsupportedArchitectureError
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
+    "GPT2LMHeadModel": ("gpu.models.gpt2", "GPT2LMHeadModel"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_architecture(hf_config: dict) -> tuple[type, str]:
+    """(model class, the architecture name it was picked for) or UnsupportedArchitectureError."""
+    archs = hf_config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    for arch in archs:
+        if arch in _MODELS:
+            module, cls = _MODELS[arch]
+            return getattr(importlib.import_module(module), cls), arch
+    raise UnsupportedArchitectureError(archs or None, supported_architectures())

@@ -1,0 +1,87 @@
+"""Rotary position embedding, neox layout (the halves of each head rotate together) as HF Llama uses.
+
+cos/sin are precomputed in float32 for every position up to max_position and gathered by the
+flat ``positions`` tensor, so one call covers a whole mixed batch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gpu.models.errors import ModelLoadError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_params_from_config(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) from either the old rope_theta/rope_scaling keys or the
+    transformers-5 ``rope_parameters`` dict."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    scaling = cfg.get("rope_scaling") or None
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None:
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type == "default":
+            return theta, None
+        scaling = dict(scaling, rope_type=rope_type)
+    return theta, scaling
+
+
+def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    raise ModelLoadError(
+        f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, theta: float,
+                 scaling: dict | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        inv_freq = compute_inv_freq(rotary_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, rotary_dim / 2]
+        # [P, rotary_dim]: cos half then sin half.
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+                             persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, H, D]; cos/sin [T, 1, rotary_dim / 2]
+        rd = self.rotary_dim
+        half = rd // 2
+        x1, x2 = x[..., :half], x[..., half:rd]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if rd == self.head_dim:
+            return rotated
+        return torch.cat((rotated, x[..., rd:]), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D] -> rotated (same shapes and dtype)."""
+        cs = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
+        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,59 @@
+"""Per-tensor weight loading into a built model, with bookkeeping of what is still missing.
+
+A model maps each checkpoint tensor name to (parameter name, shard id) through
+``map_weight_name``; a name mapping to None is ignored (e.g. rotary buffers). The parameter's
+own ``weight_loader`` cuts and copies. ``missing()`` lists parameters (or fused parts) that never
+arrived, so a truncated checkpoint fails loudly instead of running on uninitialised memory.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+from gpu.models.errors import ModelLoadError
+
+
+class WeightTracker:
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.loaded: dict[str, set] = defaultdict(set)
+
+    def load(self, name: str, tensor: torch.Tensor, source: str = "checkpoint") -> None:
+        mapped = self.model.map_weight_name(name)
+        if mapped is None:
+            return
+        for param_name, shard_id, part in mapped:
+            param = self.params.get(param_name)
+            if param is None:
+                raise ModelLoadError(f"{source}: tensor {name!r} has no matching parameter "
+                                     f"({param_name!r}) in {type(self.model).__name__}")
+            piece = tensor if part is None else part(tensor)
+            try:
+                param.weight_loader(param, piece, shard_id)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"{source}: tensor {name!r} -> {param_name}: {e}") from None
+            self.loaded[param_name].add(shard_id)
+
+    def load_all(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        for name, tensor in weights:
+            self.load(name, tensor, source)
+
+    def missing(self) -> list[str]:
+        out = []
+        for name, param in self.params.items():
+            want = set(param.shard_ids) if getattr(param, "shard_ids", None) else {None}
+            got = self.loaded.get(name, set())
+            if None in got:  # loaded whole
+                continue
+            for shard in sorted(want - got, key=str):
+                out.append(name if shard is None else f"{name} (part {shard})")
+        return out
+
+    def check_complete(self, source: str) -> None:
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ModelLoadError(f"{source}: missing tensor(s) for {shown}")
