@@ -197,6 +197,10 @@ class OpenAIServer:
         async for k, out in merge_async_iterators(streams):
             c = choices[k]
             comp = out.outputs[0]
+            if comp.finish_reason == "error":
+                c.tracker.finish("error")
+                raise APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
+                               "server_error", None, "engine_error")
             new_ids = list(comp.token_ids)
             if not c.started:
                 c.started = True

@@ -170,8 +170,9 @@ class FakeAsyncEngine:
         for k, tid in enumerate(ids):
             lps = None
             if p.logprobs is not None:
+                # the sampled token ranks first; the top-N set is it plus N - 1 alternatives
                 entry = {tid: Logprob(-0.25, 1)}
-                for j in range(p.logprobs):
+                for j in range(p.logprobs - 1):
                     alt = 65 + j  # 'A', 'B', ...
                     if alt != tid:
                         entry[alt] = Logprob(-2.0 - j, j + 2)
