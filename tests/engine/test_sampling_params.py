@@ -1,0 +1,67 @@
+import pytest
+
+from engine.errors import SamplingParamsError
+from engine.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, param, fragment", [
+    ({"n": 0}, "n", "[1, 128]"),
+    ({"temperature": -0.1}, "temperature", ">= 0"),
+    ({"temperature": float("nan")}, "temperature", "finite"),
+    ({"top_p": 0.0}, "top_p", "(0, 1]"),
+    ({"top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"top_k": -2}, "top_k", "-1 or 0"),
+    ({"min_p": 1.1}, "min_p", "[0, 1]"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
+    ({"logit_bias": {5: 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "integers"),
+    ({"seed": -1}, "seed", "[0, 2**63 - 1]"),
+    ({"stop": ""}, "stop", "non-empty"),
+    ({"stop": 5}, "stop", "string"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
+    ({"max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"min_tokens": -1}, "min_tokens", ">= 0"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", "<= max_tokens (4)"),
+    ({"logprobs": 21}, "logprobs", "[0, 20]"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
+    ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
+    ({"n": True}, "n", "integer"),
+])
+def test_validation_names_field_and_range(kwargs, param, fragment):
+    with pytest.raises(SamplingParamsError) as ei:
+        SamplingParams(**kwargs)
+    assert ei.value.param == param
+    assert param in str(ei.value) and fragment in str(ei.value)
+    assert isinstance(ei.value, ValueError)
+
+
+def test_normalisation():
+    p = SamplingParams(top_k=-1, stop="END", logit_bias={"7": 5}, stop_token_ids=(9, 10), max_tokens=None)
+    assert p.top_k == 0
+    assert p.stop == ["END"] and p.stop_strings == ["END"]
+    assert p.logit_bias == {7: 5.0}
+    assert p.stop_token_ids == [9, 10]
+    assert p.max_tokens is None
+    assert SamplingParams(stop=["a", "a", "b"]).stop_strings == ["a", "b"]
+    assert SamplingParams(temperature=0).greedy
+
+
+def test_to_sampling_options_seed_and_blocked_ids():
+    p = SamplingParams(seed=41, min_tokens=3, stop_token_ids=[9], temperature=0.7, top_k=5, logprobs=2,
+                       prompt_logprobs=1, logit_bias={4: -100})
+    o0, o2 = p.to_sampling_options(0, [2]), p.to_sampling_options(2, [2])
+    assert (o0.seed, o2.seed) == (41, 43)
+    assert o0.min_tokens_blocked_ids == (2, 9)
+    assert o0.min_tokens == 3 and o0.top_k == 5 and o0.temperature == 0.7 and o0.logprobs == 2
+    assert o0.logit_bias == {4: -100.0}
+    assert o0.prompt_logprobs == 1 and o2.prompt_logprobs is None  # only the first sequence
+    ign = SamplingParams(ignore_eos=True, min_tokens=2, stop_token_ids=[9]).to_sampling_options(0, [2])
+    assert ign.min_tokens_blocked_ids == (9,)  # stop tokens stay blocked until min_tokens
+    assert SamplingParams(stop_token_ids=[9]).to_sampling_options(0, [2]).min_tokens_blocked_ids == ()
+    # unseeded: a random 63-bit seed per sequence
+    seeds = {SamplingParams().to_sampling_options(i, []).seed for i in range(20)}
+    assert len(seeds) == 20 and all(0 <= s < 2**63 for s in seeds)
+    # seed wraps instead of overflowing 63 bits
+    assert SamplingParams(seed=2**63 - 1).to_sampling_options(1).seed == 0
