@@ -159,20 +159,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class MockServer:
-    """Runs the mock app with uvicorn in a background thread on 127.0.0.1."""
+class AppServer:
+    """Runs an ASGI app with uvicorn in a background thread on 127.0.0.1 (a free port)."""
 
-    def __init__(self, mode: str = "ok", **kwargs):
-        self.state = MockState(mode=mode, **kwargs)
+    def __init__(self, app):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            create_app(self.state), host="127.0.0.1", port=self.port, log_level="critical", lifespan="off"
-        )
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
-    def __enter__(self) -> "MockServer":
+    def __enter__(self):
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self._server.started:
@@ -184,6 +181,14 @@ class MockServer:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+class MockServer(AppServer):
+    """The mock OpenAI app served on 127.0.0.1; `state` shows what it answered."""
+
+    def __init__(self, mode: str = "ok", **kwargs):
+        self.state = MockState(mode=mode, **kwargs)
+        super().__init__(create_app(self.state))
 
 
 if __name__ == "__main__":

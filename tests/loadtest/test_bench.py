@@ -178,3 +178,29 @@ def test_compute_metrics_by_hand():
     assert m["mean_tpot_ms"] == pytest.approx(100)  # (1.0/10 and 0.4/4) s per token
     assert m["median_itl_ms"] == pytest.approx(100) and math.isclose(m["std_itl_ms"], 0, abs_tol=1e-9)
     assert m["good_requests"] == 1 and m["request_goodput"] == 0.5
+
+
+def test_against_pagedserve_app_with_fake_engine():
+    """Our own HTTP layer (app.server) over the app tests' fake engine: SSE format, usage,
+    /tokenize, auth all understood by bench.py."""
+    from app.server import build_app
+    from tests.app.fake_engine import FakeAsyncEngine
+    from tests.loadtest.mock_server import AppServer
+
+    app = build_app(FakeAsyncEngine(max_model_len=512), served_model_name="fake-model", api_key="sekrit")
+    with AppServer(app) as srv:
+        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+            result = run_benchmark(dict(base_url=srv.base_url, endpoint=endpoint, api_key="sekrit",
+                                        num_prompts=6, max_concurrency=3, random_input_len=40,
+                                        random_output_len=8, ignore_eos=True, disable_tqdm=True))
+            m = result["metrics"]
+            assert (m["completed"], m["failed"]) == (6, 0), m["errors"]
+            assert result["config"]["model"] == "fake-model"
+            assert result["tokenizer"].startswith("server:")
+            _check_sane(result)
+            assert m["total_output_tokens"] == 6 * 8
+            if endpoint == "/v1/completions":  # byte tokens: the prompt is exactly 40 of them
+                assert all(r["prompt_tokens"] == r["intended_prompt_len"] == 40 for r in result["requests"])
+        denied = run_benchmark(dict(base_url=srv.base_url, model="fake-model", num_prompts=2,
+                                    random_input_len=4, random_output_len=2, disable_tqdm=True))
+        assert denied["metrics"]["failed"] == 2 and "HTTP 401" in denied["metrics"]["errors"]
