@@ -131,8 +131,12 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
         resource_tracker.register = register
 
 
-def _cleanup(shm: shared_memory.SharedMemory | None, unlink: bool, fds: list[int]) -> None:
+def _cleanup(shm: shared_memory.SharedMemory | None, unlink: bool, fds: list[int],
+             views: list[memoryview]) -> None:
     """Release the mapping, unlink the segment (owner only) and close owned fds. Idempotent."""
+    for view in views:
+        view.release()
+    views.clear()
     if shm is not None:
         try:
             shm.close()
@@ -157,7 +161,7 @@ class ShmRing:
     def __init__(self, shm: shared_memory.SharedMemory, spec: RingSpec, *, owner: bool,
                  role: int | str | None, owned_fds: list[int],
                  peer_fds: Sequence[int] = (), alive: Callable[[], bool] | None = None,
-                 spin_us: float = 100.0):
+                 spin_us: float = 100.0, spin_yield: bool = True):
         self.spec = spec
         self.owner = owner
         self.num_slots = spec.num_slots
@@ -167,6 +171,9 @@ class ShmRing:
         self.peer_fds: list[int] = list(peer_fds)
         self.alive = alive
         self.spin_ns = int(spin_us * 1000)
+        # Yield the CPU between checks: on a machine with more runnable processes than cores,
+        # a waiter that spins without yielding delays the very process it waits for.
+        self.spin_yield = spin_yield
         self._shm = shm
         self._buf = shm.buf
         self._u64 = shm.buf.cast("Q")
@@ -182,7 +189,7 @@ class ShmRing:
         self._rcount = 0
         self._partial: bytearray | None = None
         self._partial_pos = 0
-        self._finalizer = weakref.finalize(self, _cleanup, shm, owner, owned_fds)
+        self._finalizer = weakref.finalize(self, _cleanup, shm, owner, owned_fds, [self._u64])
         if role is not None:
             self.set_role(role)
 
@@ -203,7 +210,7 @@ class ShmRing:
             for _ in range(num_readers + 1):
                 fds.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
         except BaseException:
-            _cleanup(shm, True, fds)
+            _cleanup(shm, True, fds, [])
             raise
         u64 = shm.buf.cast("Q")
         u64[_W_SLOTS], u64[_W_SLOT_SIZE], u64[_W_READERS] = num_slots, slot_size, num_readers
@@ -278,7 +285,6 @@ class ShmRing:
         if self._closed:
             return
         self._closed = True
-        self._u64.release()
         self._buf = None
         self._finalizer()
 
@@ -345,6 +351,8 @@ class ShmRing:
         while time.perf_counter_ns() < spin_end:
             if self._room(w):
                 return
+            if self.spin_yield:
+                os.sched_yield()
         while True:
             if u64[_W_CLOSED]:
                 raise RingClosed(f"ring {self.name} was closed while the writer waited for room")
@@ -431,6 +439,8 @@ class ShmRing:
         while time.perf_counter_ns() < spin_end:
             if self._data_ready():
                 return
+            if self.spin_yield:
+                os.sched_yield()
         fd = self._data_fds[self._role]
         while True:
             if self._data_ready():
