@@ -266,17 +266,20 @@ class OpenAIServer:
         elif isinstance(prompt[0], int):
             return [(None, self.check_ids(list(prompt), "prompt"))]
         else:
-            return [(None, self.check_ids(list(p), f"prompt.{i}")) for i, p in enumerate(prompt)]
+            return [(None, self.check_ids(list(p), "prompt")) for p in prompt]
         ids = await asyncio.gather(*(self.engine.encode(t) for t in texts))
         for i, t in enumerate(ids):
             if not t:
                 raise APIError.bad_request("the prompt is empty", param="prompt")
         return list(zip(texts, [list(t) for t in ids]))
 
-    @staticmethod
-    def check_ids(ids: list[int], param: str) -> list[int]:
-        if any(t < 0 for t in ids):
-            raise APIError.bad_request("token ids must not be negative", param=param)
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        vocab = getattr(self.engine.tokenizer, "vocab_size", None)
+        for t in ids:
+            if t < 0 or (vocab is not None and t >= vocab):
+                raise APIError.bad_request(f"token id {t} is out of range: ids must be in [0, {vocab})"
+                                           if vocab is not None else f"token id {t} is negative",
+                                           param=param)
         return ids
 
     async def completions(self, request: Request) -> Response:
@@ -511,10 +514,6 @@ class OpenAIServer:
         req = parse(DetokenizeRequest, await self.read_json(request))
         self.check_model(req.model)
         self.check_ids(req.tokens, "tokens")
-        vocab = getattr(self.engine.tokenizer, "vocab_size", None)
-        if vocab is not None and any(t >= vocab for t in req.tokens):
-            raise APIError.bad_request(f"token ids must be below the vocabulary size {vocab}",
-                                       param="tokens")
         text = self.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
         return ORJSONResponse({"prompt": text})
 

@@ -209,3 +209,12 @@ async def test_engine_error_finish_reason_is_an_error(client, engine):
     r = await client.post("/v1/completions", json={"prompt": "x"})
     err = assert_openai_error(r, 500)
     assert "worker crashed" in err["message"]
+
+
+async def test_token_ids_out_of_vocab_are_400(client, engine):
+    # an id past the vocabulary must never reach the model (it would fail the whole step)
+    for prompt in ([300], [[1], [2, 256]], [-1]):
+        err = assert_openai_error(await client.post("/v1/completions", json={"prompt": prompt}), 400, "prompt")
+        assert "out of range" in err["message"] or "negative" in err["message"]
+    assert_openai_error(await client.post("/detokenize", json={"tokens": [65, 256]}), 400, "tokens")
+    assert engine.calls == []

@@ -1,0 +1,347 @@
+"""A real `pagedserve serve` process on 127.0.0.1, driven by the official openai client, curl -N
+and raw HTTP. The model is a tiny random Llama (--load-format dummy --hf-config) with the
+default model's tokenizer, so a server starts in seconds and greedy output is deterministic.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+}
+MAX_MODEL_LEN = 2048
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_path() -> str:
+    from gpu.config import default_model_path
+
+    return default_model_path()
+
+
+class ServerProcess:
+    def __init__(self, *extra: str, shutdown_timeout: float = 20.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "app.cli", "serve", "--model", model_path(),
+               "--load-format", "dummy", "--hf-config", json.dumps(TINY), "--dtype", "float32",
+               "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "256",
+               "--served-model-name", "tiny", "--port", str(self.port),
+               "--shutdown-timeout", str(shutdown_timeout), *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDSERVE_API_KEY": ""}
+        self.log = open(f"/tmp/pagedserve-e2e-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_ready(60)
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess()
+    yield s
+    assert s.stop() == 0, s.output()
+
+
+def metrics(url: str) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in fam.samples:
+            key = sample.name + "".join(f"|{k}={v}" for k, v in sorted(sample.labels.items())
+                                        if k != "model_name")
+            out[key] = sample.value
+    return out
+
+
+def test_ready_line(server):
+    ready = [line for line in server.output().splitlines() if "ready" in line and "KV cache" in line]
+    assert ready, server.output()
+    assert f"127.0.0.1:{server.port}" in ready[0] and "256 blocks" in ready[0] and "tiny" in ready[0]
+    assert "4096 tokens" in ready[0]
+
+
+def test_openai_sync_completions_and_chat(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+    r = client.completions.create(model="tiny", prompt="The capital of France is", max_tokens=8,
+                                  temperature=0, n=2, logprobs=2)
+    assert len(r.choices) == 2 and [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text == r.choices[1].text  # greedy
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(lp.token_logprobs[i] <= 0 and 1 <= len(lp.top_logprobs[i]) <= 3 for i in range(8))
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": "The capital of France is"}).json()
+    assert r.usage.prompt_tokens == prompt_ids["count"]
+
+    c = client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    assert c.choices[0].message.role == "assistant" and c.choices[0].finish_reason == "length"
+    content = c.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    assert c.usage.completion_tokens == 6
+
+
+def test_stop_strings_and_seed(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    base = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0)
+    text = base.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24,
+                                    temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+
+    a = client.completions.create(model="tiny", prompt="Hello", max_tokens=16, temperature=1.0, seed=1234)
+    b = client.completions.create(model="tiny", prompt="Hello", max_tokens=16, temperature=1.0, seed=1234)
+    assert a.choices[0].text == b.choices[0].text
+    two = client.completions.create(model="tiny", prompt="Hello", max_tokens=16, temperature=1.0,
+                                    seed=1234, n=2)
+    assert two.choices[0].text == a.choices[0].text and two.choices[1].text != a.choices[0].text
+
+
+def test_streaming_usage_equals_token_counts(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks[:-1])
+    full = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=10, temperature=0)
+    assert text == full.choices[0].message.content
+    prompt = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()["count"]
+    assert chunks[-1].usage.prompt_tokens == prompt == full.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 10 == full.usage.completion_tokens
+
+
+def test_greedy_chat_equals_offline_llm(server):
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    served = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
+    llm = LLM(model=model_path(), load_format="dummy", hf_config=TINY, dtype="float32",
+              max_model_len=MAX_MODEL_LEN, num_blocks=256)
+    try:
+        (offline,) = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=12))
+    finally:
+        llm.shutdown()
+    assert served.choices[0].message.content == offline.outputs[0].text
+
+
+async def test_openai_async_32_concurrent_streams(server):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused")
+    prompts = [f"Story number {i}:" for i in range(8)]
+    refs = await asyncio.gather(*(client.completions.create(model="tiny", prompt=p, max_tokens=20,
+                                                            temperature=0) for p in prompts))
+
+    async def one(i: int) -> tuple[int, str, str | None]:
+        stream = await client.completions.create(model="tiny", prompt=prompts[i % 8], max_tokens=20,
+                                                 temperature=0, stream=True)
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return i, text, finish
+
+    results = await asyncio.gather(*(one(i) for i in range(32)))
+    for i, text, finish in results:
+        assert text == refs[i % 8].choices[0].text, i
+        assert finish == "length"
+    await client.close()
+
+
+def test_curl_streams_data_lines(server):
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 5, "stream": True})
+    out = subprocess.run([curl, "-sN", server.url + "/v1/completions", "-H",
+                          "Content-Type: application/json", "-d", body],
+                         capture_output=True, text=True, timeout=30).stdout
+    lines = [line for line in out.split("\n") if line]
+    assert lines and all(line.startswith("data: ") for line in lines), out
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_bad_inputs_then_still_serving(server):
+    u = server.url
+    cases = [
+        (httpx.post(u + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400),
+        (httpx.post(u + "/v1/completions", json={"model": "tiny", "prompt": "x", "temperature": -1}), 400),
+        (httpx.post(u + "/v1/completions", json={"model": "nope", "prompt": "x"}), 404),
+        (httpx.post(u + "/v1/completions", json={"model": "tiny", "prompt": [5] * 2100}), 400),
+        (httpx.post(u + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2100}), 400),
+        (httpx.post(u + "/v1/completions", json={"model": "tiny", "prompt": "x" * (17 * 1024 * 1024)}), 413),
+        (httpx.post(u + "/v1/completions", json={"model": "tiny", "prompt": "x", "suffix": "y"}), 400),
+        (httpx.post(u + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "tools": [{}]}), 400),
+        (httpx.post(u + "/v1/completions", json={"model": "tiny", "prompt": [999999]}), 400),
+    ]
+    for resp, status in cases:
+        assert resp.status_code == status, resp.text
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    assert "2100" in cases[3][0].json()["error"]["message"]
+    r = httpx.post(u + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_metrics_move_after_a_known_request(server):
+    before = metrics(server.url)
+    r = httpx.post(server.url + "/v1/completions",
+                   json={"model": "tiny", "prompt": "Counting tokens", "max_tokens": 7, "temperature": 0},
+                   timeout=30).json()
+    after = metrics(server.url)
+    assert after["pagedserve:prompt_tokens_total"] - before["pagedserve:prompt_tokens_total"] == \
+        r["usage"]["prompt_tokens"]
+    assert after["pagedserve:generation_tokens_total"] - before["pagedserve:generation_tokens_total"] == 7
+    key = "pagedserve:request_success_total|finished_reason=length"
+    assert after[key] - before.get(key, 0) == 1
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert after[f"pagedserve:{h}_count"] - before[f"pagedserve:{h}_count"] == 1
+    assert after["pagedserve:inter_token_latency_seconds_count"] - \
+        before["pagedserve:inter_token_latency_seconds_count"] == 6
+    assert after["pagedserve:prefix_cache_queries_total"] >= before["pagedserve:prefix_cache_queries_total"]
+    assert after["pagedserve:num_requests_running"] == 0
+
+
+def test_disconnect_mid_stream_aborts(server):
+    idle = metrics(server.url)["pagedserve:kv_cache_usage_perc"]
+    body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 3:
+                break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = metrics(server.url)
+        if m["pagedserve:num_requests_running"] == 0 and m["pagedserve:num_requests_waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["pagedserve:num_requests_running"] == 0 and m["pagedserve:num_requests_waiting"] == 0
+    assert m["pagedserve:kv_cache_usage_perc"] == idle
+    assert m.get("pagedserve:request_success_total|finished_reason=length", 0) == \
+        metrics(server.url).get("pagedserve:request_success_total|finished_reason=length", 0)
+
+
+def test_sigterm_lets_the_running_request_finish():
+    s = ServerProcess(shutdown_timeout=30)
+    try:
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        chunks, done = 0, False
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunks += 1
+                payload = json.loads(line[6:])
+                if chunks == 2:
+                    s.proc.send_signal(signal.SIGTERM)
+                    time.sleep(0.3)
+                    # the listening socket is closed: new requests are refused
+                    with pytest.raises(httpx.TransportError):
+                        httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=2)
+                last = payload
+        assert done and last["choices"][0]["finish_reason"] == "length"
+        assert s.proc.wait(30) == 0, s.output()
+        assert "shutdown complete" in s.output()
+    finally:
+        s.stop()
+
+
+def test_sigterm_timeout_aborts_and_still_exits_0():
+    s = ServerProcess(shutdown_timeout=1)
+    try:
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        got_done = False
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    break
+            s.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            try:
+                for line in lines:
+                    got_done = got_done or line == "data: [DONE]"
+            except httpx.HTTPError:
+                pass
+        assert s.proc.wait(30) == 0, s.output()
+        assert time.monotonic() - t0 < 15
+        assert not got_done
+    finally:
+        s.stop()
