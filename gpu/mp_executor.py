@@ -237,6 +237,14 @@ class MultiprocExecutor(Executor):
                 continue
             return STEP_OUTPUT_DECODER.decode(msg)
 
+    # With tensor parallelism a step that fails on rank 0 may be the echo of another rank's
+    # death (the collective lost its peer): wait a moment for a sentinel, so the error names the
+    # rank that really failed and the group is torn down.
+    _PEER_FAILURE_GRACE_S = 2.0
+
+    def _error_from_peer(self, out: StepOutput) -> bool:
+        return out.error is not None and self.world_size > 1
+
     def execute(self, step: StepInput) -> StepOutput:
         self._check_usable()
         self._send(step)
@@ -245,8 +253,10 @@ class MultiprocExecutor(Executor):
             while True:
                 out = self._poll_reply()
                 if out is not None:
+                    if self._error_from_peer(out) and wait(self._sentinels, self._PEER_FAILURE_GRACE_S):
+                        raise RingPeerDied("a worker exited")
                     return out
-                ring._wait_data(None)
+                ring.wait()
         except RingPeerDied:
             raise self._fail_from_death() from None
         except BaseException:
@@ -260,9 +270,6 @@ class MultiprocExecutor(Executor):
         async with self._lock:  # one step in flight; replies come back in order
             self._check_usable()
             self._send(step)
-            out = self._poll_reply()
-            if out is not None:
-                return out
             fut: asyncio.Future = loop.create_future()
             ring = self._res.reply_ring
             reply_fd = ring.fileno()
@@ -287,11 +294,19 @@ class MultiprocExecutor(Executor):
             for s in self._sentinels:
                 loop.add_reader(s, on_death)
             try:
-                return await fut
+                out = await fut
+                if self._error_from_peer(out):
+                    deadline = loop.time() + self._PEER_FAILURE_GRACE_S
+                    while loop.time() < deadline and self._dead_message() is None:
+                        await asyncio.sleep(0.05)
+                    if self._dead_message() is not None:
+                        raise RingPeerDied("a worker exited")
+                return out
             except RingPeerDied:
                 pass
             except asyncio.CancelledError:
-                self._stale_replies += 1
+                if not fut.done() or fut.cancelled():  # the reply is still to come: drop it then
+                    self._stale_replies += 1
                 raise
             finally:
                 loop.remove_reader(reply_fd)

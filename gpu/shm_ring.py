@@ -425,7 +425,7 @@ class ShmRing:
             return data
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._wait_data(deadline)
+            self.wait(deadline)
             data = self.try_recv()
             if data is not None:
                 return data
@@ -434,7 +434,8 @@ class ShmRing:
         r = self._rcount
         return self._u64[(self._slots_off + (r % self.num_slots) * self.slot_size) >> 3] == r + 1
 
-    def _wait_data(self, deadline: float | None) -> None:
+    def wait(self, deadline: float | None = None) -> None:
+        """Reader: return once a slot is ready (spin, then block); ``deadline`` is monotonic."""
         spin_end = time.perf_counter_ns() + self.spin_ns
         while time.perf_counter_ns() < spin_end:
             if self._data_ready():

@@ -218,3 +218,60 @@ def test_parent_killed_leaves_no_worker_and_no_segment(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+class TPRunner(FakeRunner):
+    """Checks the tensor-parallel setup: every token is the all-reduced sum of (rank + 1)."""
+
+    def initialize(self) -> int:
+        from gpu.parallel_state import get_tp_rank, get_tp_size
+
+        assert (get_tp_rank(), get_tp_size()) == (self.rank, 2)
+        return 10 + self.rank  # the executor reports the smallest count
+
+    def execute(self, step: StepInput) -> StepOutput:
+        import torch
+
+        from gpu.parallel_state import tp_all_reduce
+
+        if step.step_id == FAILING_STEP and self.rank == 1:
+            raise ValueError("rank 1 cannot run this step")
+        x = tp_all_reduce(torch.full((len(step.seq_ids),), float(self.rank + 1)))
+        return StepOutput(step.step_id, list(step.seq_ids), [int(v) for v in x.tolist()])
+
+
+def test_tensor_parallel_two_workers_over_gloo():
+    from gpu.mp_executor import MultiprocExecutor
+
+    before = set(leftover_segments())
+    ex = MultiprocExecutor(_config(tp=2), runner_factory=f"{HERE}:TPRunner", startup_timeout=120,
+                           num_threads=1)
+    try:
+        assert ex.num_blocks == 10
+        pids = ex.worker_pids
+        assert len(pids) == 2
+        out = ex.execute(_step(1, [4, 5, 6], new=[4, 5, 6]))
+        assert out.token_ids == [3, 3, 3]  # 1 + 2 summed over the two ranks
+        # a step failing on rank 1 only: rank 0 is stuck in the collective, the group is torn down
+        t0 = time.monotonic()
+        with pytest.raises(ExecutorError, match="worker 1 .*exited with code 1") as info:
+            ex.execute(_step(FAILING_STEP, [4]))
+        assert "rank 1 cannot run this step" in str(info.value)
+        assert time.monotonic() - t0 < 10
+    finally:
+        ex.shutdown()
+    assert all(_gone(p) for p in pids)
+    assert set(leftover_segments()) <= before
+
+
+def test_cancelled_async_step_does_not_shift_later_replies(executor):
+    async def main():
+        task = asyncio.ensure_future(executor.execute_async(_step(1, [3], new=[3])))
+        await asyncio.sleep(0)  # the step is sent, its reply not awaited
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await executor.execute_async(_step(2, [3]))
+
+    out = asyncio.run(main())
+    assert (out.step_id, out.token_ids) == (2, [3004])
