@@ -1,10 +1,9 @@
 """Torch implementations of the paged-KV ops: the CPU path and the oracle for the Triton kernels.
 
 Decodes (the first ``meta.num_decodes`` requests, one query token each) run as one padded batch:
-their blocks are gathered into ``[Bd, L, Hkv, D]`` and one SDPA call attends with a length mask.
-GQA is folded into the query-length axis (the G query heads that share a KV head become G
-"query rows" of one head), so no KV head is ever repeated. Prefill chunks run one request at a
-time with a causal mask shifted by the request's cached context.
+their blocks are gathered into ``[Bd, L, Hkv*D]`` and two batched GEMMs with a length mask do the
+attention (see ``_decode_attention``). Prefill chunks run one request at a time through SDPA with
+a causal mask shifted by the request's cached context.
 
 Unwritten cache slots inside gathered blocks are masked out of the softmax, but their values
 still meet a zero weight in ``P @ V``: allocate caches with ``torch.zeros`` (any finite garbage is
@@ -42,10 +41,41 @@ def write_kv_cache_torch(
     v_flat.index_copy_(0, slots[keep], v[keep].to(v_cache.dtype))
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+class _Workspace:
+    """Reusable gather buffers, one per (name, device, dtype).
+
+    Decode attention gathers every layer's K/V blocks into scratch memory of the same size;
+    allocating it fresh each call costs page faults that dominate the CPU time, so the buffer
+    is kept and only grows. Single-threaded use (one forward at a time per process).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        key = (name, like.device, like.dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._buffers[key] = buf
+        return buf[:numel]
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+_workspace = _Workspace()
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scratch: str | None = None) -> torch.Tensor:
     """``cache[block_ids]`` for block ids of any shape ``S`` -> ``[*S, block_size, Hkv, D]``."""
-    flat = block_ids.reshape(-1).to(torch.int64)
-    gathered = cache.index_select(0, flat)
+    flat = block_ids.reshape(-1)
+    if scratch is None:
+        gathered = cache.index_select(0, flat)
+    else:
+        block_numel = cache[0].numel()
+        out = _workspace.get(scratch, flat.numel() * block_numel, cache).view(-1, *cache.shape[1:])
+        gathered = torch.index_select(cache, 0, flat, out=out)
     return gathered.view(*block_ids.shape, *cache.shape[1:])
 
 
@@ -58,21 +88,39 @@ def _decode_attention(
     max_seq_len: int,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per request. q ``[B, H, D]`` -> ``[B, H, D]``."""
+    """One query token per request. q ``[B, H, D]`` -> ``[B, H, D]``.
+
+    The gathered blocks stay in cache layout ``[B, L, Hkv*D]`` (no transpose copy). GQA is
+    handled with a block-diagonal query: head h's vector sits in the D-wide slot of its KV head
+    and zeros elsewhere, so ``Qbd @ K^T`` is one plain batched GEMM with M = H rows per request.
+    ``P @ V`` then yields every head against every KV head and the diagonal is kept. The Hkv-fold
+    extra FLOPs are cheaper on CPU than copying K/V into a head-major layout.
+    """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    width = num_kv_heads * head_dim
     num_blocks = -(-max_seq_len // block_size)
     length = num_blocks * block_size
     tables = block_tables[:batch, :num_blocks]
-    # [B, L, Hkv, D] viewed as [B, Hkv, L, D] (strided; SDPA reads it in place).
-    keys = _gather_blocks(k_cache, tables).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
-    values = _gather_blocks(v_cache, tables).view(batch, length, num_kv_heads, head_dim).transpose(1, 2)
-    queries = q.view(batch, num_kv_heads, group, head_dim)
+    keys = _gather_blocks(k_cache, tables, "k").view(batch, length, width)
+    values = _gather_blocks(v_cache, tables, "v").view(batch, length, width)
+    if num_kv_heads == 1:
+        q_wide = q * scale
+    else:
+        eye = torch.eye(num_kv_heads, dtype=q.dtype, device=q.device) * scale
+        q_wide = q.view(batch, num_kv_heads, group, 1, head_dim) * eye.view(1, num_kv_heads, 1, num_kv_heads, 1)
+    q_wide = q_wide.reshape(batch, num_heads, width)
     positions = torch.arange(length, device=q.device, dtype=seq_lens.dtype)
-    mask = (positions[None, :] < seq_lens[:batch, None]).view(batch, 1, 1, length)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(batch, num_heads, head_dim)
+    beyond = positions[None, :] >= seq_lens[:batch, None]
+    bias = torch.zeros(batch, 1, length, dtype=q.dtype, device=q.device).masked_fill_(beyond[:, None], float("-inf"))
+    scores = torch.baddbmm(bias.expand(batch, num_heads, length), q_wide, keys.transpose(1, 2))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.bmm(probs, values)  # [B, H, Hkv*D]
+    if num_kv_heads == 1:
+        return out
+    out = out.view(batch, num_kv_heads, group, num_kv_heads, head_dim)
+    return torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(batch, num_heads, head_dim)
 
 
 def _prefill_attention(
