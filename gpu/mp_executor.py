@@ -72,7 +72,7 @@ class _Resources:
         if self.step_ring is not None and alive and graceful:
             try:
                 self.step_ring.send(SHUTDOWN_MESSAGE, timeout=0.5)
-            except (RingError, OSError):
+            except (RingError, OSError, ValueError):
                 pass
         if self.step_ring is not None:
             self.step_ring.mark_closed()  # wakes workers blocked on the ring
@@ -104,7 +104,6 @@ class MultiprocExecutor(Executor):
         if self.world_size < 1:
             raise ExecutorError("tensor_parallel_size must be >= 1")
         self._res = _Resources()
-        self._finalizer = weakref.finalize(self, self._res.close)
         self._error: ExecutorError | None = None
         self._stale_replies = 0  # replies of steps whose waiter was cancelled: dropped on arrival
         self._lock: asyncio.Lock | None = None
@@ -121,6 +120,9 @@ class MultiprocExecutor(Executor):
         res = self._res
         res.step_ring = ShmRing.create(self.world_size, RING_SLOTS, RING_SLOT_SIZE, role="writer")
         res.reply_ring = ShmRing.create(1, RING_SLOTS, RING_SLOT_SIZE, role=0)
+        # Created after the rings: at interpreter exit finalizers run newest first, so the
+        # workers get their stop message before the rings are unlinked.
+        self._finalizer = weakref.finalize(self, res.close)
         init_method = f"tcp://127.0.0.1:{_free_port()}" if self.world_size > 1 else None
         t0 = time.monotonic()
         for rank in range(self.world_size):
@@ -162,8 +164,9 @@ class MultiprocExecutor(Executor):
                     except (EOFError, OSError):
                         proc.join(1.0)
                         raise ExecutorError(
-                            f"worker {rank} {_describe_exit(proc)} while starting, without reporting why "
-                            "(out of memory?)") from None
+                            f"worker {rank} {_describe_exit(proc)} while starting, without reporting why; "
+                            "see its output above (out of memory? a script that starts the engine "
+                            "needs an `if __name__ == '__main__':` guard, workers are spawned)") from None
                     if kind == "error":
                         raise ExecutorError(f"worker {rank} failed to start:\n{value}")
                     blocks[rank] = int(value)

@@ -180,7 +180,6 @@ class ShmRing:
         self._slots_off = _LINE * (1 + spec.num_readers)
         self._data_fds = [p.fd for p in spec._data_fds]
         self._space_fd = spec._space_fd.fd
-        self._closed = False
         self._role: int | str | None = None
         # writer state
         self._wcount = 0
@@ -267,7 +266,7 @@ class ShmRing:
 
     def mark_closed(self) -> None:
         """Tell every end that no more messages will come (readers drain, then RingClosed)."""
-        if self._closed:
+        if not self._finalizer.alive:
             return
         self._u64[_W_CLOSED] = 1
         for fd in self._data_fds + [self._space_fd]:
@@ -278,14 +277,15 @@ class ShmRing:
 
     @property
     def is_closed(self) -> bool:
-        return self._closed or self._u64[_W_CLOSED] == 1
+        """This end was closed (or finalized at exit), or the ring was marked closed."""
+        return not self._finalizer.alive or self._u64[_W_CLOSED] == 1
+
+    def _ensure_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RingClosed(f"this end of ring {self.name} is closed")
 
     def close(self) -> None:
         """Drop the mapping; the owner also unlinks the segment. Safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        self._buf = None
         self._finalizer()
 
     def __enter__(self) -> "ShmRing":
@@ -306,8 +306,7 @@ class ShmRing:
         """Write one message (any bytes-like), waiting for room as needed; never truncates."""
         if self._role != "writer":
             raise RingError("send() needs the writer end")
-        if self._closed:
-            raise RingClosed(f"ring {self.name} is closed")
+        self._ensure_open()
         mv = memoryview(data).cast("B")
         length = len(mv)
         payload = self.payload_size
@@ -382,6 +381,7 @@ class ShmRing:
 
     def try_recv(self):
         """Return the next complete message (bytes-like) or None without blocking."""
+        self._ensure_open()
         u64, n, slot_size, slots_off = self._u64, self.num_slots, self.slot_size, self._slots_off
         payload = self.payload_size
         while True:

@@ -189,16 +189,21 @@ def test_shutdown_is_clean_and_idempotent():
         ex.execute(_step(2, [1]))
 
 
-def test_parent_killed_leaves_no_worker_and_no_segment(tmp_path):
-    """The owner is SIGKILLed: workers see its sentinel close and exit; the tracker unlinks."""
+@pytest.mark.parametrize("how", ["sigkill", "exit_without_shutdown"])
+def test_owner_gone_leaves_no_worker_and_no_segment(how):
+    """SIGKILL: workers see the owner's sentinel close and exit, its resource tracker unlinks the
+    rings. A normal exit without shutdown(): the finalizer runs at interpreter exit."""
     script = textwrap.dedent(f"""
         import sys, time
         from gpu.config import EngineConfig
         from gpu.mp_executor import MultiprocExecutor
-        cfg = EngineConfig.from_options(executor="mp", num_blocks=5)
-        ex = MultiprocExecutor(cfg, runner_factory="{HERE}:FakeRunner", startup_timeout=60)
-        print(" ".join(map(str, ex.worker_pids)), ex._res.step_ring.name, ex._res.reply_ring.name, flush=True)
-        time.sleep(120)
+        if __name__ == "__main__":
+            cfg = EngineConfig.from_options(executor="mp", num_blocks=5)
+            ex = MultiprocExecutor(cfg, runner_factory="{HERE}:FakeRunner", startup_timeout=60)
+            print(" ".join(map(str, ex.worker_pids)), ex._res.step_ring.name, ex._res.reply_ring.name,
+                  flush=True)
+            if {how == "sigkill"}:
+                time.sleep(120)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -206,9 +211,10 @@ def test_parent_killed_leaves_no_worker_and_no_segment(tmp_path):
         fields = proc.stdout.readline().split()
         assert len(fields) == 3, fields
         pid, names = int(fields[0]), fields[1:]
-        assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
-        proc.kill()
-        proc.wait(5)
+        if how == "sigkill":
+            assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+            proc.kill()
+        assert proc.wait(10) == (-9 if how == "sigkill" else 0)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not (_gone(pid) and not any(
                 os.path.exists(f"/dev/shm/{n}") for n in names)):
