@@ -221,21 +221,25 @@ class ShmRing:
 
     @classmethod
     def attach(cls, spec: RingSpec, role: int | str, **kwargs) -> "ShmRing":
-        """Attach to a ring created by another process (typically received by a spawned child)."""
+        """Attach to a ring created by another process (typically received by a spawned child).
+
+        Attach each spec at most once per process: the end owns (and closes) the fds that came
+        with it. A ring has one writer end for its whole life (its position is not shared).
+        """
         shm = _attach_untracked(spec.name)
         u64 = shm.buf.cast("Q")
-        try:
-            if u64[_W_MAGIC] != _MAGIC or u64[_W_SLOTS] != spec.num_slots:
-                raise RingError(f"shared memory {spec.name} is not a ring matching {spec!r}")
-        finally:
-            u64.release()
+        matches = u64[_W_MAGIC] == _MAGIC and u64[_W_SLOTS] == spec.num_slots
+        u64.release()
+        if not matches:
+            shm.close()
+            raise RingError(f"shared memory {spec.name} is not a ring matching {spec!r}")
         # fds duplicated into this process by the spawn machinery belong to this end; in the
         # creating process they stay the creator's.
         owned = [p.fd for p in [*spec._data_fds, spec._space_fd] if p.received]
         return cls(shm, spec, owner=False, role=role, owned_fds=owned, **kwargs)
 
     def set_role(self, role: int | str) -> None:
-        """``"writer"`` or a reader index; a reader starts at the writer's current position 0."""
+        """``"writer"`` or a reader index; a reader resumes at its read mark in shared memory."""
         if role != "writer" and not (isinstance(role, int) and 0 <= role < self.num_readers):
             raise ValueError(f"role must be 'writer' or a reader index < {self.num_readers}")
         self._role = role

@@ -19,6 +19,8 @@ from gpu.shm_ring import leftover_segments
 HERE = "tests.gpu.test_mp_executor"
 SLOW_STEP = -2  # a step id the fake runner sleeps on (to be killed mid-step)
 FAILING_STEP = -1  # a step id the fake runner raises on
+BIG_STEP = -3  # a step id the fake runner answers with a reply larger than the whole ring
+BIG_TOKENS = 400_000  # ~1.2 MB of msgpack, the reply ring holds 1 MiB
 
 
 class FakeRunner:
@@ -37,6 +39,8 @@ class FakeRunner:
             raise ValueError("boom in the fake runner")
         if step.step_id == SLOW_STEP:
             time.sleep(60)
+        if step.step_id == BIG_STEP:
+            return StepOutput(step.step_id, list(range(BIG_TOKENS)), [t % 50_000 for t in range(BIG_TOKENS)])
         for s in step.finished_seq_ids:
             self.seqs.pop(s, None)
         for new in step.new_seqs:
@@ -281,3 +285,11 @@ def test_cancelled_async_step_does_not_shift_later_replies(executor):
 
     out = asyncio.run(main())
     assert (out.step_id, out.token_ids) == (2, [3004])
+
+
+def test_reply_larger_than_the_ring_sync_and_async(executor):
+    out = executor.execute(_step(BIG_STEP, []))
+    assert out.token_ids == [t % 50_000 for t in range(BIG_TOKENS)]
+    out = asyncio.run(executor.execute_async(_step(BIG_STEP, [])))
+    assert len(out.seq_ids) == BIG_TOKENS and out.token_ids[-1] == (BIG_TOKENS - 1) % 50_000
+    assert executor.execute(_step(1, [2], new=[2])).token_ids == [2003]
