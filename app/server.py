@@ -32,7 +32,7 @@ from app.protocol import (
     TokenizeRequest,
     parse,
 )
-from app.streaming import merge_async_iterators, sse_response
+from app.streaming import close_all, merge_async_iterators, sse_response
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class OpenAIServer:
                                       tracker=self.metrics.tracker()))
         return choices
 
-    def start(self, choices: list[Choice], priority: int) -> list[Any]:
+    async def start(self, choices: list[Choice], priority: int) -> list[Any]:
         """Submit every choice to the engine; if one is refused, abort those already started."""
         streams: list[Any] = []
         try:
@@ -183,17 +183,13 @@ class OpenAIServer:
                 streams.append(self.engine.generate(c.prompt_ids, c.params, c.request_id,
                                                     prompt=c.prompt_text, priority=priority))
         except BaseException:
-            for s in streams:
-                close = getattr(s, "aclose", None)
-                if close is not None:
-                    asyncio.ensure_future(close())
+            await close_all(streams)
             raise
         return streams
 
-    async def run(self, choices: list[Choice], priority: int) -> AsyncIterator[tuple[Choice, Any, list[int]]]:
+    async def run(self, choices: list[Choice], streams: list[Any]) -> AsyncIterator[tuple[Choice, Any, list[int]]]:
         """Drive the engine streams; yield (choice, completion delta, new token ids) and keep the
         accumulated state and metrics of each choice up to date."""
-        streams = self.start(choices, priority)
         async for k, out in merge_async_iterators(streams):
             c = choices[k]
             comp = out.outputs[0]
@@ -233,8 +229,9 @@ class OpenAIServer:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    async def until_disconnect(self, request: Request, coro: Any) -> Any:
-        """Run a non-streaming generation; if the client goes away first, cancel it (→ abort)."""
+    async def until_disconnect(self, request: Request, coro: Any, streams: list[Any]) -> Any:
+        """Run a non-streaming generation; if the client goes away first, cancel it and close the
+        engine streams (→ abort)."""
         task = asyncio.ensure_future(coro)
 
         async def watch() -> None:
@@ -251,6 +248,7 @@ class OpenAIServer:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 watcher.cancel()
+                await close_all(streams)  # the task may have been cancelled before it started
                 raise ClientDisconnected()
             watcher.cancel()
         return task.result()
@@ -299,9 +297,12 @@ class OpenAIServer:
         if req.echo:
             await self.fill_prompt_texts(choices)
         created = int(time.time())
+        # Submitted before the response starts, so a refusal (overloaded, dead) is a real status.
+        streams = await self.start(choices, req.priority)
         if req.stream:
-            return sse_response(self.completion_stream(req, choices, request_id, created))
-        body = await self.until_disconnect(request, self.completion_full(req, choices, request_id, created))
+            return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams)
+        body = await self.until_disconnect(
+            request, self.completion_full(req, choices, streams, request_id, created), streams)
         return ORJSONResponse(body)
 
     async def fill_prompt_texts(self, choices: list[Choice]) -> None:
@@ -348,9 +349,9 @@ class OpenAIServer:
         out.setdefault(self.token_text(tid), lp)
         return out
 
-    async def completion_full(self, req: CompletionRequest, choices: list[Choice], request_id: str,
-                              created: int) -> dict[str, Any]:
-        async for c, comp, new_ids in self.run(choices, req.priority):
+    async def completion_full(self, req: CompletionRequest, choices: list[Choice], streams: list[Any],
+                              request_id: str, created: int) -> dict[str, Any]:
+        async for c, comp, new_ids in self.run(choices, streams):
             if req.logprobs is not None:
                 c.logprobs.extend(self.new_logprobs(comp, new_ids))
         out = []
@@ -367,11 +368,11 @@ class OpenAIServer:
                 "model": self.model_name, "choices": out, "usage": self.usage(choices),
                 "system_fingerprint": None}
 
-    async def completion_stream(self, req: CompletionRequest, choices: list[Choice], request_id: str,
-                                created: int) -> AsyncIterator[dict[str, Any]]:
+    async def completion_stream(self, req: CompletionRequest, choices: list[Choice],
+                                streams: list[Any], request_id: str, created: int) -> AsyncIterator[dict[str, Any]]:
         usage_field = {"usage": None} if req.include_usage else {}
         echoed: set[int] = set()
-        async for c, comp, new_ids in self.run(choices, req.priority):
+        async for c, comp, new_ids in self.run(choices, streams):
             text = comp.text
             with_prompt = False
             if req.echo and c.index not in echoed:
@@ -430,9 +431,11 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = self.make_choices(request_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
         created = int(time.time())
+        streams = await self.start(choices, req.priority)
         if req.stream:
-            return sse_response(self.chat_stream(req, choices, request_id, created, top))
-        body = await self.until_disconnect(request, self.chat_full(req, choices, request_id, created, top))
+            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top), streams)
+        body = await self.until_disconnect(
+            request, self.chat_full(req, choices, streams, request_id, created, top), streams)
         return ORJSONResponse(body)
 
     def chat_logprobs(self, entries: list, k: int) -> dict[str, list]:
@@ -446,9 +449,9 @@ class OpenAIServer:
             })
         return {"content": content}
 
-    async def chat_full(self, req: ChatCompletionRequest, choices: list[Choice], request_id: str,
-                        created: int, top: int) -> dict[str, Any]:
-        async for c, comp, new_ids in self.run(choices, req.priority):
+    async def chat_full(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
+                        request_id: str, created: int, top: int) -> dict[str, Any]:
+        async for c, comp, new_ids in self.run(choices, streams):
             if req.logprobs:
                 c.logprobs.extend(self.new_logprobs(comp, new_ids))
         out = []
@@ -461,15 +464,15 @@ class OpenAIServer:
                 "model": self.model_name, "choices": out, "usage": self.usage(choices),
                 "system_fingerprint": None}
 
-    async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice], request_id: str,
-                          created: int, top: int) -> AsyncIterator[dict[str, Any]]:
+    async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
+                          request_id: str, created: int, top: int) -> AsyncIterator[dict[str, Any]]:
         usage_field = {"usage": None} if req.include_usage else {}
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
         for c in choices:
             yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **usage_field}
-        async for c, comp, new_ids in self.run(choices, req.priority):
+        async for c, comp, new_ids in self.run(choices, streams):
             text = comp.text
             logprobs = None
             if req.logprobs:

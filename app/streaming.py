@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import orjson
 from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
 
 from app.errors import to_api_error
 
@@ -103,5 +104,13 @@ async def sse_body(events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     yield DONE
 
 
-def sse_response(events: AsyncIterator[Any]) -> EventSourceResponse:
-    return EventSourceResponse(sse_body(events), sep="\n", ping=PING_INTERVAL_S)
+async def close_all(streams: Sequence[Any]) -> None:
+    for it in streams:
+        await close_quietly(it)
+
+
+def sse_response(events: AsyncIterator[Any], streams: Sequence[Any] = ()) -> EventSourceResponse:
+    """The engine streams are closed again once the response ends: a client gone before the
+    body started would otherwise leave its requests running unobserved."""
+    return EventSourceResponse(sse_body(events), sep="\n", ping=PING_INTERVAL_S,
+                               background=BackgroundTask(close_all, list(streams)))

@@ -218,3 +218,13 @@ async def test_token_ids_out_of_vocab_are_400(client, engine):
         assert "out of range" in err["message"] or "negative" in err["message"]
     assert_openai_error(await client.post("/detokenize", json={"tokens": [65, 256]}), 400, "tokens")
     assert engine.calls == []
+
+
+async def test_stream_refused_at_submission_is_a_real_status(client, engine):
+    engine.overloaded = True
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert_openai_error(r, 503)
+    assert r.headers["retry-after"] == "1"
+    engine.overloaded, engine.dead = False, True
+    r = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert assert_openai_error(r, 503)["code"] == "engine_dead"

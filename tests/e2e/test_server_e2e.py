@@ -272,7 +272,8 @@ def test_metrics_move_after_a_known_request(server):
 
 
 def test_disconnect_mid_stream_aborts(server):
-    idle = metrics(server.url)["pagedserve:kv_cache_usage_perc"]
+    before = metrics(server.url)
+    idle = before["pagedserve:kv_cache_usage_perc"]
     body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 400, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
@@ -290,8 +291,10 @@ def test_disconnect_mid_stream_aborts(server):
         time.sleep(0.1)
     assert m["pagedserve:num_requests_running"] == 0 and m["pagedserve:num_requests_waiting"] == 0
     assert m["pagedserve:kv_cache_usage_perc"] == idle
-    assert m.get("pagedserve:request_success_total|finished_reason=length", 0) == \
-        metrics(server.url).get("pagedserve:request_success_total|finished_reason=length", 0)
+    # the aborted request neither succeeded nor generated its 400 tokens
+    key = "pagedserve:request_success_total|finished_reason=length"
+    assert m.get(key, 0) == before.get(key, 0)
+    assert m["pagedserve:generation_tokens_total"] - before["pagedserve:generation_tokens_total"] < 400
 
 
 def test_sigterm_lets_the_running_request_finish():
@@ -318,6 +321,9 @@ def test_sigterm_lets_the_running_request_finish():
                 last = payload
         assert done and last["choices"][0]["finish_reason"] == "length"
         assert s.proc.wait(30) == 0, s.output()
+        # the request was still streaming when the signal came, and was let finish
+        assert "Waiting for connections to close" in s.output()
+        assert "timeout graceful shutdown exceeded" not in s.output()
         assert "shutdown complete" in s.output()
     finally:
         s.stop()
@@ -343,5 +349,7 @@ def test_sigterm_timeout_aborts_and_still_exits_0():
         assert s.proc.wait(30) == 0, s.output()
         assert time.monotonic() - t0 < 15
         assert not got_done
+        assert "timeout graceful shutdown exceeded" in s.output()
+        assert "shutdown complete" in s.output()
     finally:
         s.stop()
