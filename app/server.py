@@ -305,10 +305,16 @@ class OpenAIServer:
             request, self.completion_full(req, choices, streams, request_id, created), streams)
         return ORJSONResponse(body)
 
+    async def decode(self, ids: list[int]) -> str:
+        decode = getattr(self.engine, "decode", None)  # off the loop when the engine offers it
+        if decode is not None:
+            return await decode(ids, skip_special_tokens=False)
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
+
     async def fill_prompt_texts(self, choices: list[Choice]) -> None:
         for c in choices:
             if c.prompt_text is None:
-                c.prompt_text = self.engine.tokenizer.decode(c.prompt_ids, skip_special_tokens=False)
+                c.prompt_text = await self.decode(c.prompt_ids)
 
     def completion_logprobs(self, c: Choice, entries: list, with_prompt: bool,
                             k: int) -> dict[str, list]:
@@ -517,8 +523,7 @@ class OpenAIServer:
         req = parse(DetokenizeRequest, await self.read_json(request))
         self.check_model(req.model)
         self.check_ids(req.tokens, "tokens")
-        text = self.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
-        return ORJSONResponse({"prompt": text})
+        return ORJSONResponse({"prompt": await self.decode(req.tokens)})
 
     async def health(self, request: Request) -> Response:
         if self.engine.is_healthy():

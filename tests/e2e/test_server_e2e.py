@@ -127,6 +127,13 @@ def test_openai_sync_completions_and_chat(server):
     assert all(lp.token_logprobs[i] <= 0 and 1 <= len(lp.top_logprobs[i]) <= 3 for i in range(8))
     prompt_ids = httpx.post(server.url + "/tokenize", json={"prompt": "The capital of France is"}).json()
     assert r.usage.prompt_tokens == prompt_ids["count"]
+    back = httpx.post(server.url + "/detokenize", json={"tokens": prompt_ids["tokens"]}).json()
+    assert back["prompt"].endswith("The capital of France is")
+    echo = client.completions.create(model="tiny", prompt=prompt_ids["tokens"], max_tokens=2,
+                                     temperature=0, echo=True)
+    assert echo.choices[0].text.startswith(back["prompt"])  # the prompt, then the same greedy start
+    assert r.choices[0].text.startswith(echo.choices[0].text[len(back["prompt"]):])
+    assert echo.usage.completion_tokens == 2
 
     c = client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=6,
                                        temperature=0, logprobs=True, top_logprobs=3)
