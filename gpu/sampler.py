@@ -1,0 +1,462 @@
+"""Token sampling for one step: one batched pass over the logits of every sequence.
+
+Order of operations (as vLLM v1 defines them):
+  1. logprobs, when asked, are taken from the raw model output (``log_softmax(logits)``);
+  2. ``logit_bias`` is added;
+  3. ``min_tokens``: the blocked ids get -inf while fewer than ``min_tokens`` tokens were generated;
+  4. penalties: repetition (over prompt and generated tokens: positive logits divided, negative
+     multiplied), then frequency (``- f * count``) and presence (``- p * [count > 0]``), both
+     counted over the generated tokens only;
+  5. temperature 0 (below 1e-5) is greedy: argmax of the processed logits;
+  6. otherwise logits are divided by the temperature, min-p, top-k and top-p filter them, and one
+     token is drawn.
+
+Determinism: a row's draw uses one uniform number that is a pure function of (seed, number of
+tokens generated so far), and inverse-CDF sampling over that row's own probabilities. So a
+seeded sequence gets the same token whatever else is in the batch and after a preemption (which
+keeps its generated tokens). One number per row instead of a Gumbel/exponential noise vector of
+vocabulary size makes a seeded batch about ten times cheaper on CPU.
+
+``Sampler.sample`` may modify the ``logits`` tensor it is given in place.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gpu.messages import SampledLogprobs, SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+# Top-p rows first look for their nucleus among this many highest-probability tokens; rows
+# whose nucleus is larger fall back to a full sort.
+TOP_P_CANDIDATES = 256
+# Chunk width of the two-level full-vocabulary draw.
+_CHUNK = 256
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # One entry per row when any row asked for logprobs (None for rows that did not); else None.
+    logprobs: list[SampledLogprobs | None] | None
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, step)."""
+    z = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
+def _num_generated(token_ids: list[list[int]], num_prompt_tokens: list[int], i: int) -> int:
+    return len(token_ids[i]) - num_prompt_tokens[i]
+
+
+def process_logits(
+    logits: Tensor,
+    options: list[SamplingOptions],
+    token_ids: list[list[int]],
+    num_prompt_tokens: list[int],
+) -> Tensor:
+    """Apply logit_bias, min_tokens blocking and the three penalties, in place; returns logits.
+
+    Token ids outside the vocabulary in ``logit_bias`` are ignored here (the engine validates
+    them against the tokenizer); failing the worker step would fail every request in it.
+    """
+    batch, vocab = logits.shape
+    bias_rows: list[int] = []
+    bias_cols: list[int] = []
+    bias_vals: list[float] = []
+    block_rows: list[int] = []
+    block_cols: list[int] = []
+    penalty_rows: list[int] = []
+    for i, opt in enumerate(options):
+        if opt.logit_bias:
+            for tok, bias in opt.logit_bias.items():
+                tok = int(tok)
+                if 0 <= tok < vocab:
+                    bias_rows.append(i)
+                    bias_cols.append(tok)
+                    bias_vals.append(float(bias))
+        if (
+            opt.min_tokens > 0
+            and opt.min_tokens_blocked_ids
+            and _num_generated(token_ids, num_prompt_tokens, i) < opt.min_tokens
+        ):
+            for tok in opt.min_tokens_blocked_ids:
+                if 0 <= tok < vocab:
+                    block_rows.append(i)
+                    block_cols.append(tok)
+        if (
+            opt.repetition_penalty != 1.0
+            or opt.frequency_penalty != 0.0
+            or opt.presence_penalty != 0.0
+        ):
+            penalty_rows.append(i)
+    if bias_rows:
+        logits.index_put_(
+            (torch.tensor(bias_rows), torch.tensor(bias_cols)),
+            torch.tensor(bias_vals, dtype=logits.dtype),
+            accumulate=True,
+        )
+    if block_rows:
+        logits[torch.tensor(block_rows), torch.tensor(block_cols)] = float("-inf")
+    if penalty_rows:
+        _apply_penalties(logits, penalty_rows, options, token_ids, num_prompt_tokens)
+    return logits
+
+
+def _apply_penalties(
+    logits: Tensor,
+    rows: list[int],
+    options: list[SamplingOptions],
+    token_ids: list[list[int]],
+    num_prompt_tokens: list[int],
+) -> None:
+    """Penalties touch only tokens a row has seen, so work on those (row, token) pairs alone.
+
+    Same values as the dense vLLM formulas, O(number of tokens) instead of O(rows * vocab).
+    """
+    vocab = logits.shape[1]
+    rep = torch.tensor([options[i].repetition_penalty for i in range(len(options))])
+    freq = torch.tensor([options[i].frequency_penalty for i in range(len(options))])
+    pres = torch.tensor([options[i].presence_penalty for i in range(len(options))])
+
+    # One flat tensor of every penalised row's tokens; each token knows its row and position.
+    lens = torch.tensor([len(token_ids[i]) for i in rows])
+    flat = torch.tensor([t for i in rows for t in token_ids[i]], dtype=torch.long)
+    row_t = torch.tensor(rows)
+    row_of = torch.repeat_interleave(row_t, lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(flat.shape[0]) - torch.repeat_interleave(starts, lens)
+    n_prompt = torch.repeat_interleave(torch.tensor([num_prompt_tokens[i] for i in rows]), lens)
+    valid = (flat >= 0) & (flat < vocab)
+    is_gen = pos >= n_prompt
+    keys_all = row_of * vocab + flat
+    uniq_gen, gen_counts = torch.unique(keys_all[valid & is_gen], return_counts=True)
+    in_prompt = valid & ~is_gen & (rep[row_of] != 1.0)
+    if bool(in_prompt.any()):
+        keys = torch.unique(torch.cat([uniq_gen, keys_all[in_prompt]]))
+    else:
+        keys = uniq_gen
+    if keys.numel() == 0:
+        return
+    counts = torch.zeros(keys.shape[0], dtype=logits.dtype)
+    counts[torch.searchsorted(keys, uniq_gen)] = gen_counts.to(logits.dtype)
+
+    key_rows = keys // vocab
+    key_cols = keys % vocab
+    vals = logits[key_rows, key_cols]
+    # Every key was seen in the prompt or the output of its row: the repetition penalty applies.
+    r = rep[key_rows].to(logits.dtype)
+    vals = torch.where(vals > 0, vals / r, vals * r)
+    vals = vals - freq[key_rows].to(logits.dtype) * counts
+    vals = vals - pres[key_rows].to(logits.dtype) * (counts > 0).to(logits.dtype)
+    logits[key_rows, key_cols] = vals
+
+
+def _select(t: Tensor, rows: list[int], total: int) -> Tensor:
+    """Rows of t; the tensor itself when every row is selected (no copy)."""
+    return t if len(rows) == total else t[torch.tensor(rows)]
+
+
+class Sampler:
+    def __init__(self, top_p_candidates: int = TOP_P_CANDIDATES) -> None:
+        self.top_p_candidates = top_p_candidates
+
+    def sample(
+        self,
+        logits: Tensor,
+        options: list[SamplingOptions],
+        token_ids: list[list[int]],
+        num_prompt_tokens: list[int],
+    ) -> SamplerOutput:
+        batch, vocab = logits.shape
+        if not (len(options) == len(token_ids) == len(num_prompt_tokens) == batch):
+            raise ValueError(
+                f"sampler got {batch} logit rows but {len(options)} options, "
+                f"{len(token_ids)} token lists and {len(num_prompt_tokens)} prompt lengths"
+            )
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+
+        lp_rows = [i for i, o in enumerate(options) if o.logprobs is not None]
+        raw_logprobs = (
+            torch.log_softmax(_select(logits, lp_rows, batch), dim=-1) if lp_rows else None
+        )
+
+        logits = process_logits(logits, options, token_ids, num_prompt_tokens)
+
+        random_rows = [i for i, o in enumerate(options) if o.temperature >= SAMPLING_EPS]
+        if not random_rows:
+            tokens = logits.argmax(dim=-1)
+        else:
+            greedy_rows = [i for i, o in enumerate(options) if o.temperature < SAMPLING_EPS]
+            tokens = torch.empty(batch, dtype=torch.long)
+            if greedy_rows:
+                g = torch.tensor(greedy_rows)
+                tokens[g] = logits[g].argmax(dim=-1)
+            uniforms = [
+                seeded_uniform(options[i].seed, _num_generated(token_ids, num_prompt_tokens, i))
+                for i in random_rows
+            ]
+            drawn = self._sample_random(
+                _select(logits, random_rows, batch), [options[i] for i in random_rows], uniforms
+            )
+            if len(random_rows) == batch:
+                tokens = drawn
+            else:
+                tokens[torch.tensor(random_rows)] = drawn
+
+        token_list: list[int] = tokens.tolist()
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, lp_rows, options, token_list, batch)
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    def _sample_random(
+        self, logits: Tensor, options: list[SamplingOptions], uniforms: list[float]
+    ) -> Tensor:
+        """Draw one token per row (rows with temperature > 0); logits is modified in place."""
+        rows, vocab = logits.shape
+        temps = [o.temperature for o in options]
+        if any(t != 1.0 for t in temps):
+            logits.div_(torch.tensor(temps, dtype=logits.dtype).unsqueeze(1))
+
+        min_ps = [o.min_p for o in options]
+        if any(m > 0.0 for m in min_ps):
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+            log_mp = torch.tensor(
+                [math.log(m) if m > 0.0 else float("-inf") for m in min_ps], dtype=logits.dtype
+            )
+            threshold = logits.amax(dim=-1) + log_mp
+            logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
+
+        top_ks = [o.top_k if 0 < o.top_k < vocab else 0 for o in options]
+        top_ps = [o.top_p for o in options]
+        filtered = [j for j in range(rows) if top_ks[j] > 0 or top_ps[j] < 1.0]
+        plain = [j for j in range(rows) if not (top_ks[j] > 0 or top_ps[j] < 1.0)]
+        u = torch.tensor(uniforms, dtype=torch.float64)
+        out = torch.empty(rows, dtype=torch.long)
+
+        if plain:
+            probs = torch.softmax(_select(logits, plain, rows), dim=-1)
+            idx = _draw_full_vocab(probs, _select(u, plain, rows))
+            if len(plain) == rows:
+                return idx
+            out[torch.tensor(plain)] = idx
+
+        if filtered:
+            sub = _select(logits, filtered, rows)
+            drawn = self._sample_filtered(
+                sub,
+                [top_ks[j] for j in filtered],
+                [top_ps[j] for j in filtered],
+                _select(u, filtered, rows),
+            )
+            if len(filtered) == rows:
+                return drawn
+            out[torch.tensor(filtered)] = drawn
+        return out
+
+    def _sample_filtered(
+        self, logits: Tensor, top_ks: list[int], top_ps: list[float], u: Tensor
+    ) -> Tensor:
+        """Top-k / top-p rows: draw among the highest-logit candidates, sorted descending."""
+        rows, vocab = logits.shape
+        # Top-p rows without top-k are normalised over the whole vocabulary.
+        full_norm = [j for j in range(rows) if top_ks[j] == 0]
+        k_cap = max(top_ks)
+        if full_norm:
+            k_cap = max(k_cap, self.top_p_candidates)
+        k_cap = min(k_cap, vocab)
+        full_probs = torch.softmax(_select(logits, full_norm, rows), dim=-1) if full_norm else None
+
+        vals, idx = logits.topk(k_cap, dim=-1)
+        tokens, fits = _draw_from_candidates(vals, idx, top_ks, top_ps, u, full_norm, full_probs)
+        # Rows whose nucleus lies beyond the candidates (only top-p rows without top-k) retry
+        # with 8x more candidates, then with the whole sorted row. Candidates are sorted and the
+        # weights prefix-stable, so the token is the same whichever attempt resolves the row.
+        while k_cap < vocab and not bool(fits.all()):
+            redo = (~fits).nonzero().squeeze(1).tolist()
+            k_cap = min(vocab, 8 * k_cap)
+            logger.debug("top-p nucleus of %d rows needs more candidates: %d", len(redo), k_cap)
+            redo_t = torch.tensor(redo)
+            sub = logits[redo_t]
+            if k_cap < vocab:
+                vals_s, idx_s = sub.topk(k_cap, dim=-1)
+            else:
+                vals_s, idx_s = sub.sort(dim=-1, descending=True)
+            assert full_probs is not None  # only full-normalised rows can miss
+            pos = {j: n for n, j in enumerate(full_norm)}
+            redo_probs = full_probs[torch.tensor([pos[j] for j in redo])]
+            tokens_s, fits_s = _draw_from_candidates(
+                vals_s,
+                idx_s,
+                [0] * len(redo),
+                [top_ps[j] for j in redo],
+                u[redo_t],
+                list(range(len(redo))),
+                redo_probs,
+            )
+            tokens[redo_t] = tokens_s
+            fits[redo_t] = fits_s
+        return tokens
+
+
+def _draw_full_vocab(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF draw over the whole vocabulary, in two levels.
+
+    First a chunk by chunk masses, then a token inside the chunk. Only the chosen chunk needs a
+    float64 cumulative sum, so no [rows, vocab] float64 copy is made, yet every token keeps its
+    own float32 probability as its width (a float32 cumsum over 50k tokens would round tail
+    probabilities below 6e-8 to 0).
+    """
+    rows, vocab = probs.shape
+    chunk = _CHUNK
+    n_full = vocab // chunk
+    parts = []
+    if n_full:
+        parts.append(probs[:, : n_full * chunk].unflatten(1, (n_full, chunk)).sum(dim=-1))
+    if vocab % chunk:
+        parts.append(probs[:, n_full * chunk :].sum(dim=-1, keepdim=True))
+    mass = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).double()
+    cum = torch.cumsum(mass, dim=-1)
+    n_chunks = mass.shape[1]
+    x = u * cum[:, -1]
+    c = torch.searchsorted(cum, x.unsqueeze(1), right=True).squeeze(1).clamp_(max=n_chunks - 1)
+    c_mass = mass.gather(1, c.unsqueeze(1)).squeeze(1)
+    if not bool((c_mass > 0).all()):  # x rounded onto the total
+        c = torch.where(c_mass > 0, c, mass.argmax(dim=-1))
+        c_mass = mass.gather(1, c.unsqueeze(1)).squeeze(1)
+    before = cum.gather(1, c.unsqueeze(1)).squeeze(1) - c_mass
+    frac = ((x - before) / c_mass).clamp_(0.0, 1.0)
+
+    cols = c.unsqueeze(1) * chunk + torch.arange(chunk).unsqueeze(0)
+    valid = cols < vocab
+    cols.clamp_(max=vocab - 1)
+    inner = probs.gather(1, cols).masked_fill_(~valid, 0.0)
+    inner_cum = torch.cumsum(inner, dim=-1, dtype=torch.float64)
+    y = frac * inner_cum[:, -1]
+    j = torch.searchsorted(inner_cum, y.unsqueeze(1), right=True).squeeze(1).clamp_(max=chunk - 1)
+    ok = inner.gather(1, j.unsqueeze(1)).squeeze(1) > 0
+    if not bool(ok.all()):
+        j = torch.where(ok, j, inner.argmax(dim=-1))
+    return cols.gather(1, j.unsqueeze(1)).squeeze(1)
+
+
+def _draw_from_candidates(
+    vals: Tensor,
+    idx: Tensor,
+    top_ks: list[int],
+    top_ps: list[float],
+    u: Tensor,
+    full_norm: list[int],
+    full_probs: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Inverse-CDF draw among candidates sorted by descending logit.
+
+    Returns (token ids, fits): ``fits`` is False for a top-p row whose nucleus is not inside the
+    candidates (only possible when there are fewer candidates than vocabulary entries).
+    Weights are prefix-stable (a candidate's cumulative weight does not depend on how many
+    candidates follow it), so the draw is the same whatever the candidate count.
+    """
+    rows, k_cap = vals.shape
+    weights = torch.exp(vals - vals[:, :1])
+    ks = torch.tensor([k if k > 0 else k_cap for k in top_ks])
+    beyond_k = torch.arange(k_cap).unsqueeze(0) >= ks.unsqueeze(1)
+    weights.masked_fill_(beyond_k, 0.0)
+    if full_norm:
+        fn = torch.tensor(full_norm)
+        assert full_probs is not None
+        weights[fn] = full_probs.gather(1, idx[fn])
+    cum = torch.cumsum(weights, dim=-1, dtype=torch.float64)
+    total = cum[:, -1].clone()
+    fits = torch.ones(rows, dtype=torch.bool)
+    if full_norm:
+        fn = torch.tensor(full_norm)
+        total[fn] = 1.0
+        p_fn = torch.tensor([top_ps[j] for j in full_norm], dtype=torch.float64)
+        fits[fn] = cum[fn, -1] >= p_fn
+
+    if any(p < 1.0 for p in top_ps):
+        p_t = torch.tensor(top_ps, dtype=torch.float64)
+        exclusive = torch.cat([torch.zeros(rows, 1, dtype=torch.float64), cum[:, :-1]], dim=1)
+        keep = exclusive < (p_t * total).unsqueeze(1)
+        keep[:, 0] = True
+        keep &= ~beyond_k
+    else:
+        keep = ~beyond_k
+    last_kept = keep.sum(dim=1) - 1  # keep is a prefix
+    kept_mass = cum.gather(1, last_kept.unsqueeze(1)).squeeze(1)
+    x = u * kept_mass
+    pos = torch.searchsorted(cum, x.unsqueeze(1), right=True).squeeze(1)
+    pos = torch.minimum(pos, last_kept)
+    ok = weights.gather(1, pos.unsqueeze(1)).squeeze(1) > 0
+    pos = torch.where(ok, pos, torch.zeros_like(pos))
+    return idx.gather(1, pos.unsqueeze(1)).squeeze(1), fits
+
+
+def _gather_logprobs(
+    raw_logprobs: Tensor,
+    rows: list[int],
+    options: list[SamplingOptions],
+    tokens: list[int],
+    batch: int,
+) -> list[SampledLogprobs | None]:
+    chosen = torch.tensor([tokens[i] for i in rows])
+    entries = _logprob_entries(raw_logprobs, chosen, [options[i].logprobs or 0 for i in rows])
+    out: list[SampledLogprobs | None] = [None] * batch
+    for r, i in enumerate(rows):
+        out[i] = entries[r]
+    return out
+
+
+def _logprob_entries(logprobs: Tensor, chosen: Tensor, ks: list[int]) -> list[SampledLogprobs]:
+    vocab = logprobs.shape[-1]
+    picked: list[float] = logprobs.gather(1, chosen.long().unsqueeze(1)).squeeze(1).tolist()
+    k_max = min(max(ks, default=0), vocab)
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if k_max > 0:
+        tv, ti = logprobs.topk(k_max, dim=-1)
+        top_vals, top_ids = tv.tolist(), ti.tolist()
+    entries = []
+    for r, k in enumerate(ks):
+        top = list(zip(top_ids[r][:k], top_vals[r][:k])) if k > 0 else []
+        entries.append(SampledLogprobs(logprob=picked[r], top=top))
+    return entries
+
+
+def compute_prompt_logprobs(
+    logits: Tensor, next_token_ids: Tensor | list[int], k: int
+) -> list[SampledLogprobs]:
+    """Logprob of each actual next prompt token under the raw logits, plus the top-k there.
+
+    ``logits[i]`` is the model output at prompt position p; ``next_token_ids[i]`` is the token at
+    position p + 1.
+    """
+    if logits.shape[0] == 0:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.as_tensor(next_token_ids, dtype=torch.long)
+    if chosen.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"compute_prompt_logprobs got {logits.shape[0]} logit rows but {chosen.shape[0]} token ids"
+        )
+    return _logprob_entries(logprobs, chosen, [max(k, 0)] * logits.shape[0])
