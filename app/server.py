@@ -167,8 +167,9 @@ class OpenAIServer:
                 kw["n"] = 1
                 kw["max_tokens"] = max_tokens[p]
                 if seed is not None:
-                    # Each choice samples its own sequence, reproducibly.
-                    kw["seed"] = seed + i
+                    # Choice i is seeded seed + i, as the engine seeds sequence i of an n > 1
+                    # request: distinct choices, reproducible run to run.
+                    kw["seed"] = (seed + i) % 2**63 if seed >= 0 else seed
                 choices.append(Choice(index=p * n + i, prompt_idx=p, sample_idx=i,
                                       request_id=f"{request_id}-{p}-{i}", prompt_ids=ids,
                                       prompt_text=text, params=self.build_params(kw),

@@ -228,3 +228,8 @@ async def test_stream_refused_at_submission_is_a_real_status(client, engine):
     engine.overloaded, engine.dead = False, True
     r = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert assert_openai_error(r, 503)["code"] == "engine_dead"
+
+
+async def test_negative_seed_is_refused_by_sampling_params(client):
+    err = assert_openai_error(await client.post("/v1/completions", json={"prompt": "x", "seed": -1}), 400, "seed")
+    assert "seed" in err["message"]
