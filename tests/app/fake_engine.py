@@ -7,13 +7,12 @@ logprobs and prompt_logprobs, so routes can be checked exactly without a model.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
-
-import time
 
 
 class FakeTokenizer:
