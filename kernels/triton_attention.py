@@ -1,0 +1,224 @@
+"""Triton kernels for the paged-KV ops (the CUDA path).
+
+Tested on CPU under ``TRITON_INTERPRET=1`` against the torch implementation; the environment
+variable must be set before this module is imported (``triton.jit`` reads it at decoration).
+
+Attention: one program per (query token, KV head). The program holds the query vectors of the
+G heads that share that KV head (GQA), walks the request's keys in tiles of ``BLOCK_N`` tokens
+(each token's physical slot looked up through the block table, so any block size works) and
+keeps an online softmax, so memory use does not grow with the context. Tokens past
+``meta.num_tokens`` (static-shape padding) get zeros.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+# The interpreter (3.x) runs tl.dot on bf16 operands as raw uint16 numbers, so when interpreting
+# the attention kernel upcasts its dot operands to fp32. Compiled kernels keep native bf16 dots.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    offs = tl.arange(0, ROW_PAD)
+    head = offs // HEAD_DIM
+    dim = offs % HEAD_DIM
+    slots = slot + tl.zeros([ROW_PAD], tl.int64)  # block-shaped: the interpreter rejects block & scalar masks
+    mask = (offs < NUM_KV_HEADS * HEAD_DIM) & (slots >= 0)
+    dst = slots * (NUM_KV_HEADS * HEAD_DIM) + offs  # caches are contiguous: a slot is one row
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dim, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dim, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V rows ``[T, Hkv, D]`` into the caches at ``slot_mapping`` (-1 = skip)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("KV caches must be contiguous")
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    _write_kv_cache_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        ROW_PAD=triton.next_power_of_2(num_kv_heads * head_dim),
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    token_request_ptr,
+    num_requests,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    request = tl.load(token_request_ptr + token)
+    is_real = request < num_requests  # padding tokens map past the last request
+    request = tl.minimum(request, num_requests - 1).to(tl.int64)
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_end = tl.load(query_start_loc_ptr + request + 1)
+    seq_len = tl.load(seq_lens_ptr + request)
+    position = seq_len - (query_end - query_start) + (token - query_start)
+    num_keys = tl.where(is_real, position + 1, 0)  # causal: keys 0 ..= position
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + g
+    row_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    table = block_tables_ptr + request * stride_table
+    for start in range(0, num_keys, BLOCK_N):
+        key_pos = start + tl.arange(0, BLOCK_N)
+        key_mask = key_pos < num_keys
+        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
+        row = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+        kv_mask = key_mask[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
+        scores = tl.where(key_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST_DOT:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys (padding token) -> zeros
+    tl.store(
+        out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask,
+    )
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of the flat batch ``q [T, H, D]`` over the paged cache -> ``[T, H, D]``.
+
+    No host synchronisation: every length is read on the device, so it can be graph-captured.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("K and V caches must share a layout with contiguous head_dim")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    tokens = torch.arange(num_tokens, device=q.device, dtype=meta.query_start_loc.dtype)
+    token_request = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True, out_int32=True)
+    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        token_request,
+        meta.seq_lens.shape[0],
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        meta.block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=max(16, min(64, block_size)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=_INTERPRETING and q.dtype != torch.float32,
+    )
+    return out

@@ -1,0 +1,153 @@
+"""Triton kernels vs the torch implementation, run on CPU by the Triton interpreter.
+
+``triton.jit`` decides at decoration time whether a function is interpreted, for our kernels and
+for triton.language's own jit helpers (tl.max, tl.sum, ...), so TRITON_INTERPRET=1 must be set
+before triton is first imported in the process, and again while kernels run. This module sets it
+for its import and for each of its tests only. If triton was already imported (by some other
+test module) the in-process tests are skipped and one test reruns this file in a subprocess.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+from tests.kernels.paged_batch import make_batch, naive_attention
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _import_interpreted():
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        if "kernels.triton_attention" in sys.modules:
+            return importlib.reload(sys.modules["kernels.triton_attention"])
+        return importlib.import_module("kernels.triton_attention")
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+triton_attention = None if _PREIMPORTED else _import_interpreted()
+in_process = pytest.mark.skipif(_PREIMPORTED, reason="triton imported before TRITON_INTERPRET; see subprocess test")
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.skipif(not _PREIMPORTED, reason="ran in process")
+def test_in_subprocess() -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def _triton(batch, scale: float) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))
+    result = triton_attention.paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    return out
+
+
+def _torch(batch, scale: float) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))
+    return paged_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=out)
+
+
+@in_process
+def test_kernels_are_interpreted() -> None:
+    assert type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction"
+    assert type(triton_attention._write_kv_cache_kernel).__name__ == "InterpretedFunction"
+
+
+@in_process
+def test_dispatch_uses_torch_for_cpu_tensors(monkeypatch) -> None:
+    from kernels import attention
+
+    def fail(*args, **kwargs):
+        raise AssertionError("Triton path taken for CPU tensors")
+
+    monkeypatch.setattr(triton_attention, "paged_attention_triton", fail)
+    monkeypatch.setattr(triton_attention, "write_kv_cache_triton", fail)
+    batch = make_batch([(5, 1), (0, 3)], 4, 2, 16, 8, seed=1)
+    got = attention.paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25)
+    torch.testing.assert_close(got, _torch(batch, 0.25))
+    attention.write_kv_cache(batch.q[:, :2], batch.q[:, :2], batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+
+
+@in_process
+@pytest.mark.parametrize(
+    "block_size,num_heads,num_kv_heads,head_dim",
+    [(8, 4, 4, 16), (16, 6, 2, 32), (32, 8, 2, 16), (8, 9, 3, 24)],
+)
+def test_mixed_batch_matches_torch(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    rng = random.Random(block_size + num_heads)
+    reqs = [(rng.randint(0, 2 * block_size), 1) for _ in range(2)]  # decodes first
+    reqs += [(0, rng.randint(2, 6)), (rng.randint(1, 2 * block_size), rng.randint(2, 5))]
+    batch = make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, seed=block_size, pad_tokens=2)
+    scale = head_dim**-0.5
+    got = _triton(batch, scale)
+    want = _torch(batch, scale)
+    assert not got.isnan().any()
+    assert (got[batch.meta.num_tokens :] == 0).all()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    n = batch.meta.num_tokens
+    torch.testing.assert_close(got[:n], naive_attention(batch, scale).float()[:n], atol=2e-5, rtol=1e-4)
+
+
+@in_process
+def test_block_boundaries_and_long_context() -> None:
+    # Keys span several BLOCK_N tiles and cache blocks; queries sit on both sides of boundaries.
+    reqs = [(15, 1), (16, 1), (70, 1), (31, 3)]
+    batch = make_batch(reqs, 4, 2, 16, 16, seed=4)
+    torch.testing.assert_close(_triton(batch, 0.25), _torch(batch, 0.25), atol=2e-5, rtol=1e-4)
+
+
+@in_process
+def test_bf16_matches_torch() -> None:
+    batch = make_batch([(20, 1), (9, 4)], 6, 2, 32, 8, dtype=torch.bfloat16, seed=2)
+    got = _triton(batch, 0.2)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), _torch(batch, 0.2).float(), atol=2e-2, rtol=2e-2)
+
+
+@in_process
+def test_write_kv_cache_matches_torch_and_skips_minus_one() -> None:
+    gen = torch.Generator().manual_seed(1)
+    shape = (5, 8, 3, 24)
+    slots = torch.tensor([3, -1, 39, 8, -1, 17], dtype=torch.int64)
+    # k is a strided view (as when split out of a fused qkv projection).
+    qkv = torch.randn(6, 2 * 3 * 24 + 5, generator=gen)
+    k = qkv[:, : 3 * 24].view(6, 3, 24)
+    v = qkv[:, 3 * 24 : 6 * 24].view(6, 3, 24)
+    caches = [torch.full(shape, float("nan")) for _ in range(4)]
+    triton_attention.write_kv_cache_triton(k, v, caches[0], caches[1], slots)
+    write_kv_cache_torch(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
+    assert (~caches[0].isnan()).all(-1).all(-1).sum() == 4
+    assert torch.equal(caches[0].view(-1, 3, 24)[39], k[2])
