@@ -59,6 +59,8 @@ class EngineCore:
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_model_len = int(config.model.max_model_len)
+        # Ids past the embedding table would crash the step for everyone; refuse them up front.
+        self.vocab_size = int((config.model.hf_config or {}).get("vocab_size") or 0) or None
         self.block_manager = BlockManager(int(executor.num_blocks), config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -123,6 +125,10 @@ class EngineCore:
             raise RequestRejectedError("the prompt is empty: give at least one token")
         if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
             raise RequestRejectedError("prompt token ids must be integers >= 0")
+        if self.vocab_size is not None and max(prompt_token_ids) >= self.vocab_size:
+            raise RequestRejectedError(
+                f"prompt token id {max(prompt_token_ids)} is out of range: the vocabulary has "
+                f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})")
         limit = self.max_model_len
         if params.max_tokens is None:
             if num_prompt >= limit:

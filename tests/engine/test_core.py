@@ -369,3 +369,13 @@ def test_prompt_logprobs_collected_across_chunks_and_sent_once():
     assert [e[p[pos]].logprob for pos, e in enumerate(deltas[0].prompt_logprobs) if e] == [-1.0 * i for i in range(1, 7)]
     assert deltas[0].prompt_logprobs[3][p[3]].rank == 1
     assert all(d.prompt_logprobs is None for d in deltas[1:])
+
+
+def test_out_of_vocabulary_prompt_ids_are_rejected_before_they_reach_the_model():
+    core, _ = make_core()
+    core.vocab_size = 300
+    with pytest.raises(RequestRejectedError, match=r"token id 300 is out of range: the vocabulary has 300"):
+        core.add_request("oov", None, [5, 300], SamplingParams())
+    assert not core.has_unfinished()
+    core.add_request("ok", None, [5, 299], SamplingParams(max_tokens=2, **GREEDY))
+    assert run_to_completion(core)["ok"].finished
