@@ -288,35 +288,95 @@ class Sampler:
         full_probs = torch.softmax(_select(logits, full_norm, rows), dim=-1) if full_norm else None
 
         vals, idx = logits.topk(k_cap, dim=-1)
-        tokens, fits = _draw_from_candidates(vals, idx, top_ks, top_ps, u, full_norm, full_probs)
-        # Rows whose nucleus lies beyond the candidates (only top-p rows without top-k) retry
-        # with 8x more candidates, then with the whole sorted row. Candidates are sorted and the
-        # weights prefix-stable, so the token is the same whichever attempt resolves the row.
-        while k_cap < vocab and not bool(fits.all()):
-            redo = (~fits).nonzero().squeeze(1).tolist()
-            k_cap = min(vocab, 8 * k_cap)
-            logger.debug("top-p nucleus of %d rows needs more candidates: %d", len(redo), k_cap)
-            redo_t = torch.tensor(redo)
-            sub = logits[redo_t]
-            if k_cap < vocab:
-                vals_s, idx_s = sub.topk(k_cap, dim=-1)
-            else:
-                vals_s, idx_s = sub.sort(dim=-1, descending=True)
-            assert full_probs is not None  # only full-normalised rows can miss
-            pos = {j: n for n, j in enumerate(full_norm)}
-            redo_probs = full_probs[torch.tensor([pos[j] for j in redo])]
-            tokens_s, fits_s = _draw_from_candidates(
-                vals_s,
-                idx_s,
-                [0] * len(redo),
-                [top_ps[j] for j in redo],
-                u[redo_t],
-                list(range(len(redo))),
-                redo_probs,
+        tokens, fits = _draw_from_candidates(
+            vals, idx, top_ks, top_ps, u, full_norm, full_probs, check_len=self.top_p_candidates
+        )
+        # Rows whose nucleus lies beyond the first candidates (only top-p rows without top-k)
+        # retry with 8x more, then find their crossings by histogram. Which path a row takes
+        # depends only on that row (fixed prefix lengths), and every path draws in descending
+        # logit order with prefix-stable weights, so a seeded row gets the same token.
+        if bool(fits.all()):
+            return tokens
+        redo = (~fits).nonzero().squeeze(1).tolist()
+        pos = {j: n for n, j in enumerate(full_norm)}
+        assert full_probs is not None  # only full-normalised rows can miss
+        redo_t = torch.tensor(redo)
+        sub = logits[redo_t]
+        sub_probs = full_probs[torch.tensor([pos[j] for j in redo])]
+        second = 8 * self.top_p_candidates
+        if second >= vocab:
+            vals_s, idx_s = sub.sort(dim=-1, descending=True)
+        else:
+            vals_s, idx_s = sub.topk(second, dim=-1)
+        tokens_s, fits_s = _draw_from_candidates(
+            vals_s,
+            idx_s,
+            [0] * len(redo),
+            [top_ps[j] for j in redo],
+            u[redo_t],
+            list(range(len(redo))),
+            sub_probs,
+            check_len=second,
+        )
+        if second < vocab and not bool(fits_s.all()):
+            miss = (~fits_s).nonzero().squeeze(1)
+            logger.debug("top-p nucleus beyond %d tokens for %d rows: histogram", second, len(miss))
+            tokens_s[miss] = _draw_top_p_by_histogram(
+                sub[miss], sub_probs[miss], [top_ps[redo[m]] for m in miss.tolist()], u[redo_t][miss]
             )
-            tokens[redo_t] = tokens_s
-            fits[redo_t] = fits_s
+        tokens[redo_t] = tokens_s
         return tokens
+
+
+# Logit buckets of the histogram top-p path.
+_HIST_BUCKETS = 2048
+
+
+def _draw_top_p_by_histogram(
+    logits: Tensor, probs: Tensor, top_ps: list[float], u: Tensor
+) -> Tensor:
+    """Top-p draw for rows with a very large nucleus, without sorting the vocabulary.
+
+    The sorted-order draw needs two positions in the descending order: where the cumulative
+    mass first reaches p (end of the nucleus), and where it first exceeds u * nucleus mass (the
+    token). Bucketing tokens by logit (buckets are ordered like the logits) finds the bucket of
+    each crossing with one scatter; only that bucket's tokens are then sorted.
+    """
+    rows, vocab = logits.shape
+    n_b = _HIST_BUCKETS
+    top = logits.amax(dim=-1, keepdim=True)
+    finite = torch.where(torch.isfinite(logits), logits, top)
+    span = (top - finite.amin(dim=-1, keepdim=True)).clamp_min_(1e-6)
+    bucket = ((top - logits) * ((n_b - 1) / span)).clamp_(0, n_b - 1).long()
+    mass = torch.zeros(rows, n_b, dtype=probs.dtype).scatter_add_(1, bucket, probs)
+    cum = torch.cumsum(mass, dim=-1, dtype=torch.float64)
+
+    def crossing(target: Tensor, strict: bool) -> tuple[list[int], list[float]]:
+        c = torch.searchsorted(cum, target.unsqueeze(1), right=strict).squeeze(1)
+        c.clamp_(max=n_b - 1)
+        before = torch.where(c > 0, cum.gather(1, (c - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+        toks, through = [], []
+        for r in range(rows):
+            members = (bucket[r] == c[r]).nonzero().squeeze(1)
+            if members.numel() == 0:  # target rounded past the last non-empty bucket
+                members = logits[r].argmax().reshape(1)
+            order = logits[r, members].argsort(descending=True, stable=True)
+            members = members[order]
+            w = probs[r, members]
+            inner = torch.cumsum(w, 0, dtype=torch.float64) + before[r]
+            j = int(torch.searchsorted(inner, target[r : r + 1], right=strict).clamp(max=len(members) - 1))
+            if w[j] <= 0:
+                j = 0
+            toks.append(int(members[j]))
+            through.append(float(inner[j]))
+        return toks, through
+
+    p_t = torch.tensor(top_ps, dtype=torch.float64)
+    _, kept_mass = crossing(p_t, strict=False)  # last kept token: first with cum >= p
+    kept = torch.tensor(kept_mass, dtype=torch.float64)
+    x = torch.minimum(u * kept, kept * (1 - 2.0**-52))
+    chosen, _ = crossing(x * 0.5, strict=True)  # first token with cum > x
+    return torch.tensor(chosen, dtype=torch.long)
 
 
 def _draw_full_vocab(probs: Tensor, u: Tensor) -> Tensor:
@@ -368,6 +428,7 @@ def _draw_from_candidates(
     u: Tensor,
     full_norm: list[int],
     full_probs: Tensor | None,
+    check_len: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Inverse-CDF draw among candidates sorted by descending logit.
 
@@ -392,7 +453,8 @@ def _draw_from_candidates(
         fn = torch.tensor(full_norm)
         total[fn] = 1.0
         p_fn = torch.tensor([top_ps[j] for j in full_norm], dtype=torch.float64)
-        fits[fn] = cum[fn, -1] >= p_fn
+        last = k_cap - 1 if check_len is None else min(check_len, k_cap) - 1
+        fits[fn] = cum[fn, last] >= p_fn
 
     if any(p < 1.0 for p in top_ps):
         p_t = torch.tensor(top_ps, dtype=torch.float64)

@@ -373,9 +373,10 @@ def test_prompt_logprobs_collected_across_chunks_and_sent_once():
 
 def test_out_of_vocabulary_prompt_ids_are_rejected_before_they_reach_the_model():
     core, _ = make_core()
-    core.vocab_size = 300
-    with pytest.raises(RequestRejectedError, match=r"token id 300 is out of range: the vocabulary has 300"):
-        core.add_request("oov", None, [5, 300], SamplingParams())
+    vocab = BYTE0 + 100
+    core.vocab_size = vocab
+    with pytest.raises(RequestRejectedError, match=rf"token id {vocab} is out of range: the vocabulary has {vocab}"):
+        core.add_request("oov", None, [BYTE0 + 40, vocab], SamplingParams())
     assert not core.has_unfinished()
-    core.add_request("ok", None, [5, 299], SamplingParams(max_tokens=2, **GREEDY))
+    core.add_request("ok", None, [BYTE0 + 40, vocab - 1], SamplingParams(max_tokens=2, **GREEDY))
     assert run_to_completion(core)["ok"].finished

@@ -89,6 +89,8 @@ def test_special_tokens_and_decode(ours, reference):
     assert set(reference.all_special_ids) <= ours.all_special_ids
     # Control tokens stay whole and are not split into pieces.
     assert ours.encode("<|im_start|>") == [1]
+    assert ours.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    assert ours.encode(" Paris.") == [7042, 30]
     ids = ours.encode(TEXTS[5] + TEXTS[6])
     assert ours.decode(ids) == reference.decode(ids) == TEXTS[5] + TEXTS[6]
     mixed = [1] + ids[:5] + [2, 0]

@@ -135,6 +135,32 @@ def test_top_p_same_tokens_whatever_the_candidate_count():
         assert tok in _allowed_top_p(logits[i], options[i].top_p)
 
 
+def test_top_p_histogram_path_with_tied_logits():
+    """A huge flat nucleus (histogram path) over quantised logits full of ties, as bf16 gives."""
+    gen = torch.Generator().manual_seed(14)
+    v = 3000
+    levels = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0])
+    logits = levels[torch.randint(0, 5, (v,), generator=gen)]
+    p = 0.6
+    probs = torch.softmax(logits.double(), -1)
+    mass_by_level = [probs[logits == lv].sum().item() for lv in levels.tolist()]
+    q_by_level = [math.exp(lv) / torch.exp(logits.double()).sum().item() for lv in levels.tolist()]
+    # descending levels: 2.0 then 1.5 ... ; the boundary level is partly in the nucleus
+    before, kept_mass, boundary = 0.0, 0.0, None
+    for lv in (4, 3, 2, 1, 0):
+        if before + mass_by_level[lv] >= p:
+            m = math.ceil((p - before) / q_by_level[lv] - 1e-9)
+            kept_mass, boundary = before + m * q_by_level[lv], lv
+            break
+        before += mass_by_level[lv]
+    assert boundary is not None and boundary < 4
+    n = 3000
+    draws = torch.tensor(_draws(logits, {"top_p": p}, n, Sampler(top_p_candidates=8)))
+    assert bool((logits[draws] >= levels[boundary]).all())
+    top_share = (logits[draws] == 2.0).float().mean().item()
+    assert top_share == pytest.approx(mass_by_level[4] / kept_mass, abs=0.03)
+
+
 def test_top_p_nucleus_includes_the_token_that_crosses_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     n = 4000
