@@ -375,7 +375,7 @@ def _draw_top_p_by_histogram(
     _, kept_mass = crossing(p_t, strict=False)  # last kept token: first with cum >= p
     kept = torch.tensor(kept_mass, dtype=torch.float64)
     x = torch.minimum(u * kept, kept * (1 - 2.0**-52))
-    chosen, _ = crossing(x * 0.5, strict=True)  # first token with cum > x
+    chosen, _ = crossing(x, strict=True)  # first token with cum > x
     return torch.tensor(chosen, dtype=torch.long)
 
 
