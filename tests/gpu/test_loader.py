@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from gpu.forward_context import forward_context
 from gpu.models.errors import ModelLoadError, UnsupportedArchitectureError
 from gpu.models.loader import load_model
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_models import ARCHS, assert_close, make_caches, paged_step, save_hf_model  # noqa: E402
+from tests.gpu.test_models import ARCHS, assert_close, make_caches, paged_step, save_hf_model
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 PARIS_IDS = [7042, 30]  # " Paris."
