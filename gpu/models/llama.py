@@ -6,6 +6,8 @@ are fused: q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -14,6 +16,8 @@ from gpu.models.errors import ModelLoadError
 from gpu.models.layers import (GatedMLP, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
                                VocabParallelEmbedding)
 from gpu.models.rotary import RotaryEmbedding, rope_params_from_config
+
+logger = logging.getLogger(__name__)
 
 _STACKED = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -121,6 +125,11 @@ class LlamaForCausalLM(nn.Module):
         attention_bias = bool(cfg.get("attention_bias", False))
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
         o_bias = attention_bias if o_bias is None else o_bias
+        window = cfg.get("sliding_window")
+        if window and cfg.get("use_sliding_window", True) and window < cfg.get("max_position_embeddings", 0):
+            logger.warning("%s: sliding-window attention (%d tokens) is not implemented; attention is "
+                           "full, so outputs differ from the reference past %d tokens", architecture, window,
+                           window)
         self.model = LlamaModel(cfg, qkv_bias, o_bias, qk_norm)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
