@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels.attention import paged_attention, write_kv_cache
+from kernels import torch_attention
 from kernels.torch_attention import paged_attention_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
 
@@ -140,3 +141,43 @@ def test_write_then_attend_round_trip() -> None:
     write_kv_cache(k_new, v_new, batch.k_cache, batch.v_cache, new_slots)
     got = _run_poisoned(batch, 0.25)
     torch.testing.assert_close(got, naive_attention(batch, 0.25).float(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["bmm", "sdpa"])
+@pytest.mark.parametrize("chunk_bytes", [1, 20_000, 4 << 20])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (6, 2), (8, 2)])
+def test_decode_kernels_and_chunking(monkeypatch, kernel: str, chunk_bytes: int, num_heads: int, num_kv_heads: int) -> None:
+    """Both decode kernels, with one chunk, several length-sorted chunks, and one request per chunk."""
+    chosen = torch_attention._decode_bmm if kernel == "bmm" else torch_attention._decode_sdpa
+    calls = []
+
+    def pick(dtype, batch):
+        calls.append(batch)
+        return chosen
+
+    monkeypatch.setattr(torch_attention, "_pick_decode_kernel", pick)
+    monkeypatch.setattr(torch_attention, "DECODE_CHUNK_BYTES", chunk_bytes)
+    rng = random.Random(chunk_bytes + num_heads)
+    reqs = [(rng.randint(0, 60), 1) for _ in range(7)] + [(9, 5)]
+    batch = make_batch(reqs, num_heads, num_kv_heads, 16, 8, seed=num_kv_heads)
+    got = _run_poisoned(batch, 0.25)
+    torch.testing.assert_close(got, naive_attention(batch, 0.25).float(), atol=2e-5, rtol=1e-4)
+    assert sum(calls) == 7
+    if chunk_bytes == 1:
+        assert calls == [1] * 7
+    elif chunk_bytes == 4 << 20:
+        assert calls == [7]
+    else:
+        assert 1 < len(calls) < 7
+
+
+def test_decode_chunks_sorted_and_bounded(monkeypatch) -> None:
+    monkeypatch.setattr(torch_attention, "DECODE_CHUNK_BYTES", 1000)
+    lens = [50, 3, 17, 64, 8, 33, 1]
+    chunks = torch_attention._decode_chunks(lens, 8, bytes_per_token=4)
+    flat = [i for c in chunks for i in c]
+    assert sorted(flat) == list(range(len(lens)))
+    assert [lens[i] for i in flat] == sorted(lens)
+    for c in chunks:
+        padded = max(-(-lens[i] // 8) * 8 for i in c)
+        assert len(c) == 1 or len(c) * padded * 4 <= 1000
