@@ -166,6 +166,27 @@ def _paged_attention_kernel(
     )
 
 
+def attention_constexprs(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> dict[str, object]:
+    """Compile-time parameters of ``_paged_attention_kernel``.
+
+    tl.dot needs K >= 16; M (query heads of a group) and N (keys per tile) are padded to 16 too,
+    the smallest tensor-core tile.
+    """
+    group = num_heads // num_kv_heads
+    return {
+        "GROUP": group,
+        "GROUP_PAD": max(16, triton.next_power_of_2(group)),
+        "HEAD_DIM": head_dim,
+        "DIM_PAD": max(16, triton.next_power_of_2(head_dim)),
+        "BLOCK_SIZE": block_size,
+        "BLOCK_N": max(16, min(64, block_size)),
+        "PRECISION": "ieee" if dtype == torch.float32 else None,  # fp32 stays exact (no tf32)
+        "UPCAST_DOT": _INTERPRETING and dtype != torch.float32,
+    }
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -190,7 +211,6 @@ def paged_attention_triton(
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    group = num_heads // num_kv_heads
     tokens = torch.arange(num_tokens, device=q.device, dtype=meta.query_start_loc.dtype)
     token_request = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True, out_int32=True)
     _paged_attention_kernel[(num_tokens, num_kv_heads)](
@@ -212,13 +232,6 @@ def paged_attention_triton(
         k_cache.stride(1),
         k_cache.stride(2),
         meta.block_tables.stride(0),
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size,
-        BLOCK_N=max(16, min(64, block_size)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=_INTERPRETING and q.dtype != torch.float32,
+        **attention_constexprs(num_heads, num_kv_heads, head_dim, block_size, q.dtype),
     )
     return out
