@@ -3,6 +3,8 @@ profile path, and the paged path with chunked prefill, mixed batches and decode 
 block boundaries (metadata and KV cache built by hand here)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -271,6 +273,8 @@ def _tp_worker(rank: int, world: int, init_file: str, dirs: list[str], out_file:
         torch.save(results, out_file)
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without interpreter teardown: gloo's background threads can abort a normal exit.
+    os._exit(0)
 
 
 def test_tensor_parallel_forward_matches_single_rank(tmp_path):
