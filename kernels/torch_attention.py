@@ -254,6 +254,8 @@ def paged_attention_torch(
         out[num_tokens:].zero_()
     if k_cache.dtype != q.dtype:
         raise TypeError(f"KV cache dtype {k_cache.dtype} differs from query dtype {q.dtype}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} KV heads")
     starts = meta.query_start_loc_host
     seq_lens = meta.seq_lens_host
     num_decodes = meta.num_decodes

@@ -181,3 +181,39 @@ def test_decode_chunks_sorted_and_bounded(monkeypatch) -> None:
     for c in chunks:
         padded = max(-(-lens[i] // 8) * 8 for i in c)
         assert len(c) == 1 or len(c) * padded * 4 <= 1000
+
+
+def test_strided_query_from_fused_projection() -> None:
+    """q as the model passes it: a [T, H, D] view of columns of a wider qkv tensor."""
+    batch = make_batch([(20, 1), (33, 1), (0, 7), (12, 4)], 6, 2, 16, 8, seed=11)
+    num_tokens = batch.q.shape[0]
+    fused = torch.randn(num_tokens, 6 * 16 + 2 * 2 * 16)
+    fused[:, : 6 * 16] = batch.q.reshape(num_tokens, -1)
+    q = fused[:, : 6 * 16].view(num_tokens, 6, 16)
+    assert not q.is_contiguous()
+    got = paged_attention(q, batch.k_cache, batch.v_cache, batch.meta, 0.25)
+    torch.testing.assert_close(got, naive_attention(batch, 0.25).float(), atol=2e-5, rtol=1e-4)
+
+
+def test_rejects_head_count_not_multiple_of_kv_heads() -> None:
+    batch = make_batch([(3, 1)], 4, 2, 16, 8)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(batch.q[:, :3], batch.k_cache, batch.v_cache, batch.meta, 0.25)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches_match_naive(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    num_kv_heads = rng.choice([1, 2, 3])
+    num_heads = num_kv_heads * rng.choice([1, 3, 4])
+    block_size = rng.choice([8, 16, 32, 64])
+    head_dim = rng.choice([8, 24, 64])
+    reqs = _random_requests(rng, rng.randint(0, 6), rng.randint(0 if seed % 2 else 1, 3), block_size)
+    if not reqs:
+        reqs = [(0, 1)]
+    batch = make_batch(reqs, num_heads, num_kv_heads, head_dim, block_size, seed=seed, pad_tokens=rng.randint(0, 2))
+    scale = rng.uniform(0.05, 0.5)
+    got = _run_poisoned(batch, scale)
+    n = batch.meta.num_tokens
+    torch.testing.assert_close(got[:n], naive_attention(batch, scale).float()[:n], atol=2e-5, rtol=1e-4)
+    assert (got[n:] == 0).all()

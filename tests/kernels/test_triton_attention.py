@@ -128,6 +128,18 @@ def test_block_boundaries_and_long_context() -> None:
 
 
 @in_process
+def test_strided_query_matches_torch() -> None:
+    batch = make_batch([(10, 1), (0, 4), (6, 3)], 4, 2, 16, 8, seed=6)
+    num_tokens = batch.q.shape[0]
+    fused = torch.randn(num_tokens, 4 * 16 + 32)
+    fused[:, : 4 * 16] = batch.q.reshape(num_tokens, -1)
+    q = fused[:, : 4 * 16].view(num_tokens, 4, 16)
+    out = torch.full_like(batch.q, float("nan"))
+    triton_attention.paged_attention_triton(q, batch.k_cache, batch.v_cache, batch.meta, 0.25, out=out)
+    torch.testing.assert_close(out, _torch(batch, 0.25), atol=2e-5, rtol=1e-4)
+
+
+@in_process
 def test_bf16_matches_torch() -> None:
     batch = make_batch([(20, 1), (9, 4)], 6, 2, 32, 8, dtype=torch.bfloat16, seed=2)
     got = _triton(batch, 0.2)
@@ -151,3 +163,16 @@ def test_write_kv_cache_matches_torch_and_skips_minus_one() -> None:
     assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
     assert (~caches[0].isnan()).all(-1).all(-1).sum() == 4
     assert torch.equal(caches[0].view(-1, 3, 24)[39], k[2])
+
+
+@in_process
+@pytest.mark.parametrize("seed", range(3))
+def test_random_batches_match_torch(seed: int) -> None:
+    rng = random.Random(2000 + seed)
+    num_kv_heads = rng.choice([1, 2])
+    num_heads = num_kv_heads * rng.choice([1, 3, 4])
+    block_size = rng.choice([8, 16, 32])
+    reqs = [(rng.randint(0, 40), 1) for _ in range(rng.randint(0, 3))]
+    reqs += [(rng.choice([0, rng.randint(1, 40)]), rng.randint(2, 5)) for _ in range(rng.randint(1, 2))]
+    batch = make_batch(reqs, num_heads, num_kv_heads, 16, block_size, seed=seed, pad_tokens=1)
+    torch.testing.assert_close(_triton(batch, 0.3), _torch(batch, 0.3), atol=2e-5, rtol=1e-4)
