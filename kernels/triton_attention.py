@@ -1,7 +1,9 @@
 """Triton kernels for the paged-KV ops (the CUDA path).
 
-Tested on CPU under ``TRITON_INTERPRET=1`` against the torch implementation; the environment
-variable must be set before this module is imported (``triton.jit`` reads it at decoration).
+Tested on CPU under ``TRITON_INTERPRET=1`` against the torch implementation; the variable must
+be set before triton is first imported (``triton.jit`` reads it at decoration, also for
+triton.language's own helpers) and while kernels run. tests/kernels/test_triton_compile.py
+compiles them for sm_80 down to cubin without a GPU.
 
 Attention: one program per (query token, KV head). The program holds the query vectors of the
 G heads that share that KV head (GQA), walks the request's keys in tiles of ``BLOCK_N`` tokens
