@@ -53,16 +53,21 @@ class LlamaAttentionBlock(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, layer_idx)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
+        cos, sin = rope
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+            q = self.rotary_emb.rotate_(self.q_norm(q.reshape(T, self.num_heads, self.head_dim)), cos, sin)
+            k = self.rotary_emb.rotate_(self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)), cos, sin)
+        else:
+            # q and k heads are adjacent in the fused output: rotate both in one in-place pass.
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+            self.rotary_emb.rotate_(qk, cos, sin)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -75,13 +80,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], bias=bool(cfg.get("mlp_bias")))
 
-    def forward(self, positions, x, residual):
+    def forward(self, rope, x, residual):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -95,15 +100,17 @@ class LlamaModel(nn.Module):
         partial = float(cfg.get("partial_rotary_factor") or 1.0)
         rotary = RotaryEmbedding(head_dim, int(head_dim * partial),
                                  int(_cfg(cfg, "max_position_embeddings", default=2048)), theta, scaling)
+        self.rotary = rotary
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary)
                                     for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], float(_cfg(cfg, "rms_norm_eps", default=1e-6)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
         return x
 

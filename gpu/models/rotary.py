@@ -69,19 +69,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [T, H, D]; cos/sin [T, 1, rotary_dim / 2]
-        rd = self.rotary_dim
-        half = rd // 2
-        x1, x2 = x[..., :half], x[..., half:rd]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        if rd == self.head_dim:
-            return rotated
-        return torch.cat((rotated, x[..., rd:]), dim=-1)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, rotary_dim / 2]`` for a step's positions; computed once per forward."""
+        cs = self.cos_sin_cache.index_select(0, positions).to(dtype)
+        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x ``[T, H, D]`` in place (neox layout) and return it. x may be a strided view
+        (e.g. the q and k heads of a fused qkv output), so q and k rotate in one pass."""
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rotary_dim]
+        x1_orig = x1.clone()
+        x1.mul_(cos).addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
+        x2.mul_(cos).addcmul_(x1_orig, sin)  # x2 cos + x1 sin
+        return x
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> rotated (same shapes and dtype)."""
-        cs = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
-        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """q [T, Hq, D], k [T, Hk, D] -> rotated copies (same shapes and dtype)."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.rotate_(q.clone(), cos, sin), self.rotate_(k.clone(), cos, sin)
