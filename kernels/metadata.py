@@ -30,6 +30,9 @@ class AttentionMetadata:
     # Host copies of query_start_loc and seq_lens (lists), so the CPU path never syncs.
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
+    # Per-step work the CPU kernels derive from the metadata (decode chunks, masks). Built by
+    # the first layer's call and reused by every other layer of the same forward.
+    cpu_plan: object | None = None
 
     @property
     def num_requests(self) -> int:

@@ -80,6 +80,14 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scratch: str | 
     return gathered.view(*block_ids.shape, *cache.shape[1:])
 
 
+def _decode_bias(seq_lens: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[B, 1, L]``: 0 for real positions, -inf past each request's length."""
+    positions = torch.arange(length, device=seq_lens.device, dtype=seq_lens.dtype)
+    beyond = positions[None, :] >= seq_lens[:, None]
+    return torch.zeros(seq_lens.shape[0], 1, length, dtype=dtype, device=seq_lens.device).masked_fill_(
+        beyond[:, None], float("-inf"))
+
+
 def _decode_bmm(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -87,6 +95,7 @@ def _decode_bmm(
     seq_lens: torch.Tensor,
     num_kv_heads: int,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q ``[B, H, D]``, gathered keys/values ``[B, L, Hkv, D]`` -> ``[B, H, D]``.
 
@@ -95,6 +104,7 @@ def _decode_bmm(
     elsewhere, so ``Qbd @ K^T`` is one plain batched GEMM with H rows per request over
     ``[L, Hkv*D]``; ``P @ V`` gives every head against every KV head and the diagonal is kept.
     The Hkv-fold extra FLOPs are cheaper than SDPA's small per-head tiles in bf16 (not in fp32).
+    ``bias`` is ``_decode_bias(seq_lens, L, q.dtype)``, passed in when the caller reuses it.
     """
     batch, num_heads, head_dim = q.shape
     length = keys.shape[1]
@@ -106,9 +116,8 @@ def _decode_bmm(
         eye = torch.eye(num_kv_heads, dtype=q.dtype, device=q.device) * scale
         q_wide = q.view(batch, num_kv_heads, group, 1, head_dim) * eye.view(1, num_kv_heads, 1, num_kv_heads, 1)
     q_wide = q_wide.reshape(batch, num_heads, width)
-    positions = torch.arange(length, device=q.device, dtype=seq_lens.dtype)
-    beyond = positions[None, :] >= seq_lens[:, None]
-    bias = torch.zeros(batch, 1, length, dtype=q.dtype, device=q.device).masked_fill_(beyond[:, None], float("-inf"))
+    if bias is None:
+        bias = _decode_bias(seq_lens, length, q.dtype)
     scores = torch.baddbmm(bias.expand(batch, num_heads, length), q_wide, keys.view(batch, length, width).transpose(1, 2))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.bmm(probs, values.view(batch, length, width))  # [B, H, Hkv*D]
@@ -168,13 +177,46 @@ def _pick_decode_kernel(dtype: torch.dtype, batch: int):
     return _decode_bmm if dtype != torch.float32 and batch > 1 else _decode_sdpa
 
 
+class _DecodeChunk:
+    """One chunk of decodes: which requests, their block tables cut to the chunk's longest
+    request, their lengths, and (bf16 path) the additive length mask."""
+
+    __slots__ = ("index", "tables", "lens", "num_blocks", "kernel", "bias")
+
+    def __init__(self, index, tables, lens, num_blocks, kernel, bias):
+        self.index, self.tables, self.lens, self.num_blocks = index, tables, lens, num_blocks
+        self.kernel, self.bias = kernel, bias
+
+
+def _decode_plan(meta: AttentionMetadata, batch: int, block_size: int, bytes_per_token: int,
+                 dtype: torch.dtype) -> list[_DecodeChunk]:
+    """Chunks, index tensors and masks for this step's decodes; the same for every layer."""
+    plan = meta.cpu_plan
+    if plan is not None and plan[0] == (batch, dtype):
+        return plan[1]
+    seq_lens_host = meta.seq_lens_host
+    chunk_ids = _decode_chunks(seq_lens_host[:batch], block_size, bytes_per_token)
+    chunks = []
+    for ids in chunk_ids:
+        if len(chunk_ids) == 1:
+            index, tables, lens = None, meta.block_tables[:batch], meta.seq_lens[:batch]
+        else:
+            index = torch.tensor(ids, dtype=torch.int64, device=meta.seq_lens.device)
+            tables, lens = meta.block_tables[index], meta.seq_lens[index]
+        num_blocks = -(-max(seq_lens_host[i] for i in ids) // block_size)
+        tables = tables[:, :num_blocks]
+        kernel = _pick_decode_kernel(dtype, len(ids))
+        bias = _decode_bias(lens, num_blocks * block_size, dtype) if kernel is _decode_bmm else None
+        chunks.append(_DecodeChunk(index, tables, lens, num_blocks, kernel, bias))
+    meta.cpu_plan = ((batch, dtype), chunks)
+    return chunks
+
+
 def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_lens_host: list[int],
+    meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
 ) -> None:
@@ -182,25 +224,19 @@ def _decode_attention(
     batch = q.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     bytes_per_token = 2 * num_kv_heads * head_dim * k_cache.element_size()
-    chunks = _decode_chunks(seq_lens_host[:batch], block_size, bytes_per_token)
-    for chunk in chunks:
-        if len(chunks) == 1:
-            q_c, tables, lens = q, block_tables[:batch], seq_lens[:batch]
-            index = None
+    for chunk in _decode_plan(meta, batch, block_size, bytes_per_token, q.dtype):
+        q_c = q if chunk.index is None else q[chunk.index]
+        shape = (chunk.tables.shape[0], chunk.num_blocks * block_size, num_kv_heads, head_dim)
+        keys = _gather_blocks(k_cache, chunk.tables, "k").view(shape)
+        values = _gather_blocks(v_cache, chunk.tables, "v").view(shape)
+        if chunk.bias is not None:
+            result = chunk.kernel(q_c, keys, values, chunk.lens, num_kv_heads, scale, chunk.bias)
         else:
-            index = torch.tensor(chunk, dtype=torch.int64, device=q.device)
-            q_c, tables, lens = q[index], block_tables[index], seq_lens[index]
-        num_blocks = -(-max(seq_lens_host[i] for i in chunk) // block_size)
-        tables = tables[:, :num_blocks]
-        shape = (len(chunk), num_blocks * block_size, num_kv_heads, head_dim)
-        keys = _gather_blocks(k_cache, tables, "k").view(shape)
-        values = _gather_blocks(v_cache, tables, "v").view(shape)
-        attend = _pick_decode_kernel(q.dtype, len(chunk))
-        result = attend(q_c, keys, values, lens, num_kv_heads, scale)
-        if index is None:
+            result = chunk.kernel(q_c, keys, values, chunk.lens, num_kv_heads, scale)
+        if chunk.index is None:
             out.copy_(result)
         else:
-            out.index_copy_(0, index, result)
+            out.index_copy_(0, chunk.index, result)
 
 
 def _prefill_attention(
@@ -260,16 +296,7 @@ def paged_attention_torch(
     seq_lens = meta.seq_lens_host
     num_decodes = meta.num_decodes
     if num_decodes > 0:
-        _decode_attention(
-            q[:num_decodes],
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            seq_lens,
-            scale,
-            out[:num_decodes],
-        )
+        _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, out[:num_decodes])
     for r in range(num_decodes, meta.num_requests):
         start, end = starts[r], starts[r + 1]
         if end == start:

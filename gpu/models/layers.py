@@ -234,7 +234,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate, inplace=True).mul_(up)  # x is a fresh matmul output: reuse it
 
 
 class GatedMLP(nn.Module):
