@@ -503,6 +503,25 @@ def format_table(result: dict) -> str:
     return "\n".join(lines + extra)
 
 
+def load_result(path: str) -> dict:
+    """A saved result: ours ({"metrics": {...}, ...}) or `vllm bench serve --save-result`'s flat
+    file (figures at the top level, "duration" in seconds), so a vLLM run can be compared as is."""
+    with open(path, "rb") as f:
+        data = orjson.loads(f.read())
+    if not isinstance(data, dict):
+        raise ValueError("not a saved benchmark result (expected a JSON object)")
+    if isinstance(data.get("metrics"), dict):
+        return data
+    if "completed" not in data:
+        raise ValueError("not a saved benchmark result (no 'metrics' and no 'completed')")
+    m = {k: v for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if "duration" in m:
+        m.setdefault("duration_s", m["duration"])
+    if "failed" not in m and isinstance(data.get("num_prompts"), int):
+        m["failed"] = data["num_prompts"] - data["completed"]
+    return {"metrics": m, "config": {k: data.get(k) for k in ("model_id", "backend", "endpoint_type")}}
+
+
 def format_compare(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
     return "\n".join(_table_lines([a["metrics"], b["metrics"]], list(names)))
 
@@ -586,13 +605,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: hundreds of lines that break the progress bar.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.compare:
-        a_path, b_path = args.compare
-        with open(a_path, "rb") as f:
-            a = orjson.loads(f.read())
-        with open(b_path, "rb") as f:
-            b = orjson.loads(f.read())
-        print(format_compare(a, b, (a_path, b_path)))
+        runs = []
+        for path in args.compare:
+            try:
+                runs.append(load_result(path))
+            except (OSError, ValueError) as e:
+                print(f"error: --compare {path}: {e}", file=sys.stderr)
+                return 2
+        print(format_compare(runs[0], runs[1], tuple(args.compare)))
         return 0
     try:
         cfg = config_from_args(args)

@@ -155,6 +155,30 @@ def test_cli_bench_serve_and_compare(server, tmp_path, capsys):
     assert "ratio" in out and "Mean TTFT (ms)" in out
 
 
+def test_compare_reads_vllm_flat_results_and_rejects_bad_files(tmp_path, capsys):
+    ours = {"config": {"model": "m"}, "metrics": {"completed": 8, "failed": 0, "total_output_tokens": 128,
+                                                   "duration_s": 2.0, "mean_ttft_ms": 100.0}}
+    # `vllm bench serve --save-result` writes its figures at the top level, duration in seconds
+    vllm = {"backend": "vllm", "model_id": "m", "num_prompts": 10, "completed": 8, "duration": 4.0,
+            "total_output_tokens": 128, "mean_ttft_ms": 50.0, "ttfts": [0.05] * 8, "errors": [""] * 8}
+    a, b = tmp_path / "ours.json", tmp_path / "vllm.json"
+    a.write_text(json.dumps(ours))
+    b.write_text(json.dumps(vllm))
+    assert cli_main(["bench", "serve", "--compare", str(a), str(b)]) == 0
+    lines = {ln.rsplit(None, 3)[0]: ln.split()[-3:] for ln in capsys.readouterr().out.splitlines()
+             if ln[:1].isupper() and len(ln.split()) > 3}
+    assert lines["Benchmark duration (s)"] == ["2.00", "4.00", "2.00x"]
+    assert lines["Mean TTFT (ms)"] == ["100.00", "50.00", "0.50x"]
+    assert lines["Failed requests"][:2] == ["0", "2"]
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert cli_main(["bench", "serve", "--compare", str(a), str(bad)]) == 2
+    assert cli_main(["bench", "serve", "--compare", str(a), str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json: not a saved benchmark result" in err and "missing.json" in err
+
+
 def test_unreachable_server_is_a_clear_error(capsys):
     from tests.loadtest.mock_server import free_port
 
