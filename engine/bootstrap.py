@@ -44,6 +44,7 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
     s = config.scheduler
     if s.max_num_batched_tokens < 1 or s.max_num_seqs < 1:
         raise ConfigError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
+    config.parallel.executor = config.parallel.resolved_executor()
     bs = config.cache.block_size
     if bs < 8 or bs & (bs - 1):
         raise ConfigError(f"--block-size {bs} must be a power of two >= 8")

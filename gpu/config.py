@@ -61,12 +61,20 @@ class CacheConfig:
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    executor: str = "inproc"  # inproc | mp
+    # inproc | mp; None = auto: mp when tensor_parallel_size > 1 (inproc cannot split), else inproc
+    executor: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     # None = auto: CUDA graphs for decode on CUDA; eager on CPU, where padding buys nothing
     # (False forces the padded static-buffer path on CPU too, as the tests do).
     enforce_eager: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
+
+
+    def resolved_executor(self) -> str:
+        """The executor to start: the user's choice, else mp for tensor parallelism, else inproc."""
+        if self.executor:
+            return self.executor
+        return "mp" if self.tensor_parallel_size > 1 else "inproc"
 
 
 @dataclass(slots=True)

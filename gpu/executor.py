@@ -58,7 +58,7 @@ class InprocExecutor(Executor):
 
 
 def create_executor(config: EngineConfig) -> Executor:
-    kind = config.parallel.executor
+    kind = config.parallel.resolved_executor()
     if kind == "inproc":
         if config.parallel.tensor_parallel_size != 1:
             raise ExecutorError("tensor_parallel_size > 1 needs executor='mp'")
