@@ -1,5 +1,8 @@
 """`pagedserve serve`: the OpenAI-compatible server (uvicorn + uvloop + httptools).
 
+The model runs in worker processes (`--executor mp`, the default here) so the event loop only
+schedules and streams.
+
 Shutdown on SIGTERM/SIGINT: uvicorn stops accepting, in-flight requests get up to
 --shutdown-timeout seconds to finish, the rest are cancelled (their engine requests aborted),
 then the engine stops and the process exits 0.
@@ -16,7 +19,7 @@ from app.engine_args import add_engine_args, engine_config_from_args
 
 logger = logging.getLogger("pagedserve.serve")
 
-DEFAULT_EXECUTOR = "inproc"
+DEFAULT_EXECUTOR = "mp"  # model compute in worker processes: the event loop stays free
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

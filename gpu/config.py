@@ -69,7 +69,6 @@ class ParallelConfig:
     enforce_eager: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
 
-
     def resolved_executor(self) -> str:
         """The executor to start: the user's choice, else mp for tensor parallelism, else inproc."""
         if self.executor:
