@@ -56,7 +56,9 @@ class _Workspace:
     def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         key = (name, like.device, like.dtype)
         buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
+        # A buffer made under inference_mode cannot be written outside it (and the kernels run
+        # both ways: the model runner in inference mode, tests and tools outside it).
+        if buf is None or buf.numel() < numel or (buf.is_inference() and not torch.is_inference_mode_enabled()):
             buf = torch.empty(numel, dtype=like.dtype, device=like.device)
             self._buffers[key] = buf
         return buf[:numel]
