@@ -27,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="inproc (same process) or mp (worker processes over shared memory)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA-graph decode runner (the default on CPU)")
-    g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    g.add_argument("--model-seed", dest="seed", type=int, default=0, help="seed of dummy (random) weights")
 
 
 def _json_arg(value: str | None) -> dict | None:

@@ -12,7 +12,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) ->
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", dest="sampling_seed", type=int, default=None)
+    g.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
 
