@@ -205,20 +205,24 @@ class Scheduler:
         entries = sorted(scheduled.values(), key=lambda e: e[1] != 1)
         seqs: list[Sequence] = []
         num_new_tokens: list[int] = []
-        new_block_ids: list[list[int]] = []
+        new_block_seqs: list[int] = []  # (batch index, block id) pairs, see gpu/messages.py
+        new_block_ids: list[int] = []
         samples: list[bool] = []
-        for seq, n, blocks in entries:
+        for i, (seq, n, blocks) in enumerate(entries):
             seq.num_computed_tokens += n
             seqs.append(seq)
             num_new_tokens.append(n)
-            new_block_ids.append(list(blocks))
+            if blocks:
+                new_block_seqs.extend([i] * len(blocks))
+                new_block_ids.extend(blocks)
             samples.append(seq.num_computed_tokens == seq.num_tokens)
         self._step_id += 1
-        step_input = StepInput(
+        step_input = StepInput.pack(
             step_id=self._step_id,
             new_seqs=new_seqs,
             seq_ids=[s.seq_id for s in seqs],
             num_new_tokens=num_new_tokens,
+            new_block_seqs=new_block_seqs,
             new_block_ids=new_block_ids,
             finished_seq_ids=self._finished_ids,
         )

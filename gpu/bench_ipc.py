@@ -9,8 +9,11 @@ with a StepOutput carrying N sampled tokens. Measured per round trip, send to de
   async       MultiprocExecutor.execute_async from an asyncio loop (eventfd via add_reader)
   *-bytes     transport only: the encoded step message echoed back unchanged (ring / Queue)
 
-Serialization is part of every round trip except the *-bytes ones; for 256 sequences msgspec
-decoding of the StepInput (256 block-id lists, 256 ints) is most of the ring's time.
+Serialization is part of every round trip except the *-bytes ones. Both transports carry the
+same message objects: the step's per-sequence columns are int arrays (gpu/messages.py), which
+msgspec moves as raw bytes and pickle as array reconstructors, so neither side decodes one
+Python int per sequence; the echo's reply is as big as a real one (an int64 sequence id and an
+int32 token per sequence).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import multiprocessing
 import statistics
 import time
 
-from gpu.messages import STEP_OUTPUT_DECODER, NewSeq, StepInput, StepOutput
+from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
 from gpu.shm_ring import ShmRing
 from gpu.worker import SHUTDOWN_MESSAGE, TAG_SHUTDOWN, decode_step, encode_output, encode_step
 
@@ -40,15 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def decode_step_input(n: int, step_id: int = 0) -> StepInput:
     """A steady-state decode step: n sequences, one token each, every 16th gets a new block."""
-    seq_ids = list(range(10_000, 10_000 + n))
-    return StepInput(step_id, [], seq_ids, [1] * n,
-                     [[50_000 + i] if i % 16 == 0 else [] for i in range(n)], [])
+    with_block = range(0, n, 16)
+    return StepInput.pack(step_id, [], range(10_000, 10_000 + n), [1] * n,
+                          with_block, [50_000 + i for i in with_block], [])
 
 
 def echo_output(step: StepInput) -> StepOutput:
-    """The reply of the same size; built without a Python loop so the echo's own work stays
+    """The reply of the same size (each sequence 'samples' its new-token count), read through the
+    column views a worker uses and built without a Python loop, so the echo's own work stays
     small next to the transport being measured (both transports pay it alike)."""
-    return StepOutput(step.step_id, step.seq_ids, step.seq_ids[::-1])
+    return StepOutput(step.step_id, step.seq_ids.tobytes(), step.num_new_tokens.tobytes())
 
 
 class EchoRunner:

@@ -2,17 +2,29 @@
 
 Only diffs travel: a sequence's prompt ids and sampling settings are sent once (``NewSeq``);
 afterwards a step names the scheduled sequence ids, how many new tokens each computes and
-which blocks were appended to each block table. Workers keep the rest of the per-sequence
+which blocks were appended to which block table. Workers keep the rest of the per-sequence
 state (token ids, number of computed tokens, block table) and append the token they sample
 themselves, so a decode step carries no token ids at all.
+
+Per-sequence columns of a step (and of its output) travel as packed machine integers in
+``bytes`` fields, not as lists of ints: msgspec (and pickle) copy a bytes field in one go,
+whereas 256 ints or 256 small lists cost one Python object each to decode, which used to be
+most of a decode step's round trip. Producers build messages with ``pack``; consumers read
+the columns through the read-only views ``seq_ids``, ``num_new_tokens``, ... (memoryviews
+cast to int64 / int32: index, iterate, ``len``, ``tolist()``). Block appends are sparse: a
+decode step gives most sequences no new block, so instead of one (mostly empty) list per
+sequence the step carries (batch index, block id) pairs. Both ends run on the same host
+(shared memory), so native byte order is fine.
 
 Worker-side order of operations for one ``StepInput``:
   1. forget every id in ``finished_seq_ids`` (finished, aborted or preempted sequences);
   2. register every ``NewSeq`` (a preempted sequence comes back as a NewSeq with the same id,
      its generated tokens included in ``token_ids``);
-  3. for each scheduled sequence i: extend its block table with ``new_block_ids[i]``, then
-     compute tokens ``token_ids[num_computed : num_computed + num_new_tokens[i]]``;
-  4. a sequence whose ``num_computed`` reaches ``len(token_ids)`` samples one token, appends it
+  3. for each k, append ``new_block_ids[k]`` to the block table of scheduled sequence
+     ``seq_ids[new_block_seqs[k]]`` (k in order, so a table grows in the order listed);
+  4. for each scheduled sequence i: compute tokens
+     ``token_ids[num_computed : num_computed + num_new_tokens[i]]``;
+  5. a sequence whose ``num_computed`` reaches ``len(token_ids)`` samples one token, appends it
      to its own ``token_ids`` and reports it in ``StepOutput`` (a partial prefill chunk samples
      nothing).
 
@@ -21,7 +33,22 @@ without pickling Python objects; the in-process executor passes them as they are
 """
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
+
 import msgspec
+
+SEQ_ID_FORMAT = "q"  # sequence ids: int64
+INT_FORMAT = "i"  # token counts, batch indexes, block ids, token ids: int32
+
+
+def pack_seq_ids(values: Iterable[int] = ()) -> bytes:
+    return array(SEQ_ID_FORMAT, values).tobytes()
+
+
+def pack_ints(values: Iterable[int] = ()) -> bytes:
+    """int32 column; a value out of range raises OverflowError here, on the producer's side."""
+    return array(INT_FORMAT, values).tobytes()
 
 
 class SamplingOptions(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -58,10 +85,38 @@ class NewSeq(msgspec.Struct, array_like=True):
 class StepInput(msgspec.Struct, array_like=True):
     step_id: int
     new_seqs: list[NewSeq]
-    seq_ids: list[int]  # scheduled this step, in batch order
-    num_new_tokens: list[int]  # per scheduled sequence
-    new_block_ids: list[list[int]]  # blocks appended to each scheduled sequence's table
+    seq_ids_buf: bytes  # int64: scheduled this step, in batch order
+    num_new_tokens_buf: bytes  # int32: per scheduled sequence
+    # Blocks appended to block tables this step, as pairs: new_block_ids[k] goes to the end of
+    # the table of seq_ids[new_block_seqs[k]]. Pairs are in batch order, a sequence's blocks in
+    # table order; a sequence that got no block has no pair.
+    new_block_seqs_buf: bytes  # int32: batch index of each pair
+    new_block_ids_buf: bytes  # int32: block id of each pair
     finished_seq_ids: list[int]  # forget these before running the step
+
+    @classmethod
+    def pack(cls, step_id: int, new_seqs: list[NewSeq], seq_ids: Iterable[int], num_new_tokens: Iterable[int],
+             new_block_seqs: Iterable[int] = (), new_block_ids: Iterable[int] = (),
+             finished_seq_ids: list[int] | None = None) -> StepInput:
+        return cls(step_id, new_seqs, pack_seq_ids(seq_ids), pack_ints(num_new_tokens),
+                   pack_ints(new_block_seqs), pack_ints(new_block_ids),
+                   [] if finished_seq_ids is None else finished_seq_ids)
+
+    @property
+    def seq_ids(self) -> memoryview:
+        return memoryview(self.seq_ids_buf).cast(SEQ_ID_FORMAT)
+
+    @property
+    def num_new_tokens(self) -> memoryview:
+        return memoryview(self.num_new_tokens_buf).cast(INT_FORMAT)
+
+    @property
+    def new_block_seqs(self) -> memoryview:
+        return memoryview(self.new_block_seqs_buf).cast(INT_FORMAT)
+
+    @property
+    def new_block_ids(self) -> memoryview:
+        return memoryview(self.new_block_ids_buf).cast(INT_FORMAT)
 
 
 class SampledLogprobs(msgspec.Struct, array_like=True):
@@ -85,13 +140,27 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
 
 class StepOutput(msgspec.Struct, array_like=True):
     step_id: int
-    seq_ids: list[int]  # sequences that sampled a token this step, in batch order
-    token_ids: list[int]  # the sampled token of each
+    seq_ids_buf: bytes = b""  # int64: sequences that sampled a token this step, in batch order
+    token_ids_buf: bytes = b""  # int32: the sampled token of each
     # One entry per sampled sequence when any sequence of the step asked for logprobs
     # (None for those that did not ask); None when nobody asked.
     logprobs: list[SampledLogprobs | None] | None = None
     prompt_logprobs: list[PromptLogprobs] | None = None
     error: str | None = None  # set when the worker failed this step; the engine fails the requests
+
+    @classmethod
+    def pack(cls, step_id: int, seq_ids: Iterable[int], token_ids: Iterable[int],
+             logprobs: list[SampledLogprobs | None] | None = None,
+             prompt_logprobs: list[PromptLogprobs] | None = None) -> StepOutput:
+        return cls(step_id, pack_seq_ids(seq_ids), pack_ints(token_ids), logprobs, prompt_logprobs)
+
+    @property
+    def seq_ids(self) -> memoryview:
+        return memoryview(self.seq_ids_buf).cast(SEQ_ID_FORMAT)
+
+    @property
+    def token_ids(self) -> memoryview:
+        return memoryview(self.token_ids_buf).cast(INT_FORMAT)
 
 
 STEP_INPUT_ENCODER = msgspec.msgpack.Encoder()

@@ -203,17 +203,15 @@ class ModelRunner:
         for new in step.new_seqs:
             self.seqs[new.seq_id] = self._new_state(new)
         if not step.seq_ids:
-            return StepOutput(step.step_id, [], [])
+            return StepOutput(step.step_id)
 
+        states = [self.seqs[seq_id] for seq_id in step.seq_ids]
+        for i, block in zip(step.new_block_seqs, step.new_block_ids):
+            states[i].block_table.append(block)
         requests: list[BatchRequest] = []
-        states: list[SeqState] = []
-        for seq_id, n, blocks in zip(step.seq_ids, step.num_new_tokens, step.new_block_ids):
-            s = self.seqs[seq_id]
-            if blocks:
-                s.block_table.extend(blocks)
+        for s, n in zip(states, step.num_new_tokens):
             start = s.num_computed
             requests.append(BatchRequest(s.token_ids[start:start + n], start, s.block_table))
-            states.append(s)
         batch = self.prepare(requests)
         hidden = self._run_model(batch)
 
@@ -232,7 +230,8 @@ class ModelRunner:
                 sample_ids.append(seq_id)
                 sample_states.append(s)
 
-        out = StepOutput(step.step_id, sample_ids, [], prompt_logprobs=prompt_logprobs or None)
+        token_ids: list[int] = []
+        logprobs = None
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
             result = self.sampler.sample(
@@ -243,9 +242,9 @@ class ModelRunner:
             )
             for s, token in zip(sample_states, result.token_ids):
                 s.token_ids.append(token)
-            out.token_ids = result.token_ids
-            out.logprobs = result.logprobs
-        return out
+            token_ids = result.token_ids
+            logprobs = result.logprobs
+        return StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None)
 
     def _new_state(self, new: NewSeq) -> SeqState:
         return SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,

@@ -190,10 +190,10 @@ def _serve(args: WorkerArgs, runner, step_ring: ShmRing, reply_ring: ShmRing | N
             if reply_ring is None:
                 raise  # rank > 0: peers are stuck in a collective; let the executor tear down
             logger.error("step %d failed:\n%s", step_id, text)
-            out = StepOutput(step_id, [], [], error=text)
+            out = StepOutput(step_id, error=text)
         if reply_ring is not None:
             try:
                 payload = encode_output(out)
             except (msgspec.EncodeError, TypeError, OverflowError) as e:
-                payload = encode_output(StepOutput(step_id, [], [], error=f"cannot encode StepOutput: {e}"))
+                payload = encode_output(StepOutput(step_id, error=f"cannot encode StepOutput: {e}"))
             reply_ring.send(payload)

@@ -8,7 +8,7 @@ prefix-cache hit, a lost block or a bad preemption shows up as an assertion).
 from __future__ import annotations
 
 from gpu.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from gpu.messages import SampledLogprobs, StepInput, StepOutput
+from gpu.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, SampledLogprobs, StepInput, StepOutput
 
 PAD, BOS, EOS = 0, 1, 2
 BYTE0 = 3  # ids 3..258 are the bytes 0..255
@@ -79,6 +79,10 @@ class FakeExecutor:
         return block * B + t % B
 
     def execute(self, step: StepInput) -> StepOutput:
+        # What the multi-process executor does: the step must survive msgpack unchanged.
+        wire = STEP_INPUT_DECODER.decode(STEP_INPUT_ENCODER.encode(step))
+        assert wire == step, "the step changed through msgpack"
+        step = wire
         self.steps.append(step)
         for sid in step.finished_seq_ids:
             assert sid in self.seqs, f"finished id {sid} unknown to the worker"
@@ -90,25 +94,29 @@ class FakeExecutor:
             for t in range(s.computed):  # a prefix-cache hit must point at the right K/V
                 assert self.kv.get(self.slot(s, t)) == (s.token_ids[t], t), f"bad cached prefix at {t}"
             self.seqs[ns.seq_id] = s
-        assert len(step.seq_ids) == len(step.num_new_tokens) == len(step.new_block_ids)
+        assert len(step.seq_ids) == len(step.num_new_tokens)
+        assert len(step.new_block_seqs) == len(step.new_block_ids)
+        pair_seqs = list(step.new_block_seqs)
+        assert pair_seqs == sorted(pair_seqs), "block pairs must be in batch order"
+        assert all(0 <= i < len(step.seq_ids) for i in pair_seqs)
         assert len(set(step.seq_ids)) == len(step.seq_ids)
         decode_flags = [n == 1 for n in step.num_new_tokens]
         assert decode_flags == sorted(decode_flags, reverse=True), "decodes must come first"
         if self.error is not None:
             err, self.error = self.error, None
-            return StepOutput(step.step_id, [], [], error=err)
+            return StepOutput(step.step_id, error=err)
         owners: dict[int, int] = {}
         for sid, s in self.seqs.items():
             for b in s.table:
                 owners[b] = owners.get(b, 0) + 1
-        for sid, new_blocks in zip(step.seq_ids, step.new_block_ids):
-            for b in new_blocks:
-                owners[b] = owners.get(b, 0) + 1
+        for b in step.new_block_ids:
+            owners[b] = owners.get(b, 0) + 1
+        for i, b in zip(step.new_block_seqs, step.new_block_ids):
+            self.seqs[step.seq_ids[i]].table.append(b)
         out_ids, out_tokens, out_lps = [], [], []
         any_lp = False
-        for sid, n, new_blocks in zip(step.seq_ids, step.num_new_tokens, step.new_block_ids):
+        for sid, n in zip(step.seq_ids, step.num_new_tokens):
             s = self.seqs[sid]
-            s.table.extend(new_blocks)
             assert n >= 1 and s.computed + n <= len(s.token_ids), (sid, n, s.computed, len(s.token_ids))
             assert len(s.table) * self.block_size >= s.computed + n, "block table too short"
             for t in range(s.computed, s.computed + n):
@@ -132,7 +140,7 @@ class FakeExecutor:
                     out_lps.append(SampledLogprobs(-0.25, top))
                 else:
                     out_lps.append(None)
-        return StepOutput(step.step_id, out_ids, out_tokens, logprobs=out_lps if any_lp else None)
+        return StepOutput.pack(step.step_id, out_ids, out_tokens, logprobs=out_lps if any_lp else None)
 
     async def execute_async(self, step):
         return self.execute(step)

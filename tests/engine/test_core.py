@@ -316,7 +316,7 @@ def test_prefix_cache_hits_for_shared_prefix():
     st = core.stats()
     assert st.prefix_cache_hits == 20 and st.prefix_cache_queries == 23 + 25
     assert ex.steps[-2].new_seqs[0].num_computed_tokens == 20
-    assert ex.steps[-2].num_new_tokens == [5]
+    assert list(ex.steps[-2].num_new_tokens) == [5]
 
 
 def test_n_sequences_share_prompt_blocks_and_seeded_reproducible():

@@ -20,7 +20,7 @@ HERE = "tests.gpu.test_mp_executor"
 SLOW_STEP = -2  # a step id the fake runner sleeps on (to be killed mid-step)
 FAILING_STEP = -1  # a step id the fake runner raises on
 BIG_STEP = -3  # a step id the fake runner answers with a reply larger than the whole ring
-BIG_TOKENS = 400_000  # ~1.2 MB of msgpack, the reply ring holds 1 MiB
+BIG_TOKENS = 100_000  # ~1.2 MB of msgpack (int64 seq ids + int32 tokens), the reply ring holds 1 MiB
 
 
 class FakeRunner:
@@ -40,7 +40,7 @@ class FakeRunner:
         if step.step_id == SLOW_STEP:
             time.sleep(60)
         if step.step_id == BIG_STEP:
-            return StepOutput(step.step_id, list(range(BIG_TOKENS)), [t % 50_000 for t in range(BIG_TOKENS)])
+            return StepOutput.pack(step.step_id, range(BIG_TOKENS), [t % 50_000 for t in range(BIG_TOKENS)])
         for s in step.finished_seq_ids:
             self.seqs.pop(s, None)
         for new in step.new_seqs:
@@ -50,7 +50,7 @@ class FakeRunner:
             t = s * 1000 + len(self.seqs[s])
             self.seqs[s].append(t)
             tokens.append(t)
-        return StepOutput(step.step_id, list(step.seq_ids), tokens)
+        return StepOutput.pack(step.step_id, step.seq_ids, tokens)
 
 
 class BrokenRunner(FakeRunner):
@@ -68,7 +68,7 @@ def _config(tp: int = 1, num_blocks: int = 77) -> EngineConfig:
 
 def _step(step_id: int, seq_ids: list[int], new: list[int] = ()) -> StepInput:
     news = [NewSeq(s, [1, 2, 3], 3, 0, [s], SamplingOptions()) for s in new]
-    return StepInput(step_id, news, seq_ids, [1] * len(seq_ids), [[] for _ in seq_ids], [])
+    return StepInput.pack(step_id, news, seq_ids, [1] * len(seq_ids))
 
 
 def _gone(pid: int) -> bool:
@@ -93,7 +93,7 @@ def executor():
 def test_ready_sync_and_async_steps(executor):
     assert executor.num_blocks == 77
     out = executor.execute(_step(1, [5, 6], new=[5, 6]))
-    assert (out.step_id, out.seq_ids, out.token_ids, out.error) == (1, [5, 6], [5003, 6003], None)
+    assert (out.step_id, list(out.seq_ids), list(out.token_ids), out.error) == (1, [5, 6], [5003, 6003], None)
 
     async def two_steps():
         a = await executor.execute_async(_step(2, [5, 6]))
@@ -101,14 +101,14 @@ def test_ready_sync_and_async_steps(executor):
         return a, b
 
     a, b = asyncio.run(two_steps())
-    assert a.token_ids == [5004, 6004] and b.token_ids == [6005]
+    assert list(a.token_ids) == [5004, 6004] and list(b.token_ids) == [6005]
     executor.check_health()
 
 
 def test_step_error_is_returned_and_worker_keeps_serving(executor):
     out = executor.execute(_step(FAILING_STEP, []))
     assert out.error is not None and "boom in the fake runner" in out.error
-    assert executor.execute(_step(4, [9], new=[9])).token_ids == [9003]
+    assert list(executor.execute(_step(4, [9], new=[9])).token_ids) == [9003]
     executor.check_health()
 
 
@@ -122,7 +122,7 @@ def test_event_loop_stays_free_while_a_step_runs(executor):
         return await task, ticks
 
     out, ticks = asyncio.run(main())
-    assert out.token_ids == [s * 1000 + 3 for s in range(256)]
+    assert list(out.token_ids) == [s * 1000 + 3 for s in range(256)]
     assert ticks > 1
 
 
@@ -247,7 +247,7 @@ class TPRunner(FakeRunner):
         if step.step_id == FAILING_STEP and self.rank == 1:
             raise ValueError("rank 1 cannot run this step")
         x = tp_all_reduce(torch.full((len(step.seq_ids),), float(self.rank + 1)))
-        return StepOutput(step.step_id, list(step.seq_ids), [int(v) for v in x.tolist()])
+        return StepOutput.pack(step.step_id, step.seq_ids, [int(v) for v in x.tolist()])
 
 
 def test_tensor_parallel_two_workers_over_gloo():
@@ -261,7 +261,7 @@ def test_tensor_parallel_two_workers_over_gloo():
         pids = ex.worker_pids
         assert len(pids) == 2
         out = ex.execute(_step(1, [4, 5, 6], new=[4, 5, 6]))
-        assert out.token_ids == [3, 3, 3]  # 1 + 2 summed over the two ranks
+        assert list(out.token_ids) == [3, 3, 3]  # 1 + 2 summed over the two ranks
         # a step failing on rank 1 only: rank 0 is stuck in the collective, the group is torn down
         t0 = time.monotonic()
         with pytest.raises(ExecutorError, match="worker 1 .*exited with code 1") as info:
@@ -284,12 +284,12 @@ def test_cancelled_async_step_does_not_shift_later_replies(executor):
         return await executor.execute_async(_step(2, [3]))
 
     out = asyncio.run(main())
-    assert (out.step_id, out.token_ids) == (2, [3004])
+    assert (out.step_id, list(out.token_ids)) == (2, [3004])
 
 
 def test_reply_larger_than_the_ring_sync_and_async(executor):
     out = executor.execute(_step(BIG_STEP, []))
-    assert out.token_ids == [t % 50_000 for t in range(BIG_TOKENS)]
+    assert list(out.token_ids) == [t % 50_000 for t in range(BIG_TOKENS)]
     out = asyncio.run(executor.execute_async(_step(BIG_STEP, [])))
     assert len(out.seq_ids) == BIG_TOKENS and out.token_ids[-1] == (BIG_TOKENS - 1) % 50_000
-    assert executor.execute(_step(1, [2], new=[2])).token_ids == [2003]
+    assert list(executor.execute(_step(1, [2], new=[2])).token_ids) == [2003]
