@@ -42,7 +42,8 @@ def _json_arg(value: str | None) -> dict | None:
     return json.loads(value)
 
 
-def engine_config_from_args(args: argparse.Namespace, default_executor: str = "inproc") -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, default_executor: str | None = None) -> EngineConfig:
+    """``default_executor`` None = auto: mp when tensor parallel, else in-process."""
     return EngineConfig.from_options(
         model=args.model,
         load_format=args.load_format,

@@ -1,4 +1,7 @@
-"""A tiny random Llama with the default model's tokenizer: fast engine tests with real text."""
+"""A tiny random Llama with the default model's tokenizer: fast engine tests with real text.
+
+Embeddings are untied: a tied random model mostly repeats its last input token, which would let
+greedy-equality tests pass even with broken attention."""
 from __future__ import annotations
 
 TINY_CONFIG = {
@@ -6,7 +9,7 @@ TINY_CONFIG = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
 }
 
 

@@ -19,14 +19,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.tiny import TINY_CONFIG
+
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-}
+TINY = TINY_CONFIG
 MAX_MODEL_LEN = 2048
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
