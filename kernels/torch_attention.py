@@ -176,18 +176,31 @@ def _decode_chunks(seq_lens: list[int], block_size: int, bytes_per_token: int) -
 
 def _pick_decode_kernel(dtype: torch.dtype, batch: int):
     """Measured: block-diagonal GEMMs win in bf16 from 2 requests on; SDPA wins in fp32 and for one."""
-    return _decode_bmm if dtype != torch.float32 and batch > 1 else _decode_sdpa
+    if batch == 1:
+        return _decode_single
+    return _decode_bmm if dtype != torch.float32 else _decode_sdpa
+
+
+def _decode_single(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor,
+                   num_kv_heads: int, scale: float) -> torch.Tensor:
+    """One request whose keys/values are cut to its exact length: SDPA with no mask at all
+    (the single-stream decode path, where every avoided op shows in the token latency)."""
+    _, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    out = F.scaled_dot_product_attention(
+        q.view(1, num_kv_heads, group, head_dim), keys.transpose(1, 2), values.transpose(1, 2), scale=scale)
+    return out.reshape(1, num_heads, head_dim)
 
 
 class _DecodeChunk:
     """One chunk of decodes: which requests, their block tables cut to the chunk's longest
     request, their lengths, and (bf16 path) the additive length mask."""
 
-    __slots__ = ("index", "tables", "lens", "num_blocks", "kernel", "bias")
+    __slots__ = ("index", "tables", "lens", "num_blocks", "kernel", "bias", "exact_len")
 
-    def __init__(self, index, tables, lens, num_blocks, kernel, bias):
+    def __init__(self, index, tables, lens, num_blocks, kernel, bias, exact_len):
         self.index, self.tables, self.lens, self.num_blocks = index, tables, lens, num_blocks
-        self.kernel, self.bias = kernel, bias
+        self.kernel, self.bias, self.exact_len = kernel, bias, exact_len
 
 
 def _decode_plan(meta: AttentionMetadata, batch: int, block_size: int, bytes_per_token: int,
@@ -209,7 +222,8 @@ def _decode_plan(meta: AttentionMetadata, batch: int, block_size: int, bytes_per
         tables = tables[:, :num_blocks]
         kernel = _pick_decode_kernel(dtype, len(ids))
         bias = _decode_bias(lens, num_blocks * block_size, dtype) if kernel is _decode_bmm else None
-        chunks.append(_DecodeChunk(index, tables, lens, num_blocks, kernel, bias))
+        exact_len = seq_lens_host[ids[0]] if kernel is _decode_single else None
+        chunks.append(_DecodeChunk(index, tables, lens, num_blocks, kernel, bias, exact_len))
     meta.cpu_plan = ((batch, dtype), chunks)
     return chunks
 
@@ -231,6 +245,8 @@ def _decode_attention(
         shape = (chunk.tables.shape[0], chunk.num_blocks * block_size, num_kv_heads, head_dim)
         keys = _gather_blocks(k_cache, chunk.tables, "k").view(shape)
         values = _gather_blocks(v_cache, chunk.tables, "v").view(shape)
+        if chunk.exact_len is not None:
+            keys, values = keys[:, : chunk.exact_len], values[:, : chunk.exact_len]
         if chunk.bias is not None:
             result = chunk.kernel(q_c, keys, values, chunk.lens, num_kv_heads, scale, chunk.bias)
         else:
