@@ -26,6 +26,7 @@ import httpx
 import orjson
 
 from loadtest import workloads
+from loadtest.sse import SSEDecoder, StreamError
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +82,6 @@ class RequestResult:
 # --------------------------------------------------------------------------- one request
 
 
-class StreamError(Exception):
-    pass
-
-
 def _headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -131,32 +128,16 @@ async def send_request(
     start = time.perf_counter()
     res.start = start - t0
     last = start
-    done = False
+    sse = SSEDecoder()
     try:
         async with client.stream("POST", cfg.endpoint, json=build_payload(cfg, model, req)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
                 raise StreamError(f"HTTP {resp.status_code}: {body[:200]}")
             async for line in resp.aiter_lines():
-                line = line.strip()
-                if not line or line.startswith(":"):
+                event = sse.feed(line)
+                if event is None:
                     continue
-                if not line.startswith("data:"):
-                    if line.split(":", 1)[0] in ("event", "id", "retry"):
-                        continue
-                    raise StreamError(f"malformed SSE line: {line[:200]}")
-                data = line[5:].strip()
-                if done:
-                    raise StreamError("data after [DONE]")
-                if data == "[DONE]":
-                    done = True
-                    continue
-                try:
-                    event = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    raise StreamError(f"malformed event (not JSON): {data[:200]}") from None
-                if not isinstance(event, dict):
-                    raise StreamError(f"malformed event: {data[:200]}")
                 if event.get("error"):
                     raise StreamError(f"error event: {str(event['error'])[:200]}")
                 usage = event.get("usage")
@@ -173,8 +154,7 @@ async def send_request(
                     last = now
                     res.chunk_times.append(now - t0)
                     res.text_len += len(text)
-        if not done:
-            raise StreamError("stream ended without [DONE]")
+        sse.finish()
         res.e2e = time.perf_counter() - start
         if not res.chunk_times:  # nothing generated: first token time = end of stream
             res.ttft = res.e2e

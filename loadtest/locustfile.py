@@ -36,7 +36,6 @@ Options (each also from the environment variable in brackets):
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -51,9 +50,11 @@ from locust.stats import CSV_STATS_INTERVAL_SEC
 
 try:
     from loadtest import workloads
+    from loadtest.sse import SSEDecoder, StreamError
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from loadtest import workloads
+    from loadtest.sse import SSEDecoder, StreamError
 
 logger = logging.getLogger(__name__)
 
@@ -187,29 +188,17 @@ class LLMUser(HttpUser):
             last = start
             usage = None
             nbytes = 0
-            done = False
+            sse = SSEDecoder()
             try:
                 if resp.status_code != 200:
                     raise StreamFailure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 for raw in resp.iter_lines():
                     nbytes += len(raw) + 1
-                    line = raw.decode("utf-8", "replace").strip()
-                    if not line or line.startswith(":") or line.split(":", 1)[0] in ("event", "id", "retry"):
+                    event = sse.feed(raw.decode("utf-8", "replace"))
+                    if event is None:
                         continue
-                    if not line.startswith("data:"):
-                        raise StreamFailure(f"malformed SSE line: {line[:120]}")
-                    data = line[5:].strip()
-                    if done:
-                        raise StreamFailure("data after [DONE]")
-                    if data == "[DONE]":
-                        done = True
-                        continue
-                    try:
-                        event = json.loads(data)
-                    except json.JSONDecodeError:
-                        raise StreamFailure(f"malformed event: {data[:120]}") from None
-                    if not isinstance(event, dict) or not isinstance(event.get("choices"), list):
-                        raise StreamFailure(f"malformed event: {data[:120]}")
+                    if not isinstance(event.get("choices"), list):
+                        raise StreamFailure(f"malformed event: {str(event)[:120]}")
                     if event.get("usage"):
                         usage = event["usage"]
                     text = ""
@@ -222,9 +211,8 @@ class LLMUser(HttpUser):
                         else:
                             itls.append(now - last)
                         last = now
-                if not done:
-                    raise StreamFailure("stream ended without [DONE]")
-            except StreamFailure as e:
+                sse.finish()
+            except (StreamFailure, StreamError) as e:
                 resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000
                 resp.failure(str(e))
                 return
