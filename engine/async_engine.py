@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from engine.errors import EngineDeadError, EngineOverloadedError
 from engine.outputs import RequestOutput

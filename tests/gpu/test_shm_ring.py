@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import random
 import signal
 import threading
@@ -171,7 +170,6 @@ def test_reader_killed_mid_run_is_detected_by_the_writer():
     try:
         for i in range(3):
             recv_conn, send_conn = CTX.Pipe(duplex=False)
-            consume = 50 if i == 1 else 10**9
             target = _stalling_reader if i == 1 else _reader_main
             args = (ring.spec, i, 50, send_conn) if i == 1 else (ring.spec, i, 3, 10**6, send_conn)
             p = CTX.Process(target=target, args=args, daemon=True)
