@@ -192,27 +192,30 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         core, executor = self.parts.core, self.parts.executor
+        reply_time = None  # when the previous step's output arrived (None after an idle wait)
         try:
             while True:
                 while self._pending_aborts:
                     core.abort_request(self._pending_aborts.pop())
                 scheduled = core.schedule() if core.has_unfinished() else None
                 if scheduled is None:
+                    reply_time = None
                     self._wake.clear()
                     try:
                         await asyncio.wait_for(self._wake.wait(), IDLE_HEALTH_CHECK_S)
                     except asyncio.TimeoutError:
                         executor.check_health()
                     continue
+                if reply_time is not None:
+                    # Output processing, stream flushes and scheduling between two steps.
+                    self.last_step_gap_s = time.perf_counter() - reply_time
                 output = await executor.execute_async(scheduled.step_input)
                 reply_time = time.perf_counter()
                 for out in core.process(scheduled, output):
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
-                # Let streams flush before the next step is sent; the gap is measured.
-                await asyncio.sleep(0)
-                self.last_step_gap_s = time.perf_counter() - reply_time
+                await asyncio.sleep(0)  # let streams flush before the next step is sent
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - any failure must reach every request
