@@ -41,8 +41,12 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(**_flat(engine_config_from_args(args)))
     try:
+        from tqdm import tqdm
+
         measure_once(llm, args.input_len, min(args.output_len, 8))  # warm-up
-        runs = [measure_once(llm, args.input_len, args.output_len) for _ in range(args.num_iters)]
+        runs = [measure_once(llm, args.input_len, args.output_len)
+                for _ in tqdm(range(args.num_iters), desc="bench latency", unit="run", file=sys.stderr,
+                              leave=False)]
     finally:
         llm.shutdown()
     result = {

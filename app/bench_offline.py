@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         "requests_per_s": round(len(prompts) / elapsed, 3),
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
+        "input_tokens_per_s": round(input_tokens / elapsed, 1),
         "output_tokens_per_s": round(output_tokens / elapsed, 1),
         "total_tokens_per_s": round((input_tokens + output_tokens) / elapsed, 1),
     }

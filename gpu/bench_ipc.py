@@ -22,6 +22,7 @@ import asyncio
 import json
 import multiprocessing
 import statistics
+import sys
 import time
 
 from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
@@ -216,6 +217,10 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
         next_id = {name: 0 for name in echoes}
         samples: dict[str, dict[int, list[int]]] = {name: {n: [] for n in sizes} for name in echoes}
         per_round = max(1, iters // rounds)
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(sizes) * rounds * len(echoes), desc="bench ipc", unit="round",
+                        file=sys.stderr, leave=False)
         for n in sizes:
             for name, echo in echoes.items():
                 _measure(echo, n, warmup, next_id[name])
@@ -224,6 +229,8 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
                 for name, echo in echoes.items():
                     samples[name][n] += _measure(echo, n, per_round, next_id[name])
                     next_id[name] += per_round
+                    progress.update(1)
+        progress.close()
         return {name: {n: _summary(s) for n, s in by_size.items()} for name, by_size in samples.items()}
     finally:
         for echo in echoes.values():

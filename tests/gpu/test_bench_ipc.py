@@ -1,0 +1,29 @@
+"""`pagedserve bench ipc` runs end to end and reports every transport at every batch size. Only the
+shape and sanity of the figures are checked: speed is a benchmark, not a test."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_ipc_reports_all_transports_and_sizes():
+    cmd = [sys.executable, "-m", "app.cli", "bench", "ipc", "--iters", "40", "--warmup", "5",
+           "--batch-sizes", "1,256", "--json"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["iters"] == 40
+    for transport in ("ring", "queue", "executor", "async"):
+        for size in ("1", "256"):
+            figures = result["results"][transport][size]
+            assert 0 < figures["median_us"] <= figures["p99_us"], (transport, size, figures)
+    # The bigger step is a bigger message, and the ratio is computed from the medians.
+    assert result["step_bytes"]["256"] > result["step_bytes"]["1"]
+    ring, queue = result["results"]["ring"]["256"], result["results"]["queue"]["256"]
+    assert abs(result["queue_over_ring_median"]["256"] - queue["median_us"] / ring["median_us"]) < 0.1
