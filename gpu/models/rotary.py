@@ -84,9 +84,3 @@ class RotaryEmbedding(nn.Module):
         x1.mul_(cos).addcmul_(x2, sin, value=-1.0)  # x1 cos - x2 sin
         x2.mul_(cos).addcmul_(x1_orig, sin)  # x2 cos + x1 sin
         return x
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] -> rotated copies (same shapes and dtype)."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return self.rotate_(q.clone(), cos, sin), self.rotate_(k.clone(), cos, sin)
