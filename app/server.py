@@ -2,7 +2,7 @@
 
 A request with several prompts or ``n > 1`` fans out to one engine request per choice
 (choice index = prompt_idx * n + i) whose delta streams are merged. Every error leaves as an
-OpenAI-format body; a stream that fails midway sends one error event and ends.
+OpenAI-format body; a stream that fails midway sends one error event, then ``[DONE]``.
 """
 from __future__ import annotations
 

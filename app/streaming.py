@@ -88,14 +88,15 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator]) -> AsyncIter
 
 
 async def sse_body(events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    """Frame chunk dicts as SSE; ``[DONE]`` at the end, or an error event if the stream fails."""
+    """Frame chunk dicts as SSE. The body always ends with ``[DONE]``: after the last chunk, or
+    after one error event if the stream fails midway (as vLLM does; its clients read until
+    ``[DONE]``)."""
     try:
         async for payload in events:
             yield sse_event(payload)
     except Exception as e:  # noqa: BLE001 - reported to the client in the stream
         err = to_api_error(e)
         yield sse_event(err.body())
-        return
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:

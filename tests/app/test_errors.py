@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+import orjson
 import pytest
 
 from tests.app.conftest import assert_openai_error, sse_payloads
@@ -183,7 +184,7 @@ async def test_unexpected_error_500_without_trace(client, engine, caplog):
     assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 200
 
 
-async def test_error_mid_stream_sends_error_event_and_ends(client, engine):
+async def test_error_mid_stream_sends_error_event_then_done(client, engine):
     engine.fail_after = 3
     r = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert r.status_code == 200
@@ -191,7 +192,34 @@ async def test_error_mid_stream_sends_error_event_and_ends(client, engine):
     assert [e["choices"][0]["text"] for e in events[:3]] == ["H", "e", "l"]
     assert events[3]["error"]["code"] == "engine_dead"
     assert set(events[3]["error"]) == {"message", "type", "param", "code"}
-    assert len(events) == 4  # nothing after the error, no [DONE]
+    # Clients written for vLLM read until [DONE]: it follows the error event, and nothing else.
+    assert events[4:] == ["[DONE]"]
+
+
+async def test_engine_error_mid_stream_read_line_by_line_ends_with_done(client, engine):
+    """An engine-side failure (finish_reason "error") mid-stream, read as a streaming client
+    reads it: the error event, then ``data: [DONE]``, then the body ends."""
+    real = engine.script
+
+    def script(call):
+        outs = real(call)[:3]
+        outs[2].outputs[0].finish_reason = "error"
+        outs[2].finished = True
+        outs[2].error = "worker crashed"
+        return outs
+
+    engine.script = script
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+    lines = []
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line[len("data: "):])
+    assert lines[-1] == "[DONE]"
+    err = orjson.loads(lines[-2])["error"]
+    assert "worker crashed" in err["message"] and err["type"] == "server_error"
+    assert all("error" not in orjson.loads(x) for x in lines[:-2])
 
 
 async def test_engine_error_finish_reason_is_an_error(client, engine):
