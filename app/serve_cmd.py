@@ -3,6 +3,9 @@
 The model runs in worker processes (`--executor mp`, the default here) so the event loop only
 schedules and streams.
 
+The listening socket is bound first, before the engine loads: a busy port fails in a
+second with one clear line and exit code 1, not after a full model load.
+
 Shutdown on SIGTERM/SIGINT: uvicorn stops accepting, in-flight requests get up to
 --shutdown-timeout seconds to finish, the rest are cancelled (their engine requests aborted),
 then the engine stops and the process exits 0.
@@ -14,8 +17,10 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 
 from app.engine_args import add_engine_args, engine_config_from_args
+from app.listen import ListenError, bind_socket
 
 logger = logging.getLogger("pagedserve.serve")
 
@@ -46,19 +51,25 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = engine_config_from_args(args, default_executor=DEFAULT_EXECUTOR)
-    uv_config = uvicorn.Config(
-        "app.server:build_app",  # replaced below; uvicorn only needs a placeholder until load()
-        host=args.host, port=args.port, loop="uvloop", http="httptools", lifespan="off",
-        timeout_graceful_shutdown=args.shutdown_timeout, log_level=args.log_level,
-        access_log=args.log_level == "debug",
-    )
-    runner = asyncio.Runner(loop_factory=uv_config.get_loop_factory())
-    with runner:
-        return runner.run(_serve(args, config, uv_config))
+    try:
+        sock = bind_socket(args.host, args.port)
+    except ListenError as e:
+        logger.error("%s", e)
+        return 1
+    with sock:
+        config = engine_config_from_args(args, default_executor=DEFAULT_EXECUTOR)
+        uv_config = uvicorn.Config(
+            "app.server:build_app",  # replaced below; uvicorn only needs a placeholder until load()
+            host=args.host, port=sock.getsockname()[1], loop="uvloop", http="httptools",
+            lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout,
+            log_level=args.log_level, access_log=args.log_level == "debug",
+        )
+        runner = asyncio.Runner(loop_factory=uv_config.get_loop_factory())
+        with runner:
+            return runner.run(_serve(args, config, uv_config, sock))
 
 
-async def _serve(args: argparse.Namespace, config, uv_config) -> int:
+async def _serve(args: argparse.Namespace, config, uv_config, sock: socket.socket) -> int:
     import uvicorn
     from sse_starlette.sse import AppStatus
 
@@ -77,13 +88,14 @@ async def _serve(args: argparse.Namespace, config, uv_config) -> int:
         uv_config.app = app
         num_blocks = engine.num_blocks
         block_size = config.cache.block_size
+        port = sock.getsockname()[1]
 
         class Server(uvicorn.Server):
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets)
                 if self.started:
                     logger.info("serving %s on http://%s:%d | KV cache %d blocks x %d = %d tokens | "
-                                "max_model_len %d | ready", engine.model_name, args.host, args.port,
+                                "max_model_len %d | ready", engine.model_name, args.host, port,
                                 num_blocks, block_size, num_blocks * block_size, engine.max_model_len)
 
         server = Server(uv_config)
@@ -91,12 +103,13 @@ async def _serve(args: argparse.Namespace, config, uv_config) -> int:
         # make that harmless so the engine can stop cleanly and the process exit 0.
         previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if not server.started:
-            logger.error("the server did not start (is port %d free?)", args.port)
+            logger.error("the HTTP server did not start on %s:%d (see the error above)",
+                         args.host, port)
             return 1
         logger.info("HTTP server stopped; stopping the engine")
     finally:

@@ -1,0 +1,49 @@
+"""The server's listening socket, bound before anything slow happens.
+
+A model can take minutes to load; a busy port must be found before that, not after (vLLM binds
+first for the same reason). The socket is bound here and handed to uvicorn
+(``server.serve(sockets=[sock])``), which starts listening once the engine is up: until then
+connections are refused, which clients and health checks already treat as "not ready".
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+
+logger = logging.getLogger(__name__)
+
+
+class ListenError(OSError):
+    """The server cannot listen on the requested address; the message says what to change."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (without listening) a TCP socket on host:port. Raises ListenError with a one-line
+    message when the address is busy, unknown or not allowed."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ListenError(f"cannot listen on {host}:{port}: unknown host ({e.strerror}); "
+                          "check --host") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As uvicorn: a port left in TIME_WAIT by a previous run is reusable at once; a port
+        # another process listens on still fails below.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ListenError(f"cannot listen on {host}:{port}: the address is already in use; "
+                              "stop the other server or choose another --port") from None
+        if e.errno == errno.EACCES:
+            raise ListenError(f"cannot listen on {host}:{port}: permission denied; choose a port "
+                              "above 1023 or run with the right privileges") from None
+        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}; check --host and "
+                          "--port") from None
+    logger.debug("bound %s:%d", *sock.getsockname()[:2])
+    return sock
