@@ -4,7 +4,9 @@ The engine writes each StepInput to the step ring (read by every rank); rank 0 a
 reply ring. ``execute_async`` waits for the reply with ``loop.add_reader`` on the reply ring's
 eventfd and on every worker's sentinel, so the event loop never blocks on a worker and a worker
 that dies fails the pending step at once. After a death the executor tears everything down and
-every later call raises ``ExecutorError`` with the same message.
+every later call raises ``ExecutorError`` with the same message. Replies are matched to steps by
+id: a reply to a step whose caller was cancelled is dropped by its id, any other mismatch is a
+worker fault that fails the executor (never a silent shift of every later step).
 
 Everything the executor owns (processes, rings, pipes) sits in ``_Resources``, released by
 ``shutdown()``, by the garbage collector or at interpreter exit; the rings' creator is this
@@ -14,6 +16,7 @@ exit when they see this process's sentinel close.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import multiprocessing
 import os
@@ -22,6 +25,8 @@ import socket
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
+
+import msgspec
 
 from gpu.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
@@ -105,7 +110,9 @@ class MultiprocExecutor(Executor):
             raise ExecutorError("tensor_parallel_size must be >= 1")
         self._res = _Resources()
         self._error: ExecutorError | None = None
-        self._stale_replies = 0  # replies of steps whose waiter was cancelled: dropped on arrival
+        # Ids of sent steps whose caller gave up (cancelled, interrupted), in send order: their
+        # replies still come and are dropped by id.
+        self._abandoned: collections.deque[int] = collections.deque()
         self._lock: asyncio.Lock | None = None
         self._lock_loop = None
         self._sentinels: list[int] = []
@@ -229,16 +236,35 @@ class MultiprocExecutor(Executor):
         except RingPeerDied:
             raise self._fail_from_death() from None
 
-    def _poll_reply(self) -> StepOutput | None:
+    def _take_reply(self, expected: int) -> StepOutput | None:
+        """The reply to step ``expected`` if it has arrived, else None.
+
+        Rank 0 answers every step once, in the order sent. Replies of abandoned steps (their
+        caller was cancelled) are due first and are dropped by id; any other id (a lost, repeated
+        or foreign reply) is a worker fault: the executor fails rather than hand the engine
+        another step's tokens."""
         ring = self._res.reply_ring
         while True:
             msg = ring.try_recv()
             if msg is None:
                 return None
-            if self._stale_replies:
-                self._stale_replies -= 1
+            try:
+                out = STEP_OUTPUT_DECODER.decode(msg)
+            except msgspec.DecodeError as e:
+                raise self._fail(f"worker 0 sent a reply that cannot be decoded ({e}) while step "
+                                 f"{expected} was running; in-flight requests cannot finish") from None
+            want = self._abandoned[0] if self._abandoned else expected
+            if out.step_id != want:
+                why = " (abandoned: its caller was cancelled)" if self._abandoned else ""
+                detail = f"; the reply carries this error:\n{out.error}" if out.error else ""
+                raise self._fail(
+                    f"replies out of order: expected the reply to step {want}{why}, got step "
+                    f"{out.step_id} (a lost, repeated or foreign reply from worker 0); in-flight "
+                    f"requests cannot finish{detail}")
+            if self._abandoned:
+                self._abandoned.popleft()
                 continue
-            return STEP_OUTPUT_DECODER.decode(msg)
+            return out
 
     # With tensor parallelism a step that fails on rank 0 may be the echo of another rank's
     # death (the collective lost its peer): wait a moment for a sentinel, so the error names the
@@ -254,7 +280,7 @@ class MultiprocExecutor(Executor):
         ring = self._res.reply_ring
         try:
             while True:
-                out = self._poll_reply()
+                out = self._take_reply(step.step_id)
                 if out is not None:
                     if self._error_from_peer(out) and wait(self._sentinels, self._PEER_FAILURE_GRACE_S):
                         raise RingPeerDied("a worker exited")
@@ -262,8 +288,10 @@ class MultiprocExecutor(Executor):
                 ring.wait()
         except RingPeerDied:
             raise self._fail_from_death() from None
+        except ExecutorError:
+            raise
         except BaseException:
-            self._stale_replies += 1  # e.g. KeyboardInterrupt: the reply still comes
+            self._abandoned.append(step.step_id)  # e.g. KeyboardInterrupt: the reply still comes
             raise
 
     async def execute_async(self, step: StepInput) -> StepOutput:
@@ -282,7 +310,7 @@ class MultiprocExecutor(Executor):
                     return
                 ring.clear_wakeup()
                 try:
-                    result = self._poll_reply()
+                    result = self._take_reply(step.step_id)
                 except Exception as e:  # a corrupt reply: surface it rather than hang
                     fut.set_exception(e)
                     return
@@ -309,7 +337,7 @@ class MultiprocExecutor(Executor):
                 pass
             except asyncio.CancelledError:
                 if not fut.done() or fut.cancelled():  # the reply is still to come: drop it then
-                    self._stale_replies += 1
+                    self._abandoned.append(step.step_id)
                 raise
             finally:
                 loop.remove_reader(reply_fd)

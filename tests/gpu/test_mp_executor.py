@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -20,6 +21,8 @@ HERE = "tests.gpu.test_mp_executor"
 SLOW_STEP = -2  # a step id the fake runner sleeps on (to be killed mid-step)
 FAILING_STEP = -1  # a step id the fake runner raises on
 BIG_STEP = -3  # a step id the fake runner answers with a reply larger than the whole ring
+WRONG_ID_STEP = -4  # a step id the fake runner answers with the id of a step never sent
+HANG_STEP = -5  # a step id the fake runner never finishes (a hung worker)
 BIG_TOKENS = 100_000  # ~1.2 MB of msgpack (int64 seq ids + int32 tokens), the reply ring holds 1 MiB
 
 
@@ -39,6 +42,10 @@ class FakeRunner:
             raise ValueError("boom in the fake runner")
         if step.step_id == SLOW_STEP:
             time.sleep(60)
+        if step.step_id == WRONG_ID_STEP:
+            return StepOutput.pack(step.step_id - 100, step.seq_ids, [0] * len(step.seq_ids))
+        if step.step_id == HANG_STEP:
+            threading.Event().wait()  # a deadlock: alive, never answers
         if step.step_id == BIG_STEP:
             return StepOutput.pack(step.step_id, range(BIG_TOKENS), [t % 50_000 for t in range(BIG_TOKENS)])
         for s in step.finished_seq_ids:
@@ -293,3 +300,72 @@ def test_reply_larger_than_the_ring_sync_and_async(executor):
     out = asyncio.run(executor.execute_async(_step(BIG_STEP, [])))
     assert len(out.seq_ids) == BIG_TOKENS and out.token_ids[-1] == (BIG_TOKENS - 1) % 50_000
     assert list(executor.execute(_step(1, [2], new=[2])).token_ids) == [2003]
+
+
+# ---------------------------------------------------------------- replies matched by step id
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_reply_with_an_unexpected_step_id_fails_the_executor(executor, mode):
+    """A reply for a step never sent is a worker fault: a clear error and a dead executor, never
+    a wrong output handed to the engine as if it answered this step."""
+    executor.execute(_step(1, [7], new=[7]))
+    with pytest.raises(ExecutorError, match=r"expected the reply to step -4.* got step -104"):
+        if mode == "sync":
+            executor.execute(_step(WRONG_ID_STEP, [7]))
+        else:
+            asyncio.run(asyncio.wait_for(executor.execute_async(_step(WRONG_ID_STEP, [7])), 10))
+    with pytest.raises(ExecutorError, match="got step -104"):
+        executor.check_health()
+    with pytest.raises(ExecutorError, match="got step -104"):
+        executor.execute(_step(2, [7]))
+
+
+def test_lost_reply_of_an_abandoned_step_is_a_fault_not_a_shift(executor):
+    """Step 1's waiter is cancelled and its reply is lost (taken off the ring here): step 2's reply
+    must not be dropped in its place (that shifts every later step by one, or hangs)."""
+    ring = executor._res.reply_ring
+
+    async def main():
+        task = asyncio.ensure_future(executor.execute_async(_step(1, [3], new=[3])))
+        await asyncio.sleep(0)  # the step is sent, its reply not awaited
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        lost = None
+        deadline = time.monotonic() + 10
+        while lost is None and time.monotonic() < deadline:
+            lost = ring.try_recv()
+            await asyncio.sleep(0.01)
+        assert lost is not None
+        return await asyncio.wait_for(executor.execute_async(_step(2, [3])), 10)
+
+    with pytest.raises(ExecutorError, match=r"expected the reply to step 1 .*abandoned.* got step 2"):
+        asyncio.run(main())
+    with pytest.raises(ExecutorError):
+        executor.check_health()
+
+
+def test_interrupted_sync_step_reply_is_dropped_by_id(executor):
+    """A sync step interrupted (Ctrl-C) while waiting: its reply is recognised by id and dropped."""
+    import gpu.mp_executor as mpx
+
+    real_wait = executor._res.reply_ring.wait
+    calls = {"n": 0}
+
+    def interrupted_wait(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real_wait(*args, **kwargs)
+
+    executor._res.reply_ring.wait = interrupted_wait
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            executor.execute(_step(1, [4], new=[4]))
+    finally:
+        executor._res.reply_ring.wait = real_wait
+    assert mpx is not None
+    out = executor.execute(_step(2, [4]))
+    assert (out.step_id, list(out.token_ids)) == (2, [4004])
+    executor.check_health()
