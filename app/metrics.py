@@ -101,7 +101,12 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Latency bookkeeping for one engine request (one sequence of one prompt)."""
+    """Latency bookkeeping for one engine request (one sequence of one prompt).
+
+    Token times come from the engine (``CompletionOutput.token_times``, stamped when the step's
+    output was processed), so a client that reads slowly, and gets several tokens merged into
+    one delta, does not inflate TTFT or inter-token latency. Without engine stamps (a stand-in
+    engine) the time the delta is read is the best estimate."""
 
     __slots__ = ("m", "arrival", "first", "last", "num_tokens", "done", "queue_observed")
 
@@ -114,26 +119,20 @@ class RequestTracker:
         self.done = False
         self.queue_observed = False
 
-    def on_output(self, output: Any, num_new_tokens: int) -> None:
+    def on_output(self, output: Any, num_new_tokens: int, token_times: list[float] | None = None) -> None:
         if not num_new_tokens:
             return
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-            self.m.ttft.observe(now - self.arrival)
-            self._observe_queue(output)
-            if num_new_tokens > 1:
-                self._observe_itl(0.0, num_new_tokens - 1)
-        else:
-            self._observe_itl(now - self.last, num_new_tokens)
-        self.last = now
+        if token_times is None or len(token_times) != num_new_tokens:
+            token_times = [time.monotonic()] * num_new_tokens
+        for t in token_times:
+            if self.first is None:
+                self.first = t
+                self.m.ttft.observe(max(0.0, t - self.arrival))
+                self._observe_queue(output)
+            else:
+                self.m.itl.observe(max(0.0, t - self.last))
+            self.last = t
         self.num_tokens += num_new_tokens
-
-    def _observe_itl(self, gap: float, count: int) -> None:
-        # Several tokens in one delta (a slow consumer) share the gap evenly.
-        share = gap / count
-        for _ in range(count):
-            self.m.itl.observe(share)
 
     def _observe_queue(self, output: Any) -> None:
         metrics = getattr(output, "metrics", None)
@@ -147,7 +146,9 @@ class RequestTracker:
         if self.done:
             return
         self.done = True
-        self.m.e2e.observe(time.monotonic() - self.arrival)
+        # A request that ran to its end is timed to its last token as the engine produced it.
+        end = self.last if finish_reason in ("stop", "length") and self.last is not None else time.monotonic()
+        self.m.e2e.observe(max(0.0, end - self.arrival))
         if not self.queue_observed and self.first is not None:
             # Without engine timestamps, the best bound on queueing is the time to first token.
             self.m.queue_time.observe(self.first - self.arrival)

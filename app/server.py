@@ -205,7 +205,7 @@ class OpenAIServer:
                     self.metrics.prompt_tokens.inc(len(c.prompt_ids))
                 if getattr(out, "prompt_logprobs", None) is not None:
                     c.prompt_logprobs = out.prompt_logprobs
-            c.tracker.on_output(out, len(new_ids))
+            c.tracker.on_output(out, len(new_ids), getattr(comp, "token_times", None))
             if new_ids:
                 self.metrics.generation_tokens.inc(len(new_ids))
             c.text.append(comp.text)

@@ -14,6 +14,7 @@ import logging
 import time
 
 from engine.errors import EngineDeadError, EngineOverloadedError
+from engine.output_collector import OutputCollector
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from gpu.config import EngineConfig
@@ -25,9 +26,12 @@ IDLE_HEALTH_CHECK_S = 1.0
 
 
 class RequestStream:
-    """Async iterator of one request's RequestOutput deltas; closing it early aborts the request."""
+    """Async iterator of one request's RequestOutput deltas; closing it early aborts the request.
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, queue: asyncio.Queue):
+    A consumer that lags gets the deltas produced meanwhile merged into one (OutputCollector):
+    memory per request stays bounded however slowly the client reads."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, queue: OutputCollector):
         self._engine = engine
         self.request_id = request_id
         self._queue = queue
@@ -72,7 +76,7 @@ class AsyncEngine:
         self.config = config
         self.parts = None
         self.tokenizer = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, OutputCollector] = {}
         self._pending_aborts: list[str] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -164,7 +168,7 @@ class AsyncEngine:
                 f"{waiting} requests are already waiting (--max-waiting-requests); retry shortly")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = OutputCollector()
         self.core.add_request(request_id, prompt, prompt_token_ids, params, priority=priority)
         self._queues[request_id] = queue
         self._wake.set()
@@ -187,6 +191,19 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped: {self._error}")
         if not self._accepting or self._task is None or self._task.done():
             raise EngineDeadError("the engine is not running (starting up or shutting down)")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's deltas to their requests, stamped with the time they were produced (so
+        TTFT / inter-token latency measure the engine, not how fast a client reads)."""
+        now = time.monotonic()
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is None:
+                continue
+            for comp in out.outputs:
+                if comp.token_ids and comp.token_times is None:
+                    comp.token_times = [now] * len(comp.token_ids)
+            queue.put_nowait(out)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -211,10 +228,7 @@ class AsyncEngine:
                     self.last_step_gap_s = time.perf_counter() - reply_time
                 output = await executor.execute_async(scheduled.step_input)
                 reply_time = time.perf_counter()
-                for out in core.process(scheduled, output):
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                self._deliver(core.process(scheduled, output))
                 await asyncio.sleep(0)  # let streams flush before the next step is sent
         except asyncio.CancelledError:
             raise

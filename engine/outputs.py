@@ -3,7 +3,7 @@
 The core emits DELTAS: each ``RequestOutput`` of a request carries only what is new since the
 previous one (``text``, ``token_ids`` and ``logprobs`` of each ``CompletionOutput`` that
 changed), ``finished=True`` on the last one. ``merge_delta`` folds deltas into the cumulative
-form (offline API).
+form (offline API) or folds a newer delta into a pending one (a lagging consumer).
 
 Shapes:
 - ``CompletionOutput.logprobs``: None unless the request asked for ``logprobs``; else one entry
@@ -52,6 +52,10 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None (running)
     stop_reason: int | str | None = None  # matched stop string or stop token id; None for EOS
+    # time.monotonic() when each token of ``token_ids`` was produced (set by AsyncEngine as the
+    # step's output is processed): latency metrics stay engine-side even when a slow consumer
+    # reads several merged deltas at once. None when not stamped (offline API).
+    token_times: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -72,7 +76,9 @@ class RequestOutput:
 
 
 def merge_delta(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
-    """Fold ``delta`` into ``acc`` (cumulative form) in place and return ``acc``."""
+    """Fold ``delta`` into ``acc`` in place and return ``acc``. ``acc`` must own its lists (the
+    core makes fresh ones for each delta): they are extended, not copied, so folding N deltas
+    costs O(N), not O(N^2)."""
     by_index = {c.index: c for c in acc.outputs}
     for c in delta.outputs:
         have = by_index.get(c.index)
@@ -81,9 +87,15 @@ def merge_delta(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
             by_index[c.index] = have
             acc.outputs.append(have)
         have.text += c.text
-        have.token_ids = have.token_ids + c.token_ids
+        have.token_ids.extend(c.token_ids)
         if c.logprobs is not None:
-            have.logprobs = (have.logprobs or []) + c.logprobs
+            if have.logprobs is None:
+                have.logprobs = []
+            have.logprobs.extend(c.logprobs)
+        if c.token_times is not None:
+            if have.token_times is None:
+                have.token_times = []
+            have.token_times.extend(c.token_times)
         if c.cumulative_logprob is not None:
             have.cumulative_logprob = c.cumulative_logprob
         have.finish_reason = c.finish_reason
