@@ -49,6 +49,8 @@ class SamplingFields(OpenAIModel):
     priority: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's prefix-cache tenant key: only requests with an equal salt share cached KV blocks.
+    cache_salt: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -59,6 +61,13 @@ class SamplingFields(OpenAIModel):
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v:
+            raise ValueError("cache_salt must be a non-empty string (or left out)")
+        return v
 
     @field_validator("logit_bias")
     @classmethod

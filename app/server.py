@@ -176,13 +176,14 @@ class OpenAIServer:
                                       tracker=self.metrics.tracker()))
         return choices
 
-    async def start(self, choices: list[Choice], priority: int) -> list[Any]:
+    async def start(self, choices: list[Choice], priority: int, cache_salt: str | None = None) -> list[Any]:
         """Submit every choice to the engine; if one is refused, abort those already started."""
         streams: list[Any] = []
         try:
             for c in choices:
                 streams.append(self.engine.generate(c.prompt_ids, c.params, c.request_id,
-                                                    prompt=c.prompt_text, priority=priority))
+                                                    prompt=c.prompt_text, priority=priority,
+                                                    cache_salt=cache_salt))
         except BaseException:
             await close_all(streams)
             raise
@@ -299,7 +300,7 @@ class OpenAIServer:
             await self.fill_prompt_texts(choices)
         created = int(time.time())
         # Submitted before the response starts, so a refusal (overloaded, dead) is a real status.
-        streams = await self.start(choices, req.priority)
+        streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
             return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams)
         body = await self.until_disconnect(
@@ -438,7 +439,7 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = self.make_choices(request_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
         created = int(time.time())
-        streams = await self.start(choices, req.priority)
+        streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
             return sse_response(self.chat_stream(req, choices, streams, request_id, created, top), streams)
         body = await self.until_disconnect(

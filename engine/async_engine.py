@@ -157,10 +157,12 @@ class AsyncEngine:
                 continue_final_message=continue_final_message))
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 prompt: str | None = None, priority: int = 0) -> RequestStream:
+                 prompt: str | None = None, priority: int = 0,
+                 cache_salt: str | None = None) -> RequestStream:
         """Register a request and return its stream of deltas. Raises at once, before any
         output, when the engine is dead (EngineDeadError), the waiting queue is full
-        (EngineOverloadedError) or the request can never run (RequestRejectedError)."""
+        (EngineOverloadedError) or the request can never run (RequestRejectedError).
+        ``cache_salt`` isolates the request's prefix-cache blocks to requests of the same salt."""
         self._check_alive()
         waiting = self.core.stats().num_waiting
         if waiting >= self.config.scheduler.max_waiting_requests:
@@ -169,7 +171,8 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
         queue = OutputCollector()
-        self.core.add_request(request_id, prompt, prompt_token_ids, params, priority=priority)
+        self.core.add_request(request_id, prompt, prompt_token_ids, params, priority=priority,
+                              cache_salt=cache_salt)
         self._queues[request_id] = queue
         self._wake.set()
         return RequestStream(self, request_id, queue)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, RequestRejectedError
-from engine.kv_blocks import BlockManager
+from engine.kv_blocks import BlockManager, model_hash_seed
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
@@ -62,7 +62,8 @@ class EngineCore:
         # Ids past the embedding table would crash the step for everyone; refuse them up front.
         self.vocab_size = int((config.model.hf_config or {}).get("vocab_size") or 0) or None
         self.block_manager = BlockManager(int(executor.num_blocks), config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching,
+                                          hash_seed=model_hash_seed(config.model))
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids: set[int] = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[str, Request] = {}
@@ -74,10 +75,14 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        """``cache_salt``: requests share prefix-cache blocks only with requests of an equal
+        salt (None is a salt of its own), so tenants never read each other's K/V."""
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestRejectedError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         if prompt_token_ids is None:
             if prompt is None:
                 raise RequestRejectedError("a request needs a prompt or prompt_token_ids")
@@ -96,6 +101,7 @@ class EngineCore:
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
             priority=int(priority),
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now),
+            cache_salt=cache_salt,
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * num_prompt
@@ -123,8 +129,8 @@ class EngineCore:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise RequestRejectedError("the prompt is empty: give at least one token")
-        if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
-            raise RequestRejectedError("prompt token ids must be integers >= 0")
+        if any(not isinstance(t, int) or t < 0 or t >= 2**63 for t in prompt_token_ids):
+            raise RequestRejectedError("prompt token ids must be integers >= 0 (and below 2**63)")
         if self.vocab_size is not None and max(prompt_token_ids) >= self.vocab_size:
             raise RequestRejectedError(
                 f"prompt token id {max(prompt_token_ids)} is out of range: the vocabulary has "

@@ -35,14 +35,18 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order."""
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]} / {"prompt": ...}),
+        in input order. A dict prompt may carry "cache_salt" (as vLLM's): only prompts with an
+        equal salt share prefix-cache blocks."""
         prompt_list = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompt_list))
         request_ids = []
         for i, (prompt, sp) in enumerate(zip(prompt_list, params)):
             text, ids = self._tokenize(prompt)
             rid = str(next(self._ids))
-            self.core.add_request(rid, text, ids, sp, priority=priority[i] if priority else 0)
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            self.core.add_request(rid, text, ids, sp, priority=priority[i] if priority else 0,
+                                  cache_salt=salt)
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
 

@@ -32,7 +32,7 @@ class Sequence:
     max_tokens: int  # effective limit of generated tokens (context and cache included)
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is (or, once this step runs, will be) cached
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache digests of full blocks
     on_worker: bool = False  # the worker holds state for this seq id
     use_prefix_cache: bool = True
     finish_reason: str | None = None
@@ -58,6 +58,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.request.cache_salt
 
     @property
     def arrival_time(self) -> float:
@@ -88,6 +92,8 @@ class Request:
     num_cached_tokens: int = 0
     finished: bool = False
     error: str | None = None
+    # Prefix-cache tenant key: only requests with an equal salt (or both None) share KV blocks.
+    cache_salt: str | None = None
 
     @property
     def all_finished(self) -> bool:

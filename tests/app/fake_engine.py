@@ -46,6 +46,7 @@ class Call:
     request_id: str
     prompt: str | None
     priority: int
+    cache_salt: str | None = None
 
 
 class FakeStream:
@@ -119,7 +120,8 @@ class FakeAsyncEngine:
             text += "<assistant>"
         return text
 
-    def generate(self, prompt_token_ids, params, request_id, prompt=None, priority=0) -> FakeStream:
+    def generate(self, prompt_token_ids, params, request_id, prompt=None, priority=0,
+                 cache_salt=None) -> FakeStream:
         if self.dead:
             raise EngineDeadError("the engine stopped: test")
         if self.overloaded:
@@ -127,7 +129,7 @@ class FakeAsyncEngine:
         if self.reject:
             raise RequestRejectedError(self.reject)
         assert isinstance(params, SamplingParams)
-        call = Call(list(prompt_token_ids), params, request_id, prompt, priority)
+        call = Call(list(prompt_token_ids), params, request_id, prompt, priority, cache_salt)
         self.calls.append(call)
         self.running.add(request_id)
         return FakeStream(self, call)

@@ -4,12 +4,17 @@ import pytest
 
 from engine.kv_blocks import NULL_BLOCK, BlockManager
 
+# CPython hashes a non-negative int k to k mod (2**61 - 1), and a tuple mixes only its items'
+# hashes: under Python's hash() the token k and the token k + MERSENNE61 are the same block.
+MERSENNE61 = 2**61 - 1
+
 
 @dataclass
 class Seq:
     seq_id: int
     token_ids: list[int]
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 def test_allocate_append_free_and_null_block():
@@ -118,3 +123,87 @@ def test_prefix_caching_disabled():
     bm.register_computed(a, 5)
     assert bm.find_cached_prefix(Seq(2, [1, 2, 3, 4, 5])) == []
     assert bm.prefix_cache_queries == 0
+
+
+# ---- prefix-cache isolation (issue 10, fault 1) --------------------------------------------
+
+def test_colliding_python_hashes_never_share_kv():
+    """Under ``hash((parent, tuple(tokens)))`` these two prompts have equal block hashes, so the
+    second tenant was served the first one's K/V. A hit must only ever cover equal tokens."""
+    victim = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    attacker = [11 + MERSENNE61] + victim[1:]
+    assert hash((None, tuple(victim[:4]))) == hash((None, tuple(attacker[:4])))  # the old key
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = Seq(1, victim)
+    bm.allocate_new(a, [], len(victim))
+    bm.register_computed(a, len(victim))
+    assert bm.find_cached_prefix(Seq(2, list(victim))) == bm.table(1)[:2]  # the genuine hit
+    assert bm.find_cached_prefix(Seq(3, attacker)) == []
+    # a collision in a later block (same first block, colliding second block) is refused too
+    later = victim[:4] + [15 + MERSENNE61] + victim[5:]
+    assert bm.find_cached_prefix(Seq(4, later)) == bm.table(1)[:1]
+    bm.check_invariants()
+
+
+def _cached_run(bm: BlockManager, seq_id: int, tokens: list[int], salt: str | None) -> list[int]:
+    seq = Seq(seq_id, list(tokens), cache_salt=salt)
+    hit = bm.find_cached_prefix(seq)
+    bm.allocate_new(seq, hit, len(tokens))
+    bm.register_computed(seq, len(tokens))
+    return hit
+
+
+def test_cache_salt_isolates_tenants_and_equal_salts_share():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(100, 113))  # 3 full blocks + 1
+    assert _cached_run(bm, 1, prompt, "tenant-a") == []
+    assert _cached_run(bm, 2, prompt, "tenant-b") == []  # different salt: no block shared
+    assert _cached_run(bm, 3, prompt, None) == []  # no salt is a tenant of its own
+    assert _cached_run(bm, 4, prompt, "") == []  # an empty salt is not "no salt"
+    assert _cached_run(bm, 5, prompt, "tenant-a") == bm.table(1)[:3]
+    assert _cached_run(bm, 6, prompt, "tenant-b") == bm.table(2)[:3]
+    assert _cached_run(bm, 7, prompt, None) == bm.table(3)[:3]
+    tables = [set(bm.table(i)) for i in (1, 2, 3, 4)]
+    assert all(not (x & y) for i, x in enumerate(tables) for y in tables[i + 1:])
+    # the salt keys the whole chain: every block hash differs, not only the first
+    a, b = Seq(8, prompt, cache_salt="tenant-a"), Seq(9, prompt, cache_salt="tenant-b")
+    bm.find_cached_prefix(a), bm.find_cached_prefix(b)
+    assert all(x != y for x, y in zip(a.block_hashes, b.block_hashes)) and len(a.block_hashes) == 3
+    assert bm.prefix_cache_hits == 3 * 3 * 4
+    bm.check_invariants()
+
+
+def test_chain_is_seeded_per_model():
+    from engine.kv_blocks import model_hash_seed
+    from gpu.config import ModelConfig
+
+    seeds = {
+        model_hash_seed(ModelConfig(model="/models/a", dtype="float32")),
+        model_hash_seed(ModelConfig(model="/models/b", dtype="float32")),
+        model_hash_seed(ModelConfig(model="/models/a", dtype="bfloat16")),
+        model_hash_seed(ModelConfig(model="/models/a", dtype="float32", load_format="dummy")),
+        model_hash_seed(ModelConfig(model="/models/a", dtype="float32", load_format="dummy", seed=1)),
+        model_hash_seed(ModelConfig(model=None, load_format="dummy", hf_config={"hidden_size": 64})),
+        model_hash_seed(ModelConfig(model=None, load_format="dummy", hf_config={"hidden_size": 32})),
+    }
+    assert len(seeds) == 7 and all(isinstance(s, bytes) for s in seeds)
+    assert model_hash_seed(ModelConfig(model="/models/a")) == model_hash_seed(ModelConfig(model="/models/a"))
+    prompt = list(range(9))
+    x, y = Seq(1, prompt), Seq(2, prompt)
+    BlockManager(8, 4, hash_seed=b"model-x").find_cached_prefix(x)
+    BlockManager(8, 4, hash_seed=b"model-y").find_cached_prefix(y)
+    assert len(x.block_hashes) == 2 and all(p != q for p, q in zip(x.block_hashes, y.block_hashes))
+    # the digests are sha256-sized bytes, not Python ints
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in x.block_hashes)
+
+
+def test_hash_block_covers_parent_tokens_and_extra_keys():
+    from engine.kv_blocks import hash_block
+
+    root = b"\0" * 32
+    base = hash_block(root, [1, 2, 3, 4])
+    assert base == hash_block(root, [1, 2, 3, 4])
+    others = [hash_block(b"\1" + root[1:], [1, 2, 3, 4]), hash_block(root, [1, 2, 3, 5]),
+              hash_block(root, [1 + MERSENNE61, 2, 3, 4]), hash_block(root, [1, 2, 3, 4], b"salt"),
+              hash_block(root, [2**32 + 1, 2, 3, 4]), hash_block(root, [1, 2**32 + 2, 3, 4])]
+    assert len({base, *others}) == 7
