@@ -6,7 +6,8 @@ eventfd and on every worker's sentinel, so the event loop never blocks on a work
 that dies fails the pending step at once. After a death the executor tears everything down and
 every later call raises ``ExecutorError`` with the same message. Replies are matched to steps by
 id: a reply to a step whose caller was cancelled is dropped by its id, any other mismatch is a
-worker fault that fails the executor (never a silent shift of every later step).
+worker fault that fails the executor (never a silent shift of every later step). A step with no
+reply within ``step_timeout_s`` (workers alive but stuck) fails the executor the same way.
 
 Everything the executor owns (processes, rings, pipes) sits in ``_Resources``, released by
 ``shutdown()``, by the garbage collector or at interpreter exit; the rings' creator is this
@@ -31,12 +32,15 @@ import msgspec
 from gpu.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
 from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
-from gpu.shm_ring import RingError, RingPeerDied, ShmRing
+from gpu.shm_ring import RingError, RingPeerDied, RingTimeout, ShmRing
 from gpu.worker import SHUTDOWN_MESSAGE, WorkerArgs, encode_step, worker_main
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_WORKER_STARTUP_TIMEOUT", "600"))
+# The first steps after start may compile kernels or touch fresh memory: they get the startup
+# timeout instead of the step timeout.
+WARMUP_STEPS = 3
 RING_SLOTS = 64
 RING_SLOT_SIZE = 16384
 
@@ -116,8 +120,11 @@ class MultiprocExecutor(Executor):
         self._lock: asyncio.Lock | None = None
         self._lock_loop = None
         self._sentinels: list[int] = []
+        self._startup_timeout = startup_timeout or DEFAULT_STARTUP_TIMEOUT_S
+        self._step_timeout = config.parallel.step_timeout_s or None
+        self._steps_sent = 0
         try:
-            self._start(runner_factory, startup_timeout or DEFAULT_STARTUP_TIMEOUT_S, num_threads)
+            self._start(runner_factory, self._startup_timeout, num_threads)
         except BaseException:
             self._res.close(graceful=False)
             raise
@@ -230,11 +237,28 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ steps
 
-    def _send(self, step: StepInput) -> None:
+    def _timeout_for_next_step(self) -> float | None:
+        """Seconds the next step may take (None = no limit); the first ones get the startup's."""
+        if self._step_timeout is None:
+            return None
+        if self._steps_sent < WARMUP_STEPS:
+            return max(self._step_timeout, self._startup_timeout)
+        return self._step_timeout
+
+    def _hung_message(self, step: StepInput, timeout: float) -> str:
+        return (f"no reply to step {step.step_id} within {timeout:g} s (--step-timeout): worker(s) "
+                f"{self.worker_pids} are alive but stuck (a deadlock or a stuck collective?) and are "
+                "being stopped; in-flight requests cannot finish. Raise --step-timeout if a step "
+                "can legitimately take that long")
+
+    def _send(self, step: StepInput, timeout: float | None) -> None:
         try:
-            self._res.step_ring.send(encode_step(step))
+            self._res.step_ring.send(encode_step(step), timeout=timeout)
         except RingPeerDied:
             raise self._fail_from_death() from None
+        except RingTimeout:
+            raise self._fail(self._hung_message(step, timeout)) from None
+        self._steps_sent += 1
 
     def _take_reply(self, expected: int) -> StepOutput | None:
         """The reply to step ``expected`` if it has arrived, else None.
@@ -276,7 +300,9 @@ class MultiprocExecutor(Executor):
 
     def execute(self, step: StepInput) -> StepOutput:
         self._check_usable()
-        self._send(step)
+        timeout = self._timeout_for_next_step()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._send(step, timeout)
         ring = self._res.reply_ring
         try:
             while True:
@@ -285,9 +311,11 @@ class MultiprocExecutor(Executor):
                     if self._error_from_peer(out) and wait(self._sentinels, self._PEER_FAILURE_GRACE_S):
                         raise RingPeerDied("a worker exited")
                     return out
-                ring.wait()
+                ring.wait(deadline)
         except RingPeerDied:
             raise self._fail_from_death() from None
+        except RingTimeout:
+            raise self._fail(self._hung_message(step, timeout)) from None
         except ExecutorError:
             raise
         except BaseException:
@@ -300,7 +328,8 @@ class MultiprocExecutor(Executor):
             self._lock, self._lock_loop = asyncio.Lock(), loop
         async with self._lock:  # one step in flight; replies come back in order
             self._check_usable()
-            self._send(step)
+            timeout = self._timeout_for_next_step()
+            self._send(step, timeout)
             fut: asyncio.Future = loop.create_future()
             ring = self._res.reply_ring
             reply_fd = ring.fileno()
@@ -321,6 +350,11 @@ class MultiprocExecutor(Executor):
                 if not fut.done():
                     fut.set_exception(RingPeerDied("worker exited"))
 
+            def on_timeout() -> None:
+                if not fut.done():
+                    fut.set_exception(RingTimeout("no reply in time"))
+
+            timer = loop.call_later(timeout, on_timeout) if timeout is not None else None
             loop.add_reader(reply_fd, on_reply)
             for s in self._sentinels:
                 loop.add_reader(s, on_death)
@@ -335,11 +369,15 @@ class MultiprocExecutor(Executor):
                 return out
             except RingPeerDied:
                 pass
+            except RingTimeout:
+                raise self._fail(self._hung_message(step, timeout)) from None
             except asyncio.CancelledError:
                 if not fut.done() or fut.cancelled():  # the reply is still to come: drop it then
                     self._abandoned.append(step.step_id)
                 raise
             finally:
+                if timer is not None:
+                    timer.cancel()
                 loop.remove_reader(reply_fd)
                 for s in self._sentinels:
                     loop.remove_reader(s)

@@ -15,7 +15,7 @@ import pytest
 from gpu.config import EngineConfig
 from gpu.executor import ExecutorError
 from gpu.messages import NewSeq, SamplingOptions, StepInput, StepOutput
-from gpu.shm_ring import leftover_segments
+from gpu.shm_ring import ShmRing
 
 HERE = "tests.gpu.test_mp_executor"
 SLOW_STEP = -2  # a step id the fake runner sleeps on (to be killed mid-step)
@@ -87,14 +87,33 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.fixture
-def executor():
+def own_segments(monkeypatch):
+    """Names of the ring segments this test creates (other tests running at the same time create
+    their own, so checks are scoped to these)."""
+    names: list[str] = []
+    real_create = ShmRing.create.__func__
+
+    def recording_create(cls, *args, **kwargs):
+        ring = real_create(cls, *args, **kwargs)
+        names.append(ring.name)
+        return ring
+
+    monkeypatch.setattr(ShmRing, "create", classmethod(recording_create))
+    return names
+
+
+def _existing(names: list[str]) -> list[str]:
+    return [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+
+
+@pytest.fixture
+def executor(own_segments):
     from gpu.mp_executor import MultiprocExecutor
 
-    before = set(leftover_segments())
     ex = MultiprocExecutor(_config(), runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
     yield ex
     ex.shutdown()
-    assert set(leftover_segments()) <= before
+    assert len(own_segments) == 2 and not _existing(own_segments)
 
 
 def test_ready_sync_and_async_steps(executor):
@@ -133,15 +152,14 @@ def test_event_loop_stays_free_while_a_step_runs(executor):
     assert ticks > 1
 
 
-def test_startup_error_is_reported_with_the_worker_traceback():
+def test_startup_error_is_reported_with_the_worker_traceback(own_segments):
     from gpu.mp_executor import MultiprocExecutor
 
-    before = set(leftover_segments())
     with pytest.raises(ExecutorError) as info:
         MultiprocExecutor(_config(), runner_factory=f"{HERE}:BrokenRunner", startup_timeout=60)
     assert "worker 0 failed to start" in str(info.value)
     assert "fake weights missing: /nowhere/model.gguf" in str(info.value)
-    assert set(leftover_segments()) <= before
+    assert len(own_segments) == 2 and not _existing(own_segments)
 
 
 def test_worker_dying_silently_at_startup_is_reported():
@@ -182,20 +200,19 @@ def test_kill9_mid_step_raises_within_seconds(executor, mode):
     assert all(_gone(p) for p in pids)
 
 
-def test_shutdown_is_clean_and_idempotent():
+def test_shutdown_is_clean_and_idempotent(own_segments):
     from gpu.mp_executor import MultiprocExecutor
 
-    before = set(leftover_segments())
     ex = MultiprocExecutor(_config(), runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
     pids = ex.worker_pids
-    assert set(leftover_segments()) - before  # the rings exist while running
+    assert len(own_segments) == 2 and _existing(own_segments) == own_segments  # exist while running
     ex.execute(_step(1, [1], new=[1]))
     t0 = time.monotonic()
     ex.shutdown()
     assert time.monotonic() - t0 < 5
     ex.shutdown()
     assert all(_gone(p) for p in pids)
-    assert set(leftover_segments()) <= before
+    assert not _existing(own_segments)
     with pytest.raises(ExecutorError, match="shut down"):
         ex.execute(_step(2, [1]))
 
@@ -257,10 +274,9 @@ class TPRunner(FakeRunner):
         return StepOutput.pack(step.step_id, step.seq_ids, [int(v) for v in x.tolist()])
 
 
-def test_tensor_parallel_two_workers_over_gloo():
+def test_tensor_parallel_two_workers_over_gloo(own_segments):
     from gpu.mp_executor import MultiprocExecutor
 
-    before = set(leftover_segments())
     ex = MultiprocExecutor(_config(tp=2), runner_factory=f"{HERE}:TPRunner", startup_timeout=120,
                            num_threads=1)
     try:
@@ -278,7 +294,7 @@ def test_tensor_parallel_two_workers_over_gloo():
     finally:
         ex.shutdown()
     assert all(_gone(p) for p in pids)
-    assert set(leftover_segments()) <= before
+    assert len(own_segments) == 2 and not _existing(own_segments)
 
 
 def test_cancelled_async_step_does_not_shift_later_replies(executor):
@@ -369,3 +385,64 @@ def test_interrupted_sync_step_reply_is_dropped_by_id(executor):
     out = executor.execute(_step(2, [4]))
     assert (out.step_id, list(out.token_ids)) == (2, [4004])
     executor.check_health()
+
+
+# ---------------------------------------------------------------- hung worker (step timeout)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_hung_worker_fails_the_step_after_the_step_timeout(mode, own_segments):
+    """A worker alive but stuck in a step: after --step-timeout the executor fails as for a dead
+    worker (clear error, later calls fail at once, the stuck worker is stopped)."""
+    from gpu.mp_executor import WARMUP_STEPS, MultiprocExecutor
+
+    config = EngineConfig.from_options(executor="mp", num_blocks=9, step_timeout_s=1.5)
+    ex = MultiprocExecutor(config, runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
+    pids = ex.worker_pids
+    try:
+        ex.execute(_step(1, [1], new=[1]))
+        for k in range(2, WARMUP_STEPS + 1):  # the first steps may take the startup timeout
+            ex.execute(_step(k, [1]))
+        t0 = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"no reply to step -5 within 1.5 s .*--step-timeout"):
+            if mode == "sync":
+                ex.execute(_step(HANG_STEP, [1]))
+            else:
+                asyncio.run(asyncio.wait_for(ex.execute_async(_step(HANG_STEP, [1])), 20))
+        assert 1.4 < time.monotonic() - t0 < 10
+        with pytest.raises(ExecutorError, match="no reply to step -5"):
+            ex.check_health()
+        with pytest.raises(ExecutorError, match="no reply to step -5"):
+            ex.execute(_step(99, [1]))
+    finally:
+        ex.shutdown()
+    assert all(_gone(p) for p in pids)
+    assert len(own_segments) == 2 and not _existing(own_segments)
+
+
+def test_first_steps_get_the_startup_timeout():
+    """A slow first step (compilation, lazy allocation) is not a hang."""
+    from gpu.mp_executor import WARMUP_STEPS, MultiprocExecutor
+
+    config = EngineConfig.from_options(executor="mp", num_blocks=9, step_timeout_s=7.0)
+    ex = MultiprocExecutor(config, runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
+    try:
+        assert WARMUP_STEPS >= 1
+        assert ex._timeout_for_next_step() == 60
+        for k in range(1, WARMUP_STEPS + 1):
+            ex.execute(_step(k, [k], new=[k]))
+        assert ex._timeout_for_next_step() == 7.0
+    finally:
+        ex.shutdown()
+
+
+def test_step_timeout_zero_means_none():
+    config = EngineConfig.from_options(executor="mp", num_blocks=9, step_timeout_s=0)
+    assert config.parallel.step_timeout_s == 0
+    from gpu.mp_executor import MultiprocExecutor
+
+    ex = MultiprocExecutor(config, runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
+    try:
+        assert ex._timeout_for_next_step() is None
+    finally:
+        ex.shutdown()
