@@ -1,8 +1,21 @@
 """Prometheus metrics, one CollectorRegistry per app (so tests can build several apps).
 
-Engine-side figures (running / waiting requests, KV usage, prefix-cache and preemption counters)
-are read from ``engine.stats()`` at scrape time by a custom collector; per-request figures
-(tokens, finish reasons, latencies) are recorded by the routes through ``RequestTracker``.
+Engine-side figures (running / waiting requests, KV usage, prefix-cache and preemption counters,
+engine deaths, worker restarts) are read from the engine at scrape time by a custom collector;
+per-request figures (tokens, finish reasons, latencies) are recorded by the routes through
+``RequestTracker``.
+
+Failures are counted, not only successes (an operator must see them on a dashboard):
+
+- ``request_success_total{finished_reason}``: one per sequence that ended: ``stop``, ``length``
+  or ``abort`` (the client went away or cancelled; vLLM's label values).
+- ``request_errors_total{reason}``: one per sequence the server failed: ``engine_error`` (the
+  engine failed the request), ``engine_dead`` (the engine stopped under it), ``internal_error``.
+- ``http_error_responses_total{status_code}``: every HTTP response with a status >= 400
+  (4xx by code; 499 = a client that left before a non-streaming answer).
+- ``request_overloaded_total``: requests refused with 503 + Retry-After because
+  ``--max-waiting-requests`` were already waiting (also counted under status_code 503).
+- ``engine_deaths_total`` / ``worker_restarts_total``: from the engine.
 """
 from __future__ import annotations
 
@@ -60,6 +73,31 @@ class EngineStatsCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric(value, float(v))
             yield c
+        for name, doc, v in (
+            ("engine_deaths", "Times the engine loop stopped on a failure (a worker died, hung or "
+             "the loop crashed).", getattr(self.engine, "num_deaths", None)),
+            ("worker_restarts", "Times the worker pool was rebuilt after a death "
+             "(--restart-workers).", _first_attr(s, self.engine, WORKER_RESTART_FIELDS)),
+        ):
+            if v is None:  # an engine that does not keep this count
+                continue
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(value, float(v))
+            yield c
+
+
+# Where the engine keeps its worker-restart count (EngineStats field or AsyncEngine attribute).
+WORKER_RESTART_FIELDS = ("num_worker_restarts", "num_restarts", "worker_restarts", "restarts")
+
+
+def _first_attr(*objects_then_names: Any) -> Any:
+    *objects, names = objects_then_names
+    for obj in objects:
+        for name in names:
+            v = getattr(obj, name, None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return v
+    return None
 
 
 class ServerMetrics:
@@ -85,13 +123,36 @@ class ServerMetrics:
         self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to "
                                     "first scheduling.", ["model_name"], buckets=LATENCY_BUCKETS,
                                     registry=r).labels(model_name)
-        self._success_children: dict[str, Any] = {}
+        self._errors = Counter(PREFIX + "request_errors", "Sequences the server failed, by reason "
+                               "(engine_error, engine_dead, internal_error).",
+                               ["model_name", "reason"], registry=r)
+        self._http_errors = Counter(PREFIX + "http_error_responses", "HTTP responses with a status "
+                                    ">= 400, by status code.", ["model_name", "status_code"],
+                                    registry=r)
+        self.overloaded = Counter(PREFIX + "request_overloaded", "Requests refused with 503 because "
+                                  "too many were waiting (--max-waiting-requests).", ["model_name"],
+                                  registry=r).labels(model_name)
+        # The label sets always present (at 0) so dashboards and rate() see them from the start.
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        for reason in ("engine_error", "engine_dead", "internal_error"):
+            self._errors.labels(model_name, reason)
 
     def success(self, reason: str) -> None:
-        child = self._success_children.get(reason)
-        if child is None:
-            child = self._success_children[reason] = self._success.labels(self.model_name, reason)
-        child.inc()
+        self._success.labels(self.model_name, reason).inc()
+
+    def error(self, reason: str) -> None:
+        self._errors.labels(self.model_name, reason).inc()
+
+    def http_error(self, status: int) -> None:
+        self._http_errors.labels(self.model_name, str(status)).inc()
+
+    def refused(self, exc: BaseException) -> None:
+        """A request the engine would not take (counted when it is an overload)."""
+        from engine.errors import EngineOverloadedError
+
+        if isinstance(exc, EngineOverloadedError):
+            self.overloaded.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -142,7 +203,8 @@ class RequestTracker:
             self.m.queue_time.observe(max(0.0, scheduled - arrival))
             self.queue_observed = True
 
-    def finish(self, finish_reason: str | None) -> None:
+    def finish(self, finish_reason: str | None, error_reason: str = "internal_error") -> None:
+        """``finish_reason``: stop / length / abort, or error (then ``error_reason`` says which)."""
         if self.done:
             return
         self.done = True
@@ -152,5 +214,28 @@ class RequestTracker:
         if not self.queue_observed and self.first is not None:
             # Without engine timestamps, the best bound on queueing is the time to first token.
             self.m.queue_time.observe(self.first - self.arrival)
-        if finish_reason in ("stop", "length"):
+        if finish_reason in ("stop", "length", "abort"):
             self.m.success(finish_reason)
+        elif finish_reason == "error":
+            self.m.error(error_reason)
+
+
+class HTTPErrorCounter:
+    """ASGI middleware: counts every response with status >= 400 by code, whichever layer made
+    it (auth, routing, validation, the routes)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.metrics.http_error(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

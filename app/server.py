@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from app.auth import APIKeyMiddleware
 from app.errors import APIError, to_api_error
-from app.metrics import RequestTracker, ServerMetrics
+from app.metrics import HTTPErrorCounter, RequestTracker, ServerMetrics
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -184,38 +184,44 @@ class OpenAIServer:
                 streams.append(self.engine.generate(c.prompt_ids, c.params, c.request_id,
                                                     prompt=c.prompt_text, priority=priority,
                                                     cache_salt=cache_salt))
-        except BaseException:
+        except BaseException as e:
             await close_all(streams)
+            self.metrics.refused(e)
             raise
         return streams
 
     async def run(self, choices: list[Choice], streams: list[Any]) -> AsyncIterator[tuple[Choice, Any, list[int]]]:
         """Drive the engine streams; yield (choice, completion delta, new token ids) and keep the
-        accumulated state and metrics of each choice up to date."""
-        async for k, out in merge_async_iterators(streams):
-            c = choices[k]
-            comp = out.outputs[0]
-            if comp.finish_reason == "error":
-                c.tracker.finish("error")
-                raise APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
-                               "server_error", None, "engine_error")
-            new_ids = list(comp.token_ids)
-            if not c.started:
-                c.started = True
-                if c.sample_idx == 0:
-                    self.metrics.prompt_tokens.inc(len(c.prompt_ids))
-                if getattr(out, "prompt_logprobs", None) is not None:
-                    c.prompt_logprobs = out.prompt_logprobs
-            c.tracker.on_output(out, len(new_ids), getattr(comp, "token_times", None))
-            if new_ids:
-                self.metrics.generation_tokens.inc(len(new_ids))
-            c.text.append(comp.text)
-            c.token_ids.extend(new_ids)
-            if comp.finish_reason is not None or out.finished:
-                c.finish_reason = comp.finish_reason or "stop"
-                c.stop_reason = comp.stop_reason
-                c.tracker.finish(c.finish_reason)
-            yield c, comp, new_ids
+        accumulated state and metrics of each choice up to date. However it ends (finished,
+        failed, client gone), every choice is counted once in the metrics."""
+        try:
+            async for k, out in merge_async_iterators(streams):
+                c = choices[k]
+                comp = out.outputs[0]
+                if comp.finish_reason == "error":
+                    c.tracker.finish("error", "engine_error")
+                    raise APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
+                                   "server_error", None, "engine_error")
+                new_ids = list(comp.token_ids)
+                if not c.started:
+                    c.started = True
+                    if c.sample_idx == 0:
+                        self.metrics.prompt_tokens.inc(len(c.prompt_ids))
+                    if getattr(out, "prompt_logprobs", None) is not None:
+                        c.prompt_logprobs = out.prompt_logprobs
+                c.tracker.on_output(out, len(new_ids), getattr(comp, "token_times", None))
+                if new_ids:
+                    self.metrics.generation_tokens.inc(len(new_ids))
+                c.text.append(comp.text)
+                c.token_ids.extend(new_ids)
+                if comp.finish_reason is not None or out.finished:
+                    c.finish_reason = comp.finish_reason or "stop"
+                    c.stop_reason = comp.stop_reason
+                    c.tracker.finish(c.finish_reason)
+                yield c, comp, new_ids
+        except BaseException as e:
+            end_unfinished(choices, e)
+            raise
 
     def new_logprobs(self, comp: Any, new_ids: list[int]) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """Normalize the engine's per-token logprobs to (token id, logprob, top [(id, logprob)])."""
@@ -231,7 +237,8 @@ class OpenAIServer:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    async def until_disconnect(self, request: Request, coro: Any, streams: list[Any]) -> Any:
+    async def until_disconnect(self, request: Request, coro: Any, streams: list[Any],
+                               choices: list[Choice] = ()) -> Any:
         """Run a non-streaming generation; if the client goes away first, cancel it and close the
         engine streams (→ abort)."""
         task = asyncio.ensure_future(coro)
@@ -251,6 +258,7 @@ class OpenAIServer:
                 await asyncio.gather(task, return_exceptions=True)
                 watcher.cancel()
                 await close_all(streams)  # the task may have been cancelled before it started
+                end_unfinished(choices, ClientDisconnected())
                 raise ClientDisconnected()
             watcher.cancel()
         return task.result()
@@ -302,9 +310,10 @@ class OpenAIServer:
         # Submitted before the response starts, so a refusal (overloaded, dead) is a real status.
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
-            return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams)
+            return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams,
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()))
         body = await self.until_disconnect(
-            request, self.completion_full(req, choices, streams, request_id, created), streams)
+            request, self.completion_full(req, choices, streams, request_id, created), streams, choices)
         return ORJSONResponse(body)
 
     async def decode(self, ids: list[int]) -> str:
@@ -441,9 +450,10 @@ class OpenAIServer:
         created = int(time.time())
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
-            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top), streams)
+            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top), streams,
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()))
         body = await self.until_disconnect(
-            request, self.chat_full(req, choices, streams, request_id, created, top), streams)
+            request, self.chat_full(req, choices, streams, request_id, created, top), streams, choices)
         return ORJSONResponse(body)
 
     def chat_logprobs(self, entries: list, k: int) -> dict[str, list]:
@@ -539,6 +549,24 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def end_unfinished(choices: Sequence[Choice], exc: BaseException) -> None:
+    """Count the choices that had not finished when their request ended: the client went away
+    (abort) or the request failed (error, by cause)."""
+    from engine.errors import EngineDeadError
+
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit, ClientDisconnected)):
+        reason, cause = "abort", ""
+    elif isinstance(exc, EngineDeadError) or getattr(exc, "code", None) == "engine_dead":
+        reason, cause = "error", "engine_dead"
+    elif getattr(exc, "code", None) == "engine_error":
+        reason, cause = "error", "engine_error"
+    else:
+        reason, cause = "error", "internal_error"
+    for c in choices:
+        if not c.tracker.done:
+            c.tracker.finish(reason, cause)
+
+
 def normalize_logprob(entry: Any, token_id: int) -> tuple[int, float, list[tuple[int, float]]]:
     """One position's logprobs from the engine → (sampled id, its logprob, top [(id, logprob)] best
     first). Accepts vLLM's ``{token_id: Logprob | float}`` and the worker's SampledLogprobs form."""
@@ -595,6 +623,7 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HTTPErrorCounter, metrics=metrics)  # outermost: sees 401s too
     app.state.metrics = metrics
     app.state.server = s
     return app

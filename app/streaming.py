@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -105,13 +105,17 @@ async def sse_body(events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     yield DONE
 
 
-async def close_all(streams: Sequence[Any]) -> None:
+async def close_all(streams: Sequence[Any], on_close: Callable[[], None] | None = None) -> None:
     for it in streams:
         await close_quietly(it)
+    if on_close is not None:
+        on_close()
 
 
-def sse_response(events: AsyncIterator[Any], streams: Sequence[Any] = ()) -> EventSourceResponse:
+def sse_response(events: AsyncIterator[Any], streams: Sequence[Any] = (),
+                 on_close: Callable[[], None] | None = None) -> EventSourceResponse:
     """The engine streams are closed again once the response ends: a client gone before the
-    body started would otherwise leave its requests running unobserved."""
+    body started would otherwise leave its requests running unobserved. ``on_close`` then runs
+    (the routes count what was left unfinished as aborted)."""
     return EventSourceResponse(sse_body(events), sep="\n", ping=PING_INTERVAL_S,
-                               background=BackgroundTask(close_all, list(streams)))
+                               background=BackgroundTask(close_all, list(streams), on_close))

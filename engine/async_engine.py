@@ -84,6 +84,7 @@ class AsyncEngine:
         self._accepting = False
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pagedserve-cpu")
         self.last_step_gap_s = 0.0  # time between a step's reply and the next step's send
+        self.num_deaths = 0  # times the engine loop stopped on a failure (for /metrics)
 
     # ---- life cycle -----------------------------------------------------------------------
 
@@ -238,6 +239,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - any failure must reach every request
             logger.exception("engine loop died")
             self._error = e
+            self.num_deaths += 1
             dead = EngineDeadError(f"the engine stopped: {e}")
             for queue in self._queues.values():
                 queue.put_nowait(dead)

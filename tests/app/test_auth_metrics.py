@@ -155,7 +155,8 @@ async def test_non_stream_disconnect_aborts(app, engine):
     assert chunks == []
     assert engine.aborted == [engine.calls[0].request_id] and not engine.running
     samples_ = samples(app.state.metrics.render().decode())
-    assert samples_.get(("pagedserve:request_success_total", (("finished_reason", "length"),) + M)) is None
+    assert samples_[("pagedserve:request_success_total", (("finished_reason", "length"),) + M)] == 0
+    assert samples_[("pagedserve:request_success_total", (("finished_reason", "abort"),) + M)] == 1
 
 
 async def test_finished_stream_aborts_nothing(client, engine):

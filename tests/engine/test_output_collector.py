@@ -11,7 +11,8 @@ from engine.errors import EngineDeadError
 from engine.output_collector import OutputCollector
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, merge_delta
 from engine.sampling_params import SamplingParams
-from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
+from tests.engine.fake_async import patch_build_engine, started_engine
+from tests.engine.fakes import FakeTokenizer
 
 
 def delta(k: int, finished: bool = False) -> RequestOutput:
@@ -75,30 +76,7 @@ def test_merge_delta_is_linear_and_does_not_alias_the_newer_delta():
 
 @pytest.fixture
 def fake_parts(monkeypatch):
-    """AsyncEngine.start builds its core over tests/engine/fakes.FakeExecutor (no model)."""
-    import engine.bootstrap
-    from engine.bootstrap import EngineParts
-    from engine.core import EngineCore
-
-    built = []
-
-    def build_engine(config):
-        tok = FakeTokenizer()
-        executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size)
-        parts = EngineParts(config, {}, tok, executor, EngineCore(config, executor, tok))
-        built.append(parts)
-        return parts
-
-    monkeypatch.setattr(engine.bootstrap, "build_engine", build_engine)
-    return built
-
-
-async def started_engine():
-    from engine.async_engine import AsyncEngine
-
-    engine = AsyncEngine(make_config(num_blocks=128))
-    await engine.start()
-    return engine
+    return patch_build_engine(monkeypatch)
 
 
 async def test_a_consumer_that_does_not_read_holds_one_pending_output(fake_parts):

@@ -1,0 +1,33 @@
+"""An AsyncEngine whose core runs over tests/engine/fakes.FakeExecutor: the real event-loop
+engine (queues, merging, death handling) in milliseconds, without a model."""
+from __future__ import annotations
+
+from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
+
+
+def patch_build_engine(monkeypatch) -> list:
+    """Make AsyncEngine.start build its parts over FakeExecutor; returns the list of parts
+    built (the test reaches the executor through it)."""
+    import engine.bootstrap
+    from engine.bootstrap import EngineParts
+    from engine.core import EngineCore
+
+    built: list = []
+
+    def build_engine(config):
+        tok = FakeTokenizer()
+        executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size)
+        parts = EngineParts(config, {}, tok, executor, EngineCore(config, executor, tok))
+        built.append(parts)
+        return parts
+
+    monkeypatch.setattr(engine.bootstrap, "build_engine", build_engine)
+    return built
+
+
+async def started_engine(**config_kw):
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(make_config(**{"num_blocks": 128, **config_kw}))
+    await engine.start()
+    return engine
