@@ -18,6 +18,13 @@ keeps its generated tokens). One number per row instead of a Gumbel/exponential 
 vocabulary size makes a seeded batch about ten times cheaper on CPU.
 
 ``Sampler.sample`` may modify the ``logits`` tensor it is given in place.
+
+Devices: every tensor made here lives on the logits' device (on CUDA a tensor made without
+``device=`` would be a CPU tensor and the op mixing it with the logits fails). Host values
+become tensors only through ``_on(like, data)``; factories take ``device=<input>.device``.
+Results come back to the host once, at the end, in one copy (``_fetch``: token ids and
+logprobs). The only other host reads are data-dependent branches (``bool(x.all())``) on rare
+paths (a top-p nucleus beyond the candidates, a draw rounding onto a zero-width token).
 """
 from __future__ import annotations
 
@@ -61,6 +68,26 @@ def seeded_uniform(seed: int, step: int) -> float:
     """A uniform number in [0, 1) that depends only on (seed, step)."""
     z = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
     return (z >> 11) * (1.0 / (1 << 53))
+
+
+def _on(like: Tensor, data, dtype: torch.dtype | None = None) -> Tensor:
+    """Host values as a tensor on ``like``'s device: the one place host data enters the sampler."""
+    return torch.tensor(data, dtype=dtype, device=like.device)
+
+
+def _fetch(ints: list[Tensor], floats: list[Tensor]) -> tuple[list[list[int]], list[list[float]]]:
+    """Everything a step returns, flattened, in ONE device-to-host copy.
+
+    float64 holds every float32 logprob and every token id (< 2**53) exactly."""
+    parts = [t.reshape(-1) for t in ints + floats]
+    if not parts:
+        return [], []
+    flat: list[float] = torch.cat([t.to(torch.float64) for t in parts]).tolist()
+    out, at = [], 0
+    for t in parts:
+        out.append(flat[at:at + t.numel()])
+        at += t.numel()
+    return [[int(x) for x in v] for v in out[:len(ints)]], out[len(ints):]
 
 
 def _num_generated(token_ids: list[list[int]], num_prompt_tokens: list[int], i: int) -> int:
@@ -110,12 +137,12 @@ def process_logits(
             penalty_rows.append(i)
     if bias_rows:
         logits.index_put_(
-            (torch.tensor(bias_rows), torch.tensor(bias_cols)),
-            torch.tensor(bias_vals, dtype=logits.dtype),
+            (_on(logits, bias_rows), _on(logits, bias_cols)),
+            _on(logits, bias_vals, logits.dtype),
             accumulate=True,
         )
     if block_rows:
-        logits[torch.tensor(block_rows), torch.tensor(block_cols)] = float("-inf")
+        logits[_on(logits, block_rows), _on(logits, block_cols)] = float("-inf")
     if penalty_rows:
         _apply_penalties(logits, penalty_rows, options, token_ids, num_prompt_tokens)
     return logits
@@ -133,18 +160,18 @@ def _apply_penalties(
     Same values as the dense vLLM formulas, O(number of tokens) instead of O(rows * vocab).
     """
     vocab = logits.shape[1]
-    rep = torch.tensor([options[i].repetition_penalty for i in range(len(options))])
-    freq = torch.tensor([options[i].frequency_penalty for i in range(len(options))])
-    pres = torch.tensor([options[i].presence_penalty for i in range(len(options))])
+    rep = _on(logits, [options[i].repetition_penalty for i in range(len(options))])
+    freq = _on(logits, [options[i].frequency_penalty for i in range(len(options))])
+    pres = _on(logits, [options[i].presence_penalty for i in range(len(options))])
 
     # One flat tensor of every penalised row's tokens; each token knows its row and position.
-    lens = torch.tensor([len(token_ids[i]) for i in rows])
-    flat = torch.tensor([t for i in rows for t in token_ids[i]], dtype=torch.long)
-    row_t = torch.tensor(rows)
+    lens = _on(logits, [len(token_ids[i]) for i in rows])
+    flat = _on(logits, [t for i in rows for t in token_ids[i]], torch.long)
+    row_t = _on(logits, rows)
     row_of = torch.repeat_interleave(row_t, lens)
     starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(flat.shape[0]) - torch.repeat_interleave(starts, lens)
-    n_prompt = torch.repeat_interleave(torch.tensor([num_prompt_tokens[i] for i in rows]), lens)
+    pos = torch.arange(flat.shape[0], device=logits.device) - torch.repeat_interleave(starts, lens)
+    n_prompt = torch.repeat_interleave(_on(logits, [num_prompt_tokens[i] for i in rows]), lens)
     valid = (flat >= 0) & (flat < vocab)
     is_gen = pos >= n_prompt
     keys_all = row_of * vocab + flat
@@ -156,7 +183,7 @@ def _apply_penalties(
         keys = uniq_gen
     if keys.numel() == 0:
         return
-    counts = torch.zeros(keys.shape[0], dtype=logits.dtype)
+    counts = torch.zeros(keys.shape[0], dtype=logits.dtype, device=logits.device)
     counts[torch.searchsorted(keys, uniq_gen)] = gen_counts.to(logits.dtype)
 
     key_rows = keys // vocab
@@ -172,7 +199,7 @@ def _apply_penalties(
 
 def _select(t: Tensor, rows: list[int], total: int) -> Tensor:
     """Rows of t; the tensor itself when every row is selected (no copy)."""
-    return t if len(rows) == total else t[torch.tensor(rows)]
+    return t if len(rows) == total else t[_on(t, rows)]
 
 
 class Sampler:
@@ -207,9 +234,9 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             greedy_rows = [i for i, o in enumerate(options) if o.temperature < SAMPLING_EPS]
-            tokens = torch.empty(batch, dtype=torch.long)
+            tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
             if greedy_rows:
-                g = torch.tensor(greedy_rows)
+                g = _on(logits, greedy_rows)
                 tokens[g] = logits[g].argmax(dim=-1)
             uniforms = [
                 seeded_uniform(options[i].seed, _num_generated(token_ids, num_prompt_tokens, i))
@@ -221,12 +248,16 @@ class Sampler:
             if len(random_rows) == batch:
                 tokens = drawn
             else:
-                tokens[torch.tensor(random_rows)] = drawn
+                tokens[_on(logits, random_rows)] = drawn
 
-        token_list: list[int] = tokens.tolist()
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, lp_rows, options, token_list, batch)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=tokens.tolist(), logprobs=None)
+        chosen = _select(tokens, lp_rows, batch)
+        ks = [options[i].logprobs or 0 for i in lp_rows]
+        token_list, entries = _logprob_entries(raw_logprobs, chosen, ks, also=tokens)
+        logprobs: list[SampledLogprobs | None] = [None] * batch
+        for r, i in enumerate(lp_rows):
+            logprobs[i] = entries[r]
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
     def _sample_random(
@@ -236,13 +267,13 @@ class Sampler:
         rows, vocab = logits.shape
         temps = [o.temperature for o in options]
         if any(t != 1.0 for t in temps):
-            logits.div_(torch.tensor(temps, dtype=logits.dtype).unsqueeze(1))
+            logits.div_(_on(logits, temps, logits.dtype).unsqueeze(1))
 
         min_ps = [o.min_p for o in options]
         if any(m > 0.0 for m in min_ps):
             # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
-            log_mp = torch.tensor(
-                [math.log(m) if m > 0.0 else float("-inf") for m in min_ps], dtype=logits.dtype
+            log_mp = _on(
+                logits, [math.log(m) if m > 0.0 else float("-inf") for m in min_ps], logits.dtype
             )
             threshold = logits.amax(dim=-1) + log_mp
             logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
@@ -251,15 +282,15 @@ class Sampler:
         top_ps = [o.top_p for o in options]
         filtered = [j for j in range(rows) if top_ks[j] > 0 or top_ps[j] < 1.0]
         plain = [j for j in range(rows) if not (top_ks[j] > 0 or top_ps[j] < 1.0)]
-        u = torch.tensor(uniforms, dtype=torch.float64)
-        out = torch.empty(rows, dtype=torch.long)
+        u = _on(logits, uniforms, torch.float64)
+        out = torch.empty(rows, dtype=torch.long, device=logits.device)
 
         if plain:
             probs = torch.softmax(_select(logits, plain, rows), dim=-1)
             idx = _draw_full_vocab(probs, _select(u, plain, rows))
             if len(plain) == rows:
                 return idx
-            out[torch.tensor(plain)] = idx
+            out[_on(logits, plain)] = idx
 
         if filtered:
             sub = _select(logits, filtered, rows)
@@ -271,7 +302,7 @@ class Sampler:
             )
             if len(filtered) == rows:
                 return drawn
-            out[torch.tensor(filtered)] = drawn
+            out[_on(logits, filtered)] = drawn
         return out
 
     def _sample_filtered(
@@ -300,9 +331,9 @@ class Sampler:
         redo = (~fits).nonzero().squeeze(1).tolist()
         pos = {j: n for n, j in enumerate(full_norm)}
         assert full_probs is not None  # only full-normalised rows can miss
-        redo_t = torch.tensor(redo)
+        redo_t = _on(logits, redo)
         sub = logits[redo_t]
-        sub_probs = full_probs[torch.tensor([pos[j] for j in redo])]
+        sub_probs = full_probs[_on(logits, [pos[j] for j in redo])]
         second = 8 * self.top_p_candidates
         if second >= vocab:
             vals_s, idx_s = sub.sort(dim=-1, descending=True)
@@ -348,7 +379,7 @@ def _draw_top_p_by_histogram(
     finite = torch.where(torch.isfinite(logits), logits, top)
     span = (top - finite.amin(dim=-1, keepdim=True)).clamp_min_(1e-6)
     bucket = ((top - logits) * ((n_b - 1) / span)).clamp_(0, n_b - 1).long()
-    mass = torch.zeros(rows, n_b, dtype=probs.dtype).scatter_add_(1, bucket, probs)
+    mass = torch.zeros(rows, n_b, dtype=probs.dtype, device=probs.device).scatter_add_(1, bucket, probs)
     cum = torch.cumsum(mass, dim=-1, dtype=torch.float64)
 
     def crossing(target: Tensor, strict: bool) -> tuple[list[int], list[float]]:
@@ -371,12 +402,12 @@ def _draw_top_p_by_histogram(
             through.append(float(inner[j]))
         return toks, through
 
-    p_t = torch.tensor(top_ps, dtype=torch.float64)
+    p_t = _on(logits, top_ps, torch.float64)
     _, kept_mass = crossing(p_t, strict=False)  # last kept token: first with cum >= p
-    kept = torch.tensor(kept_mass, dtype=torch.float64)
+    kept = _on(logits, kept_mass, torch.float64)
     x = torch.minimum(u * kept, kept * (1 - 2.0**-52))
     chosen, _ = crossing(x, strict=True)  # first token with cum > x
-    return torch.tensor(chosen, dtype=torch.long)
+    return _on(logits, chosen, torch.long)
 
 
 def _draw_full_vocab(probs: Tensor, u: Tensor) -> Tensor:
@@ -407,7 +438,7 @@ def _draw_full_vocab(probs: Tensor, u: Tensor) -> Tensor:
     before = cum.gather(1, c.unsqueeze(1)).squeeze(1) - c_mass
     frac = ((x - before) / c_mass).clamp_(0.0, 1.0)
 
-    cols = c.unsqueeze(1) * chunk + torch.arange(chunk).unsqueeze(0)
+    cols = c.unsqueeze(1) * chunk + torch.arange(chunk, device=probs.device).unsqueeze(0)
     valid = cols < vocab
     cols.clamp_(max=vocab - 1)
     inner = probs.gather(1, cols).masked_fill_(~valid, 0.0)
@@ -439,26 +470,26 @@ def _draw_from_candidates(
     """
     rows, k_cap = vals.shape
     weights = torch.exp(vals - vals[:, :1])
-    ks = torch.tensor([k if k > 0 else k_cap for k in top_ks])
-    beyond_k = torch.arange(k_cap).unsqueeze(0) >= ks.unsqueeze(1)
+    ks = _on(vals, [k if k > 0 else k_cap for k in top_ks])
+    beyond_k = torch.arange(k_cap, device=vals.device).unsqueeze(0) >= ks.unsqueeze(1)
     weights.masked_fill_(beyond_k, 0.0)
     if full_norm:
-        fn = torch.tensor(full_norm)
+        fn = _on(vals, full_norm)
         assert full_probs is not None
         weights[fn] = full_probs.gather(1, idx[fn])
     cum = torch.cumsum(weights, dim=-1, dtype=torch.float64)
     total = cum[:, -1].clone()
-    fits = torch.ones(rows, dtype=torch.bool)
+    fits = torch.ones(rows, dtype=torch.bool, device=vals.device)
     if full_norm:
-        fn = torch.tensor(full_norm)
+        fn = _on(vals, full_norm)
         total[fn] = 1.0
-        p_fn = torch.tensor([top_ps[j] for j in full_norm], dtype=torch.float64)
+        p_fn = _on(vals, [top_ps[j] for j in full_norm], torch.float64)
         last = k_cap - 1 if check_len is None else min(check_len, k_cap) - 1
         fits[fn] = cum[fn, last] >= p_fn
 
     if any(p < 1.0 for p in top_ps):
-        p_t = torch.tensor(top_ps, dtype=torch.float64)
-        exclusive = torch.cat([torch.zeros(rows, 1, dtype=torch.float64), cum[:, :-1]], dim=1)
+        p_t = _on(vals, top_ps, torch.float64)
+        exclusive = torch.cat([torch.zeros(rows, 1, dtype=torch.float64, device=vals.device), cum[:, :-1]], dim=1)
         keep = exclusive < (p_t * total).unsqueeze(1)
         keep[:, 0] = True
         keep &= ~beyond_k
@@ -474,35 +505,30 @@ def _draw_from_candidates(
     return idx.gather(1, pos.unsqueeze(1)).squeeze(1), fits
 
 
-def _gather_logprobs(
-    raw_logprobs: Tensor,
-    rows: list[int],
-    options: list[SamplingOptions],
-    tokens: list[int],
-    batch: int,
-) -> list[SampledLogprobs | None]:
-    chosen = torch.tensor([tokens[i] for i in rows])
-    entries = _logprob_entries(raw_logprobs, chosen, [options[i].logprobs or 0 for i in rows])
-    out: list[SampledLogprobs | None] = [None] * batch
-    for r, i in enumerate(rows):
-        out[i] = entries[r]
-    return out
-
-
-def _logprob_entries(logprobs: Tensor, chosen: Tensor, ks: list[int]) -> list[SampledLogprobs]:
-    vocab = logprobs.shape[-1]
-    picked: list[float] = logprobs.gather(1, chosen.long().unsqueeze(1)).squeeze(1).tolist()
+def _logprob_entries(
+    logprobs: Tensor, chosen: Tensor, ks: list[int], also: Tensor | None = None
+) -> tuple[list[int], list[SampledLogprobs]]:
+    """Logprob of each row's chosen token and its top-k, read back in one copy together with
+    ``also`` (the step's token ids; returned as the first value, [] without it)."""
+    rows, vocab = logprobs.shape
+    picked = logprobs.gather(1, chosen.long().unsqueeze(1)).squeeze(1)
     k_max = min(max(ks, default=0), vocab)
-    top_vals: list[list[float]] = []
-    top_ids: list[list[int]] = []
+    ints = [also] if also is not None else []
+    floats = [picked]
     if k_max > 0:
         tv, ti = logprobs.topk(k_max, dim=-1)
-        top_vals, top_ids = tv.tolist(), ti.tolist()
+        ints.append(ti)
+        floats.append(tv)
+    host_ints, host_floats = _fetch(ints, floats)
+    token_list = host_ints[0] if also is not None else []
+    top_ids = host_ints[-1] if k_max > 0 else []
+    top_vals = host_floats[1] if k_max > 0 else []
     entries = []
     for r, k in enumerate(ks):
-        top = list(zip(top_ids[r][:k], top_vals[r][:k])) if k > 0 else []
-        entries.append(SampledLogprobs(logprob=picked[r], top=top))
-    return entries
+        at = r * k_max
+        top = list(zip(top_ids[at:at + k], top_vals[at:at + k])) if k > 0 else []
+        entries.append(SampledLogprobs(logprob=host_floats[0][r], top=top))
+    return token_list, entries
 
 
 def compute_prompt_logprobs(
@@ -516,9 +542,9 @@ def compute_prompt_logprobs(
     if logits.shape[0] == 0:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = torch.as_tensor(next_token_ids, dtype=torch.long)
+    chosen = torch.as_tensor(next_token_ids, dtype=torch.long, device=logits.device)
     if chosen.shape[0] != logits.shape[0]:
         raise ValueError(
             f"compute_prompt_logprobs got {logits.shape[0]} logit rows but {chosen.shape[0]} token ids"
         )
-    return _logprob_entries(logprobs, chosen, [max(k, 0)] * logits.shape[0])
+    return _logprob_entries(logprobs, chosen, [max(k, 0)] * logits.shape[0])[1]

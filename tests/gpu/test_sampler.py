@@ -4,10 +4,13 @@ Run as a script (``python tests/gpu/test_sampler.py``) to time one call at B=64,
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu.messages import SampledLogprobs, SamplingOptions
 from gpu.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, process_logits
@@ -485,6 +488,89 @@ def test_bf16_logits_and_bad_shapes():
     assert out.token_ids == logits.bfloat16().float().argmax(-1).tolist()
     with pytest.raises(ValueError, match="2 logit rows but 3 options"):
         Sampler().sample(logits, [SamplingOptions()] * 3, [[1]] * 2, [1] * 2)
+
+
+# ---------------------------------------------------------------- device placement (issue 10 fault 5)
+
+
+class _SameDevice(TorchDispatchMode):
+    """Fail any op whose tensor inputs or outputs are not all on ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.device != self.device:
+                raise AssertionError(f"{func} got a tensor on {t.device}, the logits are on {self.device}")
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device != self.device:
+                raise AssertionError(f"{func} made a tensor on {t.device}, the logits are on {self.device}")
+        return out
+
+
+@contextlib.contextmanager
+def _logits_device_only():
+    """On CUDA the logits live on the GPU and a tensor made without ``device=`` lands on the CPU.
+    Here the logits are on the CPU, so make the default device ``meta`` instead: any tensor the
+    sampler makes without the logits' device is then on meta, and every op is checked."""
+    with torch.device("meta"), _SameDevice(torch.device("cpu")):
+        yield
+
+
+_DEVICE_CASES = {
+    "greedy": dict(temperature=0.0),
+    "temperature 1": dict(),
+    "temperature 0.7 + min_p": dict(temperature=0.7, min_p=0.05),
+    "top_k": dict(top_k=5, temperature=0.9),
+    "top_p": dict(top_p=0.8),
+    "top_k + top_p": dict(top_k=40, top_p=0.5),
+    "penalties": dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+    "logit_bias + min_tokens": dict(logit_bias={3: 5.0, 7: -100.0}, min_tokens=5,
+                                    min_tokens_blocked_ids=[2, 9]),
+    "logprobs": dict(logprobs=3, temperature=0.8),
+    "greedy logprobs": dict(logprobs=0, temperature=0.0),
+}
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["uniform batch", "mixed batch"])
+@pytest.mark.parametrize("case", list(_DEVICE_CASES))
+def test_every_tensor_the_sampler_makes_is_on_the_logits_device(case, mixed):
+    torch.manual_seed(21)
+    b, v = 6, 700
+    logits = torch.randn(b, v) * 3
+    options = [SamplingOptions(seed=i, **_DEVICE_CASES[case]) for i in range(b)]
+    if mixed:  # every other row greedy / plain: exercises the row selections and scatters
+        options[1::2] = [SamplingOptions(temperature=0.0 if i % 4 == 1 else 1.0, seed=i)
+                         for i in range(1, b, 2)]
+    token_ids = [[1, 2, 3, 3, 4 + i] for i in range(b)]
+    expected = _run(logits, options, token_ids, [3] * b)
+    with _logits_device_only():
+        got = _run(logits, options, token_ids, [3] * b)
+    assert got == expected
+
+
+@pytest.mark.parametrize("candidates", [2, 400])  # histogram and full-sort paths of top-p
+def test_top_p_fallback_paths_stay_on_the_logits_device(candidates):
+    torch.manual_seed(22)
+    logits = torch.randn(4, 3000) * 0.1  # flat: the nucleus is far beyond the first candidates
+    options = [SamplingOptions(seed=i, top_p=0.9) for i in range(4)]
+    sampler = Sampler(top_p_candidates=candidates)
+    expected = _run(logits, options, sampler=sampler)
+    with _logits_device_only():
+        assert _run(logits, options, sampler=sampler) == expected
+
+
+def test_prompt_logprobs_stay_on_the_logits_device():
+    torch.manual_seed(23)
+    logits = torch.randn(5, 40)
+    for targets in ([1, 2, 3, 4, 5], torch.tensor([1, 2, 3, 4, 5])):
+        expected = compute_prompt_logprobs(logits, targets, 2)
+        with _logits_device_only():
+            assert compute_prompt_logprobs(logits, targets, 2) == expected
 
 
 # ---------------------------------------------------------------- timing (not a test)
