@@ -225,7 +225,7 @@ class AsyncEngine:
                     try:
                         await asyncio.wait_for(self._wake.wait(), IDLE_HEALTH_CHECK_S)
                     except asyncio.TimeoutError:
-                        executor.check_health()
+                        await executor.check_health_async()
                     continue
                 if reply_time is not None:
                     # Output processing, stream flushes and scheduling between two steps.

@@ -37,6 +37,10 @@ class Executor(abc.ABC):
     def check_health(self) -> None:
         """Raise ExecutorError if a worker is gone."""
 
+    async def check_health_async(self) -> None:
+        """``check_health`` for the event loop: never blocks on a worker (reaping, pipes)."""
+        self.check_health()
+
 
 class InprocExecutor(Executor):
     def __init__(self, config: EngineConfig):

@@ -3,8 +3,9 @@
 The engine writes each StepInput to the step ring (read by every rank); rank 0 answers on the
 reply ring. ``execute_async`` waits for the reply with ``loop.add_reader`` on the reply ring's
 eventfd and on every worker's sentinel, so the event loop never blocks on a worker and a worker
-that dies fails the pending step at once. After a death the executor tears everything down and
-every later call raises ``ExecutorError`` with the same message. Replies are matched to steps by
+that dies fails the pending step at once. After a death the executor tears everything down on a
+reaper thread (joins, terminate, kill take seconds with a stuck rank; nothing on the event loop
+waits for a process) and every later call raises ``ExecutorError`` with the same message. Replies are matched to steps by
 id: a reply to a step whose caller was cancelled is dropped by its id, any other mismatch is a
 worker fault that fails the executor (never a silent shift of every later step). A step with no
 reply within ``step_timeout_s`` (workers alive but stuck) fails the executor the same way.
@@ -23,6 +24,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -64,7 +66,10 @@ def _describe_exit(proc: multiprocessing.process.BaseProcess) -> str:
 
 
 class _Resources:
-    """What the executor owns; ``close`` is the finalizer (never references the executor)."""
+    """What the executor owns; ``close`` is the finalizer (never references the executor).
+
+    ``close`` may take seconds (joins, terminate, kill) and runs on a reaper thread after a
+    failure; the lock makes a second caller (shutdown, the finalizer) wait for the first."""
 
     def __init__(self):
         self.procs: list[multiprocessing.process.BaseProcess] = []
@@ -72,11 +77,16 @@ class _Resources:
         self.step_ring: ShmRing | None = None
         self.reply_ring: ShmRing | None = None
         self.closed = False
+        self._lock = threading.Lock()
 
     def close(self, graceful: bool = True, join_timeout: float = 5.0) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._close(graceful, join_timeout)
+
+    def _close(self, graceful: bool, join_timeout: float) -> None:
         alive = [p for p in self.procs if p.exitcode is None]
         if self.step_ring is not None and alive and graceful:
             try:
@@ -118,6 +128,7 @@ class MultiprocExecutor(Executor):
         # replies still come and are dropped by id.
         self._abandoned: collections.deque[int] = collections.deque()
         self._lock: asyncio.Lock | None = None
+        self._reaper: threading.Thread | None = None
         self._lock_loop = None
         self._sentinels: list[int] = []
         self._startup_timeout = startup_timeout or DEFAULT_STARTUP_TIMEOUT_S
@@ -205,18 +216,24 @@ class MultiprocExecutor(Executor):
                         text += f":\n{value}"
             except (EOFError, OSError):
                 pass
-            return text + "; in-flight requests cannot finish, restart the server"
+            return text + "; in-flight requests cannot finish"
         return None
 
     def _fail(self, message: str) -> ExecutorError:
-        """Remember the error, tear the group down, return the error to raise."""
+        """Remember the error and return it; the group is torn down on a reaper thread.
+
+        Never blocks: reaping (join, terminate, wait, kill; seconds with a stuck rank) must not
+        hold the caller, which may be the event loop. ``shutdown()`` waits for the reaper."""
         if self._error is None:
             self._error = ExecutorError(message)
             logger.error("%s", message)
-            self._res.close(graceful=False)
+            self._reaper = threading.Thread(target=self._res.close, kwargs={"graceful": False},
+                                            name="pagedserve-reaper", daemon=True)
+            self._reaper.start()
         return self._error
 
     def _fail_from_death(self) -> ExecutorError:
+        """Blocks up to 0.2 s (the exit status lags the sentinel): call off the event loop."""
         for _ in range(20):  # the sentinel fires as the process ends; exitcode needs the reap
             msg = self._dead_message()
             if msg is not None:
@@ -224,16 +241,34 @@ class MultiprocExecutor(Executor):
             time.sleep(0.01)
         return self._fail("a worker process exited; in-flight requests cannot finish")
 
+    async def _fail_from_death_async(self) -> ExecutorError:
+        return await asyncio.get_running_loop().run_in_executor(None, self._fail_from_death)
+
+    def _any_worker_gone(self) -> bool:
+        """Non-blocking: a sentinel is readable once its process has ended."""
+        return bool(self._sentinels) and bool(wait(self._sentinels, 0))
+
     def _check_usable(self) -> None:
         if self._error is not None:
             raise self._error
         if self._res.closed:
             raise ExecutorError("the executor was shut down")
-        if self._dead_message() is not None:
+        if self._any_worker_gone():
             raise self._fail_from_death()
+
+    async def _check_usable_async(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._res.closed:
+            raise ExecutorError("the executor was shut down")
+        if self._any_worker_gone():
+            raise await self._fail_from_death_async()
 
     def check_health(self) -> None:
         self._check_usable()
+
+    async def check_health_async(self) -> None:
+        await self._check_usable_async()
 
     # ------------------------------------------------------------------ steps
 
@@ -252,10 +287,9 @@ class MultiprocExecutor(Executor):
                 "can legitimately take that long")
 
     def _send(self, step: StepInput, timeout: float | None) -> None:
+        """Raises RingPeerDied for the caller to turn into the death error (sync or async)."""
         try:
             self._res.step_ring.send(encode_step(step), timeout=timeout)
-        except RingPeerDied:
-            raise self._fail_from_death() from None
         except RingTimeout:
             raise self._fail(self._hung_message(step, timeout)) from None
         self._steps_sent += 1
@@ -302,9 +336,9 @@ class MultiprocExecutor(Executor):
         self._check_usable()
         timeout = self._timeout_for_next_step()
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._send(step, timeout)
         ring = self._res.reply_ring
         try:
+            self._send(step, timeout)
             while True:
                 out = self._take_reply(step.step_id)
                 if out is not None:
@@ -327,10 +361,14 @@ class MultiprocExecutor(Executor):
         if self._lock is None or self._lock_loop is not loop:
             self._lock, self._lock_loop = asyncio.Lock(), loop
         async with self._lock:  # one step in flight; replies come back in order
-            self._check_usable()
+            await self._check_usable_async()
             timeout = self._timeout_for_next_step()
-            self._send(step, timeout)
+            try:
+                self._send(step, timeout)
+            except RingPeerDied:
+                raise await self._fail_from_death_async() from None
             fut: asyncio.Future = loop.create_future()
+            death: asyncio.Future = loop.create_future()
             ring = self._res.reply_ring
             reply_fd = ring.fileno()
 
@@ -340,13 +378,15 @@ class MultiprocExecutor(Executor):
                 ring.clear_wakeup()
                 try:
                     result = self._take_reply(step.step_id)
-                except Exception as e:  # a corrupt reply: surface it rather than hang
+                except Exception as e:  # a corrupt or foreign reply: surface it rather than hang
                     fut.set_exception(e)
                     return
                 if result is not None:
                     fut.set_result(result)
 
             def on_death() -> None:
+                if not death.done():
+                    death.set_result(None)
                 if not fut.done():
                     fut.set_exception(RingPeerDied("worker exited"))
 
@@ -361,10 +401,8 @@ class MultiprocExecutor(Executor):
             try:
                 out = await fut
                 if self._error_from_peer(out):
-                    deadline = loop.time() + self._PEER_FAILURE_GRACE_S
-                    while loop.time() < deadline and self._dead_message() is None:
-                        await asyncio.sleep(0.05)
-                    if self._dead_message() is not None:
+                    await asyncio.wait([death], timeout=self._PEER_FAILURE_GRACE_S)
+                    if death.done():
                         raise RingPeerDied("a worker exited")
                 return out
             except RingPeerDied:
@@ -381,7 +419,7 @@ class MultiprocExecutor(Executor):
                 loop.remove_reader(reply_fd)
                 for s in self._sentinels:
                     loop.remove_reader(s)
-            raise self._fail_from_death()
+            raise await self._fail_from_death_async()
 
     # ------------------------------------------------------------------ shutdown
 
