@@ -18,6 +18,7 @@ BENCH_COMMANDS = {
     "latency": ("app.bench_latency", "One request's prefill time and decode speed"),
     "serve": ("loadtest.bench", "Serving benchmark against any OpenAI-compatible server"),
     "ipc": ("gpu.bench_ipc", "Round trip of step messages: shm ring vs multiprocessing.Queue"),
+    "soak": ("loadtest.soak", "Thousands of mixed requests, then proof nothing leaked (RSS, fds, KV)"),
 }
 
 

@@ -1,0 +1,349 @@
+"""Soak: thousands of mixed requests against one server, then proof that nothing leaked.
+
+    pagedserve bench soak --base-url http://127.0.0.1:8000 --requests 5000 --concurrency 16
+    pagedserve bench soak --start-server tiny --requests 5000 --concurrency 16
+
+The mix (loadtest/soak_mix.py) is chat and completions, streamed and not, n>1, logprobs, stop
+strings, streams the client drops mid-way and malformed input. After a warm-up and again at the
+end the run reads, with the server idle and no client connection open: RSS and open fds of the
+whole server process tree (/proc), and from /metrics the KV usage and running/waiting requests.
+It prints a JSON summary and exits 1 when a check fails (any 5xx, any wrong answer, a bad
+request without its 4xx, RSS growth or fd growth past the limits, KV or requests left over).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest import proctree
+from loadtest.soak_mix import Outcome, Planned, check_full, check_stream, plan
+from loadtest.sse import SSEDecoder, StreamError
+
+logger = logging.getLogger(__name__)
+
+IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+
+
+@dataclass(slots=True)
+class SoakConfig:
+    base_url: str
+    requests: int = 5000
+    concurrency: int = 16
+    warmup: int = 200
+    seed: int = 0
+    max_tokens: int = 24
+    model: str | None = None
+    max_model_len: int | None = None
+    server_pid: int | None = None  # None: found from the port when the server is local
+    request_timeout: float = 120.0
+    idle_timeout: float = 60.0
+    max_rss_growth_pct: float = 5.0
+    fd_tolerance: int = 4
+    progress: bool = False
+
+
+# --------------------------------------------------------------------------- one request
+
+
+async def send(client: httpx.AsyncClient, p: Planned, timeout: float) -> Outcome:
+    out = Outcome(p.index, p.kind)
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(_send(client, p, out), timeout)
+    except asyncio.TimeoutError:
+        out.ok, out.error = False, f"no answer in {timeout:.0f} s (hang)"
+    except (httpx.HTTPError, StreamError, ValueError) as e:
+        out.ok, out.error = False, f"{type(e).__name__}: {e}"[:300]
+    out.latency_s = time.monotonic() - t0
+    return out
+
+
+async def _send(client: httpx.AsyncClient, p: Planned, out: Outcome) -> None:
+    kwargs = {"content": p.raw, "headers": {"content-type": "application/json"}} if p.raw is not None \
+        else {"json": p.body}
+    if not p.stream:
+        r = await client.post(p.path, **kwargs)
+        out.status = r.status_code
+        if p.expect_status != 200:
+            out.ok = r.status_code == p.expect_status and "error" in r.json()
+            out.error = "" if out.ok else f"{p.note}: expected {p.expect_status}, got {r.status_code} {r.text[:200]}"
+            return
+        out.error = check_full(p, r.json()) if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
+        out.ok = not out.error
+        return
+    async with client.stream("POST", p.path, **kwargs) as r:
+        out.status = r.status_code
+        if r.status_code != 200:
+            out.error = f"{r.status_code} {(await r.aread())[:200]!r}"
+            return
+        if p.drop_after_events == 0:  # hang up right after the headers
+            out.ok = out.aborted = True
+            return
+        decoder, finishes = SSEDecoder(), {}
+        async for line in r.aiter_lines():
+            event = decoder.feed(line)
+            if event is None:
+                continue
+            if "error" in event:
+                out.error = f"error event: {str(event['error'])[:200]}"
+                return
+            out.events += 1
+            for c in event.get("choices") or []:
+                if c.get("finish_reason"):
+                    finishes[c["index"]] = c["finish_reason"]
+            if p.drop_after_events is not None and out.events >= p.drop_after_events:
+                out.ok = out.aborted = True  # leaving the block closes the connection mid-stream
+                return
+        if p.drop_after_events is not None:
+            out.error = f"a 400-token stream ended after {out.events} events"
+            return
+        out.error = check_stream(p, finishes, decoder.done)
+        out.ok = not out.error
+
+
+# --------------------------------------------------------------------------- server figures
+
+
+def _metric(text: str, name: str) -> float | None:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "pagedserve:" + name:
+                return s.value
+    return None
+
+
+async def gauges(client: httpx.AsyncClient) -> dict[str, float | None]:
+    text = (await client.get("/metrics")).text
+    return {g: _metric(text, g) for g in IDLE_GAUGES}
+
+
+async def wait_idle(base_url: str, timeout: float) -> dict[str, float | None]:
+    """Poll /metrics (on a fresh connection) until nothing runs or waits; the last reading."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as c:
+        deadline = time.monotonic() + timeout
+        while True:
+            g = await gauges(c)
+            if (g["num_requests_running"] == 0 and g["num_requests_waiting"] == 0
+                    and g["kv_cache_usage_perc"] == 0) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+    await asyncio.sleep(0.5)  # let the server close the sockets of the clients that just left
+    return g
+
+
+def server_pid(cfg: SoakConfig) -> int | None:
+    if cfg.server_pid is not None:
+        return cfg.server_pid
+    parts = urlsplit(cfg.base_url)
+    if parts.hostname in ("127.0.0.1", "localhost", "::1") and parts.port:
+        return proctree.pid_listening_on(parts.port)
+    return None
+
+
+# --------------------------------------------------------------------------- the run
+
+
+async def _phase(cfg: SoakConfig, start: int, count: int, model: str, max_model_len: int,
+                 outcomes: list[Outcome]) -> None:
+    """Requests start..start+count at cfg.concurrency; the client and its connections are closed
+    at the end so the server's fd count is read with no client attached."""
+    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+    timeout = httpx.Timeout(cfg.request_timeout, connect=30)
+    next_index = iter(range(start, start + count))
+    step = max(1, count // 10)
+
+    async with httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout) as client:
+        async def worker() -> None:
+            for i in next_index:
+                p = plan(i, seed=cfg.seed, model=model, max_model_len=max_model_len,
+                         max_tokens=cfg.max_tokens)
+                o = await send(client, p, cfg.request_timeout)
+                outcomes.append(o)
+                if not o.ok:
+                    logger.warning("request %d (%s) failed: %s", i, p.kind, o.error)
+                if cfg.progress and len(outcomes) % step == 0:
+                    logger.info("%d requests done", len(outcomes))
+
+        await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+
+
+async def _model_info(cfg: SoakConfig) -> tuple[str, int]:
+    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=30) as c:
+        model = cfg.model or (await c.get("/v1/models")).json()["data"][0]["id"]
+        if cfg.max_model_len:
+            return model, cfg.max_model_len
+        r = await c.post("/tokenize", json={"model": model, "prompt": "x"})
+        return model, int(r.json().get("max_model_len") or 2048)
+
+
+def _growth_pct(before: int, after: int) -> float | None:
+    return round(100.0 * (after - before) / before, 2) if before else None
+
+
+async def async_run_soak(cfg: SoakConfig) -> dict:
+    model, max_model_len = await _model_info(cfg)
+    pid = server_pid(cfg)
+    if pid is None:
+        logger.warning("no server pid (pass --server-pid): RSS and fd figures are left out")
+    t0 = time.monotonic()
+    warm_outcomes: list[Outcome] = []
+    await _phase(cfg, 0, cfg.warmup, model, max_model_len, warm_outcomes)
+    warm_gauges = await wait_idle(cfg.base_url, cfg.idle_timeout)
+    warm = proctree.snapshot(pid) if pid else None
+    t1 = time.monotonic()
+    outcomes: list[Outcome] = []
+    await _phase(cfg, cfg.warmup, cfg.requests, model, max_model_len, outcomes)
+    t2 = time.monotonic()
+    end_gauges = await wait_idle(cfg.base_url, cfg.idle_timeout)
+    end = proctree.snapshot(pid) if pid else None
+    return summarize(cfg, model, warm_outcomes, outcomes, warm_gauges, end_gauges, warm, end,
+                     warmup_s=t1 - t0, run_s=t2 - t1)
+
+
+def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcomes: list[Outcome],
+              warm_gauges: dict, end_gauges: dict, warm: proctree.TreeSnapshot | None,
+              end: proctree.TreeSnapshot | None, *, warmup_s: float, run_s: float) -> dict:
+    every = warm_outcomes + outcomes
+    statuses = Counter(str(o.status) if o.status is not None else "no_response" for o in every)
+    kinds: dict[str, Counter] = {}
+    for o in every:
+        kinds.setdefault(o.kind, Counter())["ok" if o.ok else "failed"] += 1
+    bad = [o for o in every if o.kind == "bad_input"]
+    failures = [o for o in every if not o.ok]
+    five_xx = sum(1 for o in every if o.status is not None and o.status >= 500)
+    server: dict = {"pid": end.processes[0].pid if end and end.processes else None}
+    if warm and end:
+        server.update(
+            warm=warm.as_dict(), end=end.as_dict(),
+            rss_growth_pct=_growth_pct(warm.rss_kib, end.rss_kib), fd_delta=end.fds - warm.fds)
+    checks = {
+        "zero_5xx": five_xx == 0,
+        "every_request_answered_right": not failures,
+        "bad_input_got_its_4xx": all(o.ok for o in bad),
+        "idle_at_end": end_gauges.get("num_requests_running") == 0
+        and end_gauges.get("num_requests_waiting") == 0,
+        "kv_usage_back_to_0": end_gauges.get("kv_cache_usage_perc") == 0,
+    }
+    if warm and end:
+        checks["rss_growth_under_limit"] = server["rss_growth_pct"] is not None and \
+            server["rss_growth_pct"] < cfg.max_rss_growth_pct
+        checks["fds_flat"] = abs(server["fd_delta"]) <= cfg.fd_tolerance
+    latencies = sorted(o.latency_s for o in every if o.ok and not o.aborted and o.kind != "bad_input")
+    return {
+        "model": model,
+        "base_url": cfg.base_url,
+        "requests": len(outcomes),
+        "warmup_requests": len(warm_outcomes),
+        "concurrency": cfg.concurrency,
+        "warmup_s": round(warmup_s, 2),
+        "run_s": round(run_s, 2),
+        "requests_per_s": round(len(outcomes) / run_s, 2) if run_s else None,
+        "latency_s": {"p50": _pct(latencies, 50), "p99": _pct(latencies, 99), "max": _pct(latencies, 100)},
+        "status_counts": dict(sorted(statuses.items())),
+        "by_kind": {k: dict(v) for k, v in sorted(kinds.items())},
+        "aborted_mid_stream": sum(1 for o in every if o.aborted),
+        "bad_input": {"sent": len(bad), "got_expected_4xx": sum(1 for o in bad if o.ok)},
+        "five_xx": five_xx,
+        "failures": len(failures),
+        "first_failures": [{"index": o.index, "kind": o.kind, "status": o.status, "error": o.error}
+                           for o in sorted(failures, key=lambda o: o.index)[:20]],
+        "metrics_after_warmup": warm_gauges,
+        "metrics_at_end": end_gauges,
+        "server": server,
+        "limits": {"max_rss_growth_pct": cfg.max_rss_growth_pct, "fd_tolerance": cfg.fd_tolerance},
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    return round(xs[min(len(xs) - 1, int(len(xs) * p / 100))], 4)
+
+
+def run_soak(cfg: SoakConfig) -> dict:
+    """Callable from tests: the JSON summary as a dict."""
+    return asyncio.run(async_run_soak(cfg))
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--base-url", default=None, help="server root (default with --start-server: its own)")
+    p.add_argument("--start-server", choices=["tiny", "default"], default=None,
+                   help="start `pagedserve serve` here: a tiny random-weight model or the default "
+                        "model; it is stopped with SIGTERM at the end and must exit 0 leaving no "
+                        "shared-memory segment")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra `serve` argument for --start-server (repeat), e.g. --server-arg=-tp=2")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="pid of the server to measure (default: the local process on the port)")
+    p.add_argument("--requests", type=int, default=5000, help="requests after the warm-up")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=200, help="requests before the first reading")
+    p.add_argument("--max-tokens", type=int, default=24, help="upper bound of each request's max_tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="model name (default: the server's first model)")
+    p.add_argument("--request-timeout", type=float, default=120.0,
+                   help="a request unanswered for this long counts as a hang")
+    p.add_argument("--max-rss-growth-pct", type=float, default=5.0)
+    p.add_argument("--fd-tolerance", type=int, default=4)
+    p.add_argument("--output", default=None, help="also write the JSON summary to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if (args.base_url is None) == (args.start_server is None):
+        print("error: give exactly one of --base-url and --start-server", file=sys.stderr)
+        return 2
+    server = None
+    if args.start_server:
+        from loadtest.local_server import LocalServer, ServerStartError, tiny_args
+
+        serve_args = tiny_args() if args.start_server == "tiny" else []
+        try:
+            server = LocalServer([*serve_args, *args.server_arg])
+        except ServerStartError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    cfg = SoakConfig(base_url=args.base_url or server.url, requests=args.requests,
+                     concurrency=args.concurrency, warmup=args.warmup, seed=args.seed,
+                     max_tokens=args.max_tokens, model=args.model,
+                     server_pid=server.pid if server else args.server_pid,
+                     request_timeout=args.request_timeout, max_rss_growth_pct=args.max_rss_growth_pct,
+                     fd_tolerance=args.fd_tolerance, progress=True)
+    try:
+        summary = run_soak(cfg)
+    except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
+        print(f"error: could not run the soak against {cfg.base_url}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            code = server.stop()
+    if server is not None:
+        summary["server"]["exit_code"] = code
+        summary["server"]["leftover_shm"] = server.leftover_segments()
+        summary["server"]["log"] = server.log.name
+        summary["checks"]["server_exit_0"] = code == 0
+        summary["checks"]["no_shm_left"] = not summary["server"]["leftover_shm"]
+        summary["passed"] = all(summary["checks"].values())
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0 if summary["passed"] else 1

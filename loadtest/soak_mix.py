@@ -1,0 +1,160 @@
+"""The request mix of a soak run: what each request sends and what counts as the right answer.
+
+Every kind of traffic a production server sees at once: chat and completions, streamed and not,
+n>1, logprobs, stop strings, clients that hang up mid-stream, and malformed input that must get
+its 4xx (never a 5xx). A plan is a pure function of (seed, index), so a failing request can be
+replayed by its index.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+_WORDS = ("the river bright cold winter paper engine garden quiet number seven blue market light "
+          "stone window letter silver morning sound travel orange bridge forest simple answer "
+          "question city music table careful golden north yellow story ocean little machine").split()
+_SYSTEM = "You are a careful assistant. Answer briefly and never invent facts you do not know."
+
+# kind -> weight. "abort" streams are dropped by the client after a few events; "bad" requests
+# must get the 4xx listed with them.
+MIX = {
+    "completion": 14, "completion_stream": 14, "chat": 12, "chat_stream": 14,
+    "completion_n_logprobs": 8, "chat_logprobs": 8, "stop_strings": 8,
+    "abort_stream": 12, "bad_input": 10,
+}
+
+
+@dataclass(slots=True)
+class Planned:
+    index: int
+    kind: str
+    path: str
+    body: dict | None = None
+    raw: bytes | None = None  # sent as is (malformed JSON)
+    stream: bool = False
+    expect_status: int = 200
+    n: int = 1
+    drop_after_events: int | None = None  # abort: hang up after this many data events
+    note: str = ""
+
+
+@dataclass(slots=True)
+class Outcome:
+    index: int
+    kind: str
+    status: int | None = None  # HTTP status, None when no response came
+    ok: bool = False
+    aborted: bool = False
+    error: str = ""
+    latency_s: float = 0.0
+    events: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _text(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def _messages(rng: random.Random) -> list[dict]:
+    msgs = [{"role": "system", "content": _SYSTEM}] if rng.random() < 0.5 else []
+    msgs.append({"role": "user", "content": _text(rng, 3, 60)})
+    if rng.random() < 0.3:
+        msgs += [{"role": "assistant", "content": _text(rng, 2, 20)},
+                 {"role": "user", "content": _text(rng, 2, 20)}]
+    return msgs
+
+
+def _bad(rng: random.Random, model: str, max_model_len: int) -> tuple[str, dict | None, bytes | None, int, str]:
+    """(path, body, raw, expected status, what is wrong)."""
+    cases = [
+        (COMPLETIONS, None, b'{"model": "' + model.encode() + b'", "prompt": ', 400, "truncated JSON"),
+        (COMPLETIONS, {"model": model, "prompt": "x", "temperature": -1}, None, 400, "temperature < 0"),
+        (COMPLETIONS, {"model": "no-such-model", "prompt": "x"}, None, 404, "unknown model"),
+        (COMPLETIONS, {"model": model, "prompt": [5] * (max_model_len + 10)}, None, 400, "prompt too long"),
+        (COMPLETIONS, {"model": model, "prompt": "x", "max_tokens": max_model_len + 10}, None, 400,
+         "max_tokens past the context"),
+        (COMPLETIONS, {"model": model, "prompt": [10**9]}, None, 400, "token id out of vocabulary"),
+        (COMPLETIONS, {"model": model, "prompt": "x", "n": 0}, None, 400, "n = 0"),
+        (COMPLETIONS, {"model": model, "prompt": "x", "top_p": 7}, None, 400, "top_p > 1"),
+        (CHAT, {"model": model, "messages": "not a list"}, None, 400, "messages not a list"),
+        (CHAT, {"model": model}, None, 400, "no messages"),
+        (CHAT, {"model": model, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                "top_logprobs": 10**6}, None, 400, "top_logprobs too large"),
+        (CHAT, None, b"[1, 2, 3]", 400, "body not an object"),
+    ]
+    return rng.choice(cases)
+
+
+def plan(index: int, *, seed: int, model: str, max_model_len: int, max_tokens: int) -> Planned:
+    rng = random.Random(seed * 1_000_003 + index)
+    kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+    temp = rng.choice([0.0, 0.7, 1.0])
+    mt = rng.randint(1, max_tokens)
+    if kind == "bad_input":
+        path, body, raw, status, note = _bad(rng, model, max_model_len)
+        return Planned(index, kind, path, body, raw, expect_status=status, note=note)
+    if kind in ("completion", "completion_stream"):
+        stream = kind.endswith("stream")
+        body = {"model": model, "prompt": _text(rng, 3, 80), "max_tokens": mt, "temperature": temp,
+                "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return Planned(index, kind, COMPLETIONS, body, stream=stream)
+    if kind in ("chat", "chat_stream"):
+        stream = kind.endswith("stream")
+        body = {"model": model, "messages": _messages(rng), "max_completion_tokens": mt,
+                "temperature": temp, "stream": stream}
+        return Planned(index, kind, CHAT, body, stream=stream)
+    if kind == "completion_n_logprobs":
+        n = rng.randint(2, 3)
+        stream = rng.random() < 0.5
+        body = {"model": model, "prompt": _text(rng, 3, 40), "max_tokens": mt, "temperature": 1.0,
+                "n": n, "logprobs": rng.randint(0, 3), "stream": stream, "seed": rng.randint(0, 9999)}
+        return Planned(index, kind, COMPLETIONS, body, stream=stream, n=n)
+    if kind == "chat_logprobs":
+        stream = rng.random() < 0.5
+        body = {"model": model, "messages": _messages(rng), "max_tokens": mt, "temperature": temp,
+                "logprobs": True, "top_logprobs": rng.randint(0, 5), "stream": stream}
+        return Planned(index, kind, CHAT, body, stream=stream)
+    if kind == "stop_strings":
+        stream = rng.random() < 0.5
+        stops = rng.sample(["e", "a ", "\n", "the", ".", "s"], rng.randint(1, 3))
+        body = {"model": model, "prompt": _text(rng, 3, 40), "max_tokens": max(mt, 8),
+                "temperature": temp, "stop": stops, "stream": stream}
+        return Planned(index, kind, COMPLETIONS, body, stream=stream)
+    # abort_stream: long enough that the client always hangs up before the end
+    chat = rng.random() < 0.5
+    body = {"model": model, "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": temp}
+    if chat:
+        body["messages"] = _messages(rng)
+    else:
+        body["prompt"] = _text(rng, 3, 40)
+    return Planned(index, kind, CHAT if chat else COMPLETIONS, body, stream=True,
+                   drop_after_events=rng.randint(0, 4))
+
+
+def check_full(p: Planned, body: dict) -> str:
+    """'' when a non-streamed 200 is a well-formed answer to ``p``, else what is wrong."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != p.n:
+        return f"expected {p.n} choice(s), got {str(choices)[:200]}"
+    for c in choices:
+        if c.get("finish_reason") not in ("stop", "length"):
+            return f"finish_reason {c.get('finish_reason')!r}"
+    usage = body.get("usage") or {}
+    if not isinstance(usage.get("completion_tokens"), int):
+        return f"no usage: {str(body)[:200]}"
+    return ""
+
+
+def check_stream(p: Planned, finishes: dict[int, str], done: bool) -> str:
+    """'' when a stream ended with [DONE] and every choice with a finish reason."""
+    if not done:
+        return "stream ended without [DONE]"
+    if sorted(finishes) != list(range(p.n)):
+        return f"finish reasons for choices {sorted(finishes)}, expected {p.n}"
+    bad = {i: r for i, r in finishes.items() if r not in ("stop", "length")}
+    return f"finish reasons {bad}" if bad else ""

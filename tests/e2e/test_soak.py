@@ -1,0 +1,75 @@
+"""A bounded soak (`pagedserve bench soak`, loadtest/soak.py) against a real tiny-model server:
+a few hundred mixed requests at concurrency 16, then zero 5xx, every bad request answered with
+its 4xx, KV usage 0 and nothing running, fds flat and RSS growth bounded across the whole server
+process tree. The long version (5,000 requests) is the same code run from the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest.local_server import LocalServer, tiny_args
+from loadtest.soak import SoakConfig, run_soak, summarize
+from loadtest.soak_mix import MIX, Outcome, plan
+
+# A short run has a short warm-up, so allocator and cache growth after it is still visible; the
+# long run is held to the issue's 5 %.
+SHORT_RUN_RSS_GROWTH_PCT = 10.0
+
+
+@pytest.mark.slow
+def test_bounded_soak_leaves_nothing_behind():
+    s = LocalServer([*tiny_args(), "--served-model-name", "tiny"])
+    try:
+        summary = run_soak(SoakConfig(base_url=s.url, requests=360, warmup=80, concurrency=16,
+                                      server_pid=s.pid, max_rss_growth_pct=SHORT_RUN_RSS_GROWTH_PCT,
+                                      fd_tolerance=4, request_timeout=60))
+    finally:
+        code = s.stop()
+    report = json.dumps(summary, indent=1)[:6000]
+    assert summary["requests"] == 360 and summary["warmup_requests"] == 80
+    assert summary["five_xx"] == 0, report
+    assert summary["failures"] == 0, report
+    assert set(summary["by_kind"]) == set(MIX), report  # every kind of traffic was sent
+    assert summary["bad_input"]["sent"] > 10
+    assert summary["bad_input"]["got_expected_4xx"] == summary["bad_input"]["sent"], report
+    assert summary["aborted_mid_stream"] > 10, report
+    assert summary["metrics_at_end"] == {"kv_cache_usage_perc": 0.0, "num_requests_running": 0.0,
+                                         "num_requests_waiting": 0.0}, report
+    server = summary["server"]
+    assert len(server["end"]["processes"]) >= 2, report  # the server and its worker(s) were measured
+    assert abs(server["fd_delta"]) <= 4, report
+    assert server["rss_growth_pct"] < SHORT_RUN_RSS_GROWTH_PCT, report
+    assert summary["passed"], report
+    assert code == 0, s.output()[-3000:]
+    assert s.leftover_segments() == []
+
+
+def test_plans_are_replayable_and_bad_ones_expect_4xx():
+    a = [plan(i, seed=3, model="m", max_model_len=64, max_tokens=8) for i in range(300)]
+    b = [plan(i, seed=3, model="m", max_model_len=64, max_tokens=8) for i in range(300)]
+    assert [(p.kind, p.body, p.raw) for p in a] == [(p.kind, p.body, p.raw) for p in b]
+    assert {p.kind for p in a} == set(MIX)
+    assert all(400 <= p.expect_status < 500 for p in a if p.kind == "bad_input")
+    assert all(p.expect_status == 200 for p in a if p.kind != "bad_input")
+    assert all(p.drop_after_events is not None and p.stream for p in a if p.kind == "abort_stream")
+
+
+def test_summary_fails_on_a_5xx_a_leak_or_a_busy_engine():
+    from loadtest.proctree import ProcessFigures, TreeSnapshot
+
+    cfg = SoakConfig(base_url="http://x", max_rss_growth_pct=5, fd_tolerance=2)
+    idle = {"kv_cache_usage_perc": 0.0, "num_requests_running": 0.0, "num_requests_waiting": 0.0}
+    warm = TreeSnapshot([ProcessFigures(1, "server", 1000, 20)])
+    good = [Outcome(0, "chat", 200, ok=True), Outcome(1, "bad_input", 400, ok=True)]
+
+    def run(outcomes, end_gauges=idle, end=warm):
+        return summarize(cfg, "m", [], outcomes, idle, end_gauges, warm, end, warmup_s=1, run_s=1)
+
+    assert run(good)["passed"]
+    s = run([*good, Outcome(2, "chat", 500, ok=False, error="boom")])
+    assert not s["passed"] and s["five_xx"] == 1 and not s["checks"]["zero_5xx"]
+    assert not run(good, end=TreeSnapshot([ProcessFigures(1, "server", 1100, 20)]))["passed"]
+    assert not run(good, end=TreeSnapshot([ProcessFigures(1, "server", 1000, 30)]))["passed"]
+    assert not run(good, end_gauges={**idle, "kv_cache_usage_perc": 0.01})["passed"]
+    assert not run(good, end_gauges={**idle, "num_requests_running": 1.0})["passed"]
