@@ -20,6 +20,7 @@ import signal
 import socket
 
 from app.engine_args import add_engine_args, engine_config_from_args
+from app.http_protocol import with_header_timeout
 from app.listen import ListenError, bind_socket
 
 logger = logging.getLogger("pagedserve.serve")
@@ -42,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
     g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="larger request bodies get 413")
+    g.add_argument("--header-timeout", type=float, default=30.0,
+                   help="seconds a connection may take to send a complete request line and headers; "
+                        "later it gets 408 and is closed (slow-header / slowloris clients)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -60,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args, default_executor=DEFAULT_EXECUTOR)
         uv_config = uvicorn.Config(
             "app.server:build_app",  # replaced below; uvicorn only needs a placeholder until load()
-            host=args.host, port=sock.getsockname()[1], loop="uvloop", http="httptools",
+            host=args.host, port=sock.getsockname()[1], loop="uvloop",
+            http=with_header_timeout(args.header_timeout),
             lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout,
             log_level=args.log_level, access_log=args.log_level == "debug",
         )
