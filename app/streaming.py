@@ -55,17 +55,19 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator]) -> AsyncIter
             await close_quietly(it)
         return
 
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a pump waits while the consumer (the client) lags, so it stops pulling and the
+    # engine merges that request's deltas (OutputCollector) instead of this queue growing.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(iterators))
 
     async def pump(i: int, it: AsyncIterator) -> None:
         try:
             async for item in it:
-                queue.put_nowait((i, item, None))
-            queue.put_nowait((i, _END, None))
+                await queue.put((i, item, None))
+            await queue.put((i, _END, None))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, None, e))
+            await queue.put((i, None, e))
 
     tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
     try:
