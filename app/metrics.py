@@ -15,7 +15,8 @@ Failures are counted, not only successes (an operator must see them on a dashboa
   (4xx by code; 499 = a client that left before a non-streaming answer).
 - ``request_overloaded_total``: requests refused with 503 + Retry-After because
   ``--max-waiting-requests`` were already waiting (also counted under status_code 503).
-- ``engine_deaths_total`` / ``worker_restarts_total``: from the engine.
+- ``engine_deaths_total`` (failures the engine did not recover from) / ``worker_restarts_total``
+  (failures recovered by rebuilding the workers, ``--restart-workers``): from the engine.
 """
 from __future__ import annotations
 
@@ -74,30 +75,16 @@ class EngineStatsCollector:
             c.add_metric(value, float(v))
             yield c
         for name, doc, v in (
-            ("engine_deaths", "Times the engine loop stopped on a failure (a worker died, hung or "
-             "the loop crashed).", getattr(self.engine, "num_deaths", None)),
-            ("worker_restarts", "Times the worker pool was rebuilt after a death "
-             "(--restart-workers).", _first_attr(s, self.engine, WORKER_RESTART_FIELDS)),
+            ("engine_deaths", "Times the engine stopped on a failure it did not recover from "
+             "(a worker died or hung, the loop crashed).", getattr(self.engine, "num_deaths", None)),
+            ("worker_restarts", "Times the worker pool was rebuilt after a failure "
+             "(--restart-workers).", getattr(s, "num_worker_restarts", None)),
         ):
             if v is None:  # an engine that does not keep this count
                 continue
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric(value, float(v))
             yield c
-
-
-# Where the engine keeps its worker-restart count (EngineStats field or AsyncEngine attribute).
-WORKER_RESTART_FIELDS = ("num_worker_restarts", "num_restarts", "worker_restarts", "restarts")
-
-
-def _first_attr(*objects_then_names: Any) -> Any:
-    *objects, names = objects_then_names
-    for obj in objects:
-        for name in names:
-            v = getattr(obj, name, None)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                return v
-    return None
 
 
 class ServerMetrics:
