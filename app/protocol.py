@@ -3,20 +3,76 @@
 Unknown fields are ignored, as OpenAI does. Fields we know but do not support are declared so
 the server can answer "unsupported" instead of silently ignoring them. Responses are plain
 dicts serialized with orjson: building them is on the hot path of every stream chunk.
+
+These models are also the published schema (app/openapi.py), so they validate strictly (no
+"12" for 12, no true for 1, as OpenAI) and carry every bound the server enforces as a schema
+constraint. Bounds known only at run time (vocabulary size, context length) are marked with
+``BOUND_KEY`` and filled in by the schema builder; the server checks them itself.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from app.errors import APIError
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's bound on n
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # JSON integers must fit the engine's int64 fields
+
+# Schema extension naming a bound only the running server knows (see app/openapi.py):
+# "vocab" = a token id (< vocabulary size), "context" = a token count (< max_model_len).
+BOUND_KEY = "x-pagedserve-bound"
+
+
+
+def _json_integer(v: Any) -> Any:
+    # JSON Schema counts 2.0 as an integer (and orjson reads integers past 64 bits as floats):
+    # take an integral float as that integer, so the bounds below give the error.
+    if type(v) is float and v.is_integer():
+        return int(v)
+    return v
+
+
+# A JSON integer, strictly (no "12", no true). Constraints go before the validator in the
+# Annotated list; after it, pydantic writes them into the schema as "ge"/"le", not JSON Schema.
+_AS_INT = BeforeValidator(_json_integer)
+Int = Annotated[int, _AS_INT]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# A token id the model reads: the server answers 400 past the vocabulary.
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX, json_schema_extra={BOUND_KEY: "vocab"}), _AS_INT]
+# A token id the sampler only compares with (stop ids, logit_bias keys): one past the vocabulary
+# never matches and is ignored, but it must fit int64 to travel to the workers.
+AnyTokenId = Annotated[int, Field(ge=0, le=INT64_MAX), _AS_INT]
+AnyTokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,18}$")]  # the same, as a JSON object key
+LogitBias = Annotated[dict[AnyTokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                      Field(json_schema_extra={"additionalProperties": False})]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _AS_INT]
+BestOf = Annotated[int, Field(ge=1, le=MAX_N), _AS_INT]
+Seed = Annotated[int, Field(ge=0, le=INT64_MAX), _AS_INT]
+TopK = Annotated[int, Field(ge=-1, le=INT64_MAX), _AS_INT]  # -1 or 0 = off
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AS_INT]
+
+# Declared-but-unsupported fields: the model accepts any value so the server can answer
+# "... is not supported" (code "unsupported"); the schema says which values actually pass.
+_EMPTY_LIST_OR_NULL = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
+_NONE_OR_NULL = {"anyOf": [{"const": "none"}, {"type": "null"}]}
+_EMPTY_STR_OR_NULL = {"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]}
+
+
+def _only_text_type(schema: dict[str, Any]) -> None:
+    schema["properties"]["type"] = {"const": "text", "title": "Type"}
+
+
+def _text_part(schema: dict[str, Any]) -> None:
+    _only_text_type(schema)
+    schema["properties"]["text"] = {"type": "string", "title": "Text"}
+    schema["required"] = ["type", "text"]
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
 
 class StreamOptions(OpenAIModel):
@@ -27,40 +83,46 @@ class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=128)
-    best_of: int | None = Field(default=None, ge=1)
+    n: Int = Field(default=1, ge=1, le=MAX_N)
+    best_of: BestOf | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    logit_bias: LogitBias | None = None
+    seed: Seed | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: TopK | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
+    min_tokens: Int = Field(default=0, ge=0, json_schema_extra={BOUND_KEY: "context"})
+    stop_token_ids: list[AnyTokenId] | None = None
+    priority: Int64 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's prefix-cache tenant key: only requests with an equal salt share cached KV blocks.
-    cache_salt: str | None = None
+    cache_salt: NonEmptyStr | None = None
+
+    # The "before" validators only give the common mistakes a clearer message than pydantic's;
+    # the field types carry the same rules for the schema.
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_not_empty(cls, v: Any) -> Any:
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("stop strings must not be empty")
+        return v
 
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
         if v is None:
             return None
-        stops = [v] if isinstance(v, str) else list(v)
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return stops
+        return [v] if isinstance(v, str) else list(v)
 
     @field_validator("cache_salt")
     @classmethod
@@ -69,17 +131,15 @@ class SamplingFields(OpenAIModel):
             raise ValueError("cache_salt must be a non-empty string (or left out)")
         return v
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _logit_bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v is None:
-            return None
+    def _logit_bias_keys(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
         for key, bias in v.items():
-            try:
-                int(key)
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
-            if not -100.0 <= bias <= 100.0:
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18):
+                raise ValueError(f"logit_bias keys must be token ids (up to 18 digits), got {key!r}")
+            if isinstance(bias, (int, float)) and not isinstance(bias, bool) and not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
 
@@ -117,32 +177,42 @@ class SamplingFields(OpenAIModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+PromptType = Union[
+    NonEmptyStr,
+    Annotated[list[NonEmptyStr], Field(min_length=1)],
+    Annotated[list[TokenId], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+]
+# A completion length: the prompt takes at least one token of the context, so it is < max_model_len.
+MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={BOUND_KEY: "context"}), _AS_INT]
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptType
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: MaxTokens | None = None
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    logprobs: NumLogprobs | None = None
+    suffix: str | None = Field(default=None, json_schema_extra=_EMPTY_STR_OR_NULL)
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, v: Any) -> Any:
         # Decide the shape explicitly: pydantic's union would happily coerce "12" into an int.
+        if v == "":
+            raise ValueError("prompt must not be empty")
         if isinstance(v, str):
             return v
         if not isinstance(v, list) or not v:
             raise ValueError("prompt must be a string, a list of strings, a list of token ids "
                              "or a list of token-id lists, and must not be empty")
         if all(isinstance(x, str) for x in v):
+            if "" in v:
+                raise ValueError("prompt strings must not be empty")
             return v
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            return v
-        if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool)
-                                                 for t in x) for x in v):
-            return v
+        if all(_is_json_int(x) for x in v):
+            return _check_id_range([_json_integer(x) for x in v])
+        if all(isinstance(x, list) and x and all(_is_json_int(t) for t in x) for x in v):
+            return [_check_id_range([_json_integer(t) for t in ids]) for ids in v]
         raise ValueError("prompt must be a string, a list of strings, a list of token ids "
                          "or a list of non-empty token-id lists")
 
@@ -152,7 +222,20 @@ class CompletionRequest(SamplingFields):
             raise APIError.unsupported("suffix", "suffix is not supported")
 
 
+def _is_json_int(x: Any) -> bool:
+    return (isinstance(x, int) and not isinstance(x, bool)) or (type(x) is float and x.is_integer())
+
+
+def _check_id_range(ids: list[int]) -> list[int]:
+    for t in ids:
+        if not 0 <= t <= INT64_MAX:
+            raise ValueError(f"token id {t} is out of range: ids must be >= 0")
+    return ids
+
+
 class ContentPart(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra=_text_part)
+
     type: str
     text: str | None = None
 
@@ -161,7 +244,7 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
     tool_call_id: str | None = None
 
     def text(self) -> str:
@@ -179,21 +262,23 @@ class ChatMessage(OpenAIModel):
 
 
 class ResponseFormat(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra=_only_text_type)
+
     type: str = "text"
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    tools: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
+    tool_choice: Any = Field(default=None, json_schema_extra=_NONE_OR_NULL)
+    functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
+    function_call: Any = Field(default=None, json_schema_extra=_NONE_OR_NULL)
     response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
@@ -237,6 +322,11 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
+    # Exactly one of prompt / messages (check() enforces it; the schema says it).
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -251,7 +341,7 @@ class TokenizeRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def parse(model: type[OpenAIModel], data: Any) -> Any:
@@ -284,4 +374,4 @@ def validation_error(e: ValidationError) -> APIError:
 def _is_union_branch(part: Any) -> bool:
     # pydantic puts the tried union member in the location (e.g. 'str', 'list[ContentPart]').
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "function-after")
-                                      or "[" in part or part.startswith("function-"))
+                                      or "[" in part or part.startswith(("function-", "constrained-")))

@@ -603,6 +603,22 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(to_api_error(exc))
 
 
+def _openapi_route(engine: Any, name: str, api_key: str | None,
+                   max_body_bytes: int) -> Callable[[Request], Any]:
+    """GET /openapi.json: the document is built once, from what this server enforces."""
+    from app.openapi import build_openapi
+
+    body = orjson.dumps(build_openapi(
+        served_model_name=name, max_model_len=engine.max_model_len,
+        vocab_size=getattr(engine.tokenizer, "vocab_size", None), api_key=bool(api_key),
+        max_body_bytes=max_body_bytes, version=_version()))
+
+    async def openapi(request: Request) -> Response:
+        return Response(body, media_type="application/json")
+
+    return openapi
+
+
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``)."""
@@ -618,6 +634,7 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
         Route("/health", _wrap(s.health), methods=["GET"]),
         Route("/version", _wrap(s.version), methods=["GET"]),
         Route("/metrics", _wrap(s.metrics_route), methods=["GET"]),
+        Route("/openapi.json", _openapi_route(engine, name, api_key, max_body_bytes), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})

@@ -1,0 +1,227 @@
+"""The API's OpenAPI 3.1 document, served at ``GET /openapi.json``.
+
+Request bodies come from the same pydantic models that validate requests (app/protocol.py), so
+the contract cannot drift from the code; the fuzz test (tests/e2e/test_fuzz.py) holds the
+server to it. The document is built per server: bounds only the running server knows (its
+vocabulary, its context length) are written in, and the API key requirement appears only
+when the server has one. Every status a route can answer is listed with OpenAI's error body.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from app.protocol import (
+    BOUND_KEY,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+OPENAPI_VERSION = "3.1.0"
+REF = "#/components/schemas/{model}"
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "title": "ErrorResponse",
+    "description": "OpenAI's error body.",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {
+            "message": {"type": "string"},
+            "type": {"type": "string"},
+            "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]},
+        },
+    }},
+}
+
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {k: {"type": "integer", "minimum": 0}
+                   for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+}
+_FINISH = {"type": ["string", "null"]}
+
+
+def _response_object(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": kind},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": _USAGE,
+        },
+    }
+
+
+RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
+    "ErrorResponse": ERROR_SCHEMA,
+    "Completion": _response_object("text_completion", {
+        "type": "object", "required": ["index", "text", "finish_reason"],
+        "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                       "logprobs": {"type": ["object", "null"]}, "finish_reason": _FINISH},
+    }),
+    "ChatCompletion": _response_object("chat.completion", {
+        "type": "object", "required": ["index", "message", "finish_reason"],
+        "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
+                       "logprobs": {"type": ["object", "null"]},
+                       "message": {"type": "object", "required": ["role", "content"],
+                                   "properties": {"role": {"const": "assistant"},
+                                                  "content": {"type": ["string", "null"]}}}},
+    }),
+    "ModelList": {
+        "type": "object", "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
+            "type": "object", "required": ["id", "object", "created", "owned_by"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                           "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                           "max_model_len": {"type": "integer"}}}}},
+    },
+    "TokenizeResponse": {
+        "type": "object", "required": ["count", "max_model_len", "tokens"],
+        "properties": {"count": {"type": "integer", "minimum": 0},
+                       "max_model_len": {"type": "integer"},
+                       "tokens": {"type": "array", "items": {"type": "integer"}}},
+    },
+    "DetokenizeResponse": {"type": "object", "required": ["prompt"],
+                           "properties": {"prompt": {"type": "string"}}},
+    "VersionResponse": {"type": "object", "required": ["version"],
+                        "properties": {"version": {"type": "string"}}},
+}
+
+# Before OpenAPI 3.2 (no itemSchema) the schema of an event stream describes one event.
+_SSE = {"text/event-stream": {"schema": {
+    "type": "object",
+    "description": "One server-sent event: `data: {chunk JSON}` per delta (or `data: {error JSON}` "
+                   "if the request fails midway), then `data: [DONE]`.",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}}}}}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": REF.format(model=name)}
+
+
+def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description,
+                           "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+def _json(description: str, schema_name: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(schema_name)}}}
+
+
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (overload only).",
+                                "schema": {"type": "string"}}}
+_WWW_AUTH = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+
+
+def _post(summary: str, model_name: str, ok: dict[str, Any], *, generates: bool,
+          max_body_bytes: int) -> dict[str, Any]:
+    responses: dict[str, Any] = {
+        "200": ok,
+        "400": _error("Invalid request: a field fails validation, or a rule across fields "
+                      "(context length, best_of == n, ...). `param` names the field."),
+        "404": _error("The `model` field names a model this server does not serve."),
+        "413": _error(f"The request body is larger than {max_body_bytes} bytes."),
+    }
+    if generates:
+        responses["503"] = _error("Overloaded (code `overloaded`, with Retry-After) or the engine "
+                                  "has stopped (code `engine_dead`).", _RETRY_AFTER)
+    return {"summary": summary, "requestBody": {
+        "required": True, "content": {"application/json": {"schema": _ref(model_name)}}},
+        "responses": responses}
+
+
+def _get(summary: str, ok: dict[str, Any], **more: dict[str, Any]) -> dict[str, Any]:
+    return {"summary": summary, "responses": {"200": ok, **more}}
+
+
+def _fill_bounds(node: Any, bounds: dict[str, int | None]) -> None:
+    """Replace each BOUND_KEY marker by the maximum this server enforces (or drop it)."""
+    if isinstance(node, dict):
+        kind = node.pop(BOUND_KEY, None)
+        if kind is not None:
+            limit = bounds[kind]
+            if limit is not None:
+                node["maximum"] = min(node.get("maximum", limit), limit)
+        for value in node.values():
+            _fill_bounds(value, bounds)
+    elif isinstance(node, list):
+        for value in node:
+            _fill_bounds(value, bounds)
+
+
+def request_schemas() -> dict[str, Any]:
+    """JSON Schemas of the request bodies (and the models they use), keyed by model name."""
+    models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
+    return defs["$defs"]
+
+
+def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int | None,
+                  api_key: bool, max_body_bytes: int, version: str) -> dict[str, Any]:
+    """The OpenAPI document of one server. ``api_key``: whether /v1/*, /tokenize and
+    /detokenize require a bearer token (they answer 401 without it)."""
+    schemas = copy.deepcopy(request_schemas())
+    # A token id is < vocab_size; a completion length leaves at least one prompt token.
+    _fill_bounds(schemas, {"vocab": vocab_size - 1 if vocab_size else None,
+                           "context": max_model_len - 1})
+    schemas.update(copy.deepcopy(RESPONSE_SCHEMAS))
+
+    stream_note = " With `stream: true` the 200 answer is an SSE stream."
+    paths: dict[str, Any] = {
+        "/v1/completions": {"post": _post(
+            "Text completion." + stream_note, "CompletionRequest",
+            {"description": "The completion.",
+             "content": {"application/json": {"schema": _ref("Completion")}, **_SSE}},
+            generates=True, max_body_bytes=max_body_bytes)},
+        "/v1/chat/completions": {"post": _post(
+            "Chat completion." + stream_note, "ChatCompletionRequest",
+            {"description": "The chat completion.",
+             "content": {"application/json": {"schema": _ref("ChatCompletion")}, **_SSE}},
+            generates=True, max_body_bytes=max_body_bytes)},
+        "/tokenize": {"post": _post(
+            "Token ids of a prompt or of chat messages (after the chat template).", "TokenizeRequest",
+            _json("The token ids.", "TokenizeResponse"), generates=False, max_body_bytes=max_body_bytes)},
+        "/detokenize": {"post": _post(
+            "Text of token ids.", "DetokenizeRequest",
+            _json("The text.", "DetokenizeResponse"), generates=False, max_body_bytes=max_body_bytes)},
+        "/v1/models": {"get": _get("The served model.", _json("One model.", "ModelList"))},
+        "/health": {"get": _get("Liveness of the engine.", {"description": "The engine is serving."},
+                                **{"503": _error("The engine has stopped.")})},
+        "/version": {"get": _get("Server version.", _json("The version.", "VersionResponse"))},
+        "/metrics": {"get": _get("Prometheus metrics.", {
+            "description": "Prometheus text exposition format.",
+            "content": {"text/plain": {"schema": {"type": "string"}}}})},
+    }
+    doc: dict[str, Any] = {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "pagedserve", "version": version,
+                 "description": f"OpenAI-compatible API serving `{served_model_name}` "
+                                f"(context {max_model_len} tokens)."},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in paths.items():
+            if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+                for op in item.values():
+                    op["security"] = [{"bearer": []}]
+                    op["responses"]["401"] = _error("Missing or wrong API key.", _WWW_AUTH)
+    return doc

@@ -1,0 +1,161 @@
+"""GET /openapi.json: a valid OpenAPI 3.1 document that lists every route with every status it
+can answer, and whose request schemas accept exactly what the server accepts."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+from jsonschema import Draft202012Validator
+from openapi_spec_validator import validate as validate_openapi
+
+from app.errors import APIError
+from app.protocol import BOUND_KEY, ChatCompletionRequest, CompletionRequest, parse
+from app.server import build_app
+from tests.app.fake_engine import FakeAsyncEngine
+
+CHAT = [{"role": "user", "content": "hi"}]
+GENERATE = {"/v1/completions", "/v1/chat/completions"}
+PROTECTED = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"}
+
+
+async def fetch_doc(api_key: str | None = None, max_body_bytes: int = 4096) -> dict:
+    engine = FakeAsyncEngine()
+    app = build_app(engine, served_model_name="fake-model", api_key=api_key, max_body_bytes=max_body_bytes)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        r = await c.get("/openapi.json")  # never behind the API key
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    return r.json()
+
+
+def app_operations(app) -> set[tuple[str, str]]:
+    out = set()
+    for route in app.routes:
+        for method in route.methods or ():
+            if method != "HEAD" and route.path != "/openapi.json":
+                out.add((method.lower(), route.path))
+    return out
+
+
+@pytest.mark.parametrize("api_key", [None, "sk-test"])
+async def test_document_is_valid_openapi(api_key):
+    doc = await fetch_doc(api_key)
+    validate_openapi(doc)  # raises with the offending path if not
+    assert doc["openapi"].startswith("3.1")
+
+
+async def test_every_route_is_listed():
+    doc = await fetch_doc()
+    app = build_app(FakeAsyncEngine(), served_model_name="fake-model")
+    documented = {(m, p) for p, item in doc["paths"].items() for m in item}
+    assert documented == app_operations(app)
+
+
+@pytest.mark.parametrize("api_key", [None, "sk-test"])
+async def test_every_status_is_documented_with_the_openai_error_body(api_key):
+    doc = await fetch_doc(api_key, max_body_bytes=1234)
+    error = doc["components"]["schemas"]["ErrorResponse"]
+    assert error["properties"]["error"]["required"] == ["message", "type", "param", "code"]
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            statuses = set(op["responses"])
+            expected = {"200"}
+            if method == "post":
+                expected |= {"400", "404", "413"}
+            if path in GENERATE or path == "/health":
+                expected.add("503")
+            if api_key and path in PROTECTED:
+                expected.add("401")
+                assert op["security"] == [{"bearer": []}]
+            assert statuses == expected, (path, statuses)
+            for status, resp in op["responses"].items():
+                if status != "200":
+                    assert resp["content"]["application/json"]["schema"] == {
+                        "$ref": "#/components/schemas/ErrorResponse"}, (path, status)
+    assert "1234 bytes" in doc["paths"]["/tokenize"]["post"]["responses"]["413"]["description"]
+    assert "Retry-After" in doc["paths"]["/v1/completions"]["post"]["responses"]["503"]["headers"]
+    assert ("securitySchemes" in doc["components"]) == bool(api_key)
+
+
+async def test_run_time_bounds_are_written_in():
+    doc = await fetch_doc()
+    text = json.dumps(doc)
+    assert BOUND_KEY not in text
+    # pydantic writes constraints it cannot express as "ge"/"le": that would be a silent no-op
+    assert not re.search(r'"(ge|le|gt|lt)":', text)
+    schemas = doc["components"]["schemas"]
+    vocab, ctx = FakeAsyncEngine().tokenizer.vocab_size, FakeAsyncEngine().max_model_len
+    tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert (tokens["minimum"], tokens["maximum"]) == (0, vocab - 1)
+    max_tokens = schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0]
+    assert (max_tokens["minimum"], max_tokens["maximum"]) == (1, ctx - 1)
+
+
+def body_validator(doc: dict, name: str) -> Draft202012Validator:
+    return Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
+
+
+def server_accepts(model, body: dict) -> bool:
+    try:
+        req = parse(model, body)
+        req.check_supported()
+        if isinstance(req, ChatCompletionRequest):
+            req.template_messages()  # content parts are checked here
+    except APIError as e:
+        assert e.status == 400
+        return False
+    return True
+
+
+# Bodies on both sides of each rule: the schema and the models must agree on every one.
+COMPLETION_BODIES = [
+    {"prompt": "x"}, {"prompt": ""}, {"prompt": []}, {"prompt": [""]}, {"prompt": ["a", "b"]},
+    {"prompt": [0.0, 3]}, {"prompt": [1.5]}, {"prompt": [True]}, {"prompt": ["1"]}, {"prompt": [-1]},
+    {"prompt": [[1], []]}, {"prompt": [[1, 2], [3]]}, {"prompt": 5}, {"prompt": "x", "n": 2.0},
+    {"prompt": "x", "n": "2"}, {"prompt": "x", "n": True}, {"prompt": "x", "n": 129},
+    {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "max_tokens": 3.0},
+    {"prompt": "x", "seed": -1}, {"prompt": "x", "seed": 2**63}, {"prompt": "x", "seed": 2**63 - 1},
+    {"prompt": "x", "priority": -(2**63)}, {"prompt": "x", "priority": 2**63},
+    {"prompt": "x", "logit_bias": {"12": 5}}, {"prompt": "x", "logit_bias": {"a": 1}},
+    {"prompt": "x", "logit_bias": {"-1": 1}}, {"prompt": "x", "logit_bias": {"1" * 19: 1}},
+    {"prompt": "x", "logit_bias": {"12": 101}}, {"prompt": "x", "logit_bias": {"١٢": 1}},
+    {"prompt": "x", "stop": ""}, {"prompt": "x", "stop": ["a", ""]}, {"prompt": "x", "stop": ["a"]},
+    {"prompt": "x", "stop_token_ids": [-1]}, {"prompt": "x", "stop_token_ids": [10**17]},
+    {"prompt": "x", "top_k": -2}, {"prompt": "x", "top_k": -1}, {"prompt": "x", "temperature": "1"},
+    {"prompt": "x", "stream": 1}, {"prompt": "x", "suffix": ""}, {"prompt": "x", "suffix": "tail"},
+    {"prompt": "x", "cache_salt": ""}, {"prompt": "x", "cache_salt": "tenant"},
+    {"prompt": "x", "logprobs": 21}, {"prompt": "x", "unknown": [1]},
+]
+CHAT_BODIES = [
+    {"messages": CHAT}, {"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+    {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]},
+    {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+    {"messages": CHAT, "tools": []}, {"messages": CHAT, "tools": [{"type": "function"}]},
+    {"messages": CHAT, "tool_choice": "none"}, {"messages": CHAT, "tool_choice": "auto"},
+    {"messages": CHAT, "function_call": None}, {"messages": CHAT, "functions": [{}]},
+    {"messages": CHAT, "response_format": {"type": "text"}}, {"messages": CHAT, "response_format": {}},
+    {"messages": CHAT, "response_format": {"type": "json_object"}},
+    {"messages": CHAT, "logprobs": True, "top_logprobs": 20}, {"messages": CHAT, "top_logprobs": 21},
+    {"messages": CHAT, "max_completion_tokens": 0}, {"messages": CHAT, "max_tokens": 1},
+]
+
+
+async def test_schema_and_models_agree():
+    doc = await fetch_doc()
+    for model, bodies in ((CompletionRequest, COMPLETION_BODIES), (ChatCompletionRequest, CHAT_BODIES)):
+        validator = body_validator(doc, model.__name__)
+        for body in bodies:
+            assert validator.is_valid(body) == server_accepts(model, body), body
+
+
+async def test_tokenize_needs_exactly_one_of_prompt_or_messages():
+    doc = await fetch_doc()
+    validator = body_validator(doc, "TokenizeRequest")
+    for body, ok in [({"prompt": "x"}, True), ({"messages": CHAT}, True), ({}, False),
+                     ({"prompt": "x", "messages": CHAT}, False), ({"prompt": None, "messages": CHAT}, True),
+                     ({"prompt": "x", "messages": None}, True), ({"prompt": None}, False)]:
+        assert validator.is_valid(body) == ok, body
