@@ -1,13 +1,17 @@
-"""`pagedserve bench ipc`: round trip of a decode step's messages, shm ring vs multiprocessing.Queue.
+"""`pagedserve bench ipc`: round trip of a decode step's messages, shm ring vs pipe vs multiprocessing.Queue.
 
 A spawned echo process receives a decode-step StepInput for N scheduled sequences and answers
 with a StepOutput carrying N sampled tokens. Measured per round trip, send to decoded reply:
 
-  ring        ShmRing + msgspec msgpack (what MultiprocExecutor does, without the executor)
+  ring        ShmRing + msgspec msgpack (what MultiprocExecutor does on x86, without the executor)
+  pipe        PipeChannel + msgspec msgpack (the transport on CPUs without x86 memory ordering)
   queue       multiprocessing.Queue of the same Python objects (pickle, feeder thread, pipe)
   executor    MultiprocExecutor.execute with an echo runner (rings + framing + health checks)
   async       MultiprocExecutor.execute_async from an asyncio loop (eventfd via add_reader)
-  *-bytes     transport only: the encoded step message echoed back unchanged (ring / Queue)
+  *-bytes     transport only: the encoded step message echoed back unchanged (ring / pipe / Queue)
+
+The executor rows use whatever gpu/transport.py picks (PAGEDSERVE_STEP_TRANSPORT overrides); the
+ring rows are left out on CPUs where the ring refuses to run.
 
 Serialization is part of every round trip except the *-bytes ones. Both transports carry the
 same message objects: the step's per-sequence columns are int arrays (gpu/messages.py), which
@@ -26,7 +30,8 @@ import sys
 import time
 
 from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
-from gpu.shm_ring import ShmRing
+from gpu.shm_ring import ring_is_safe_here
+from gpu.transport import attach_channel, create_channel
 from gpu.worker import SHUTDOWN_MESSAGE, TAG_SHUTDOWN, decode_step, encode_output, encode_step
 
 
@@ -72,8 +77,8 @@ class EchoRunner:
 def _ring_echo(step_spec, reply_spec, raw: bool = False) -> None:
     parent = multiprocessing.parent_process()
     peers = [parent.sentinel] if parent is not None else []
-    steps = ShmRing.attach(step_spec, 0, peer_fds=peers)
-    replies = ShmRing.attach(reply_spec, "writer", peer_fds=peers)
+    steps = attach_channel(step_spec, 0, peer_fds=peers)
+    replies = attach_channel(reply_spec, "writer", peer_fds=peers)
     while True:
         msg = steps.recv()
         if msg[0] == TAG_SHUTDOWN:
@@ -114,10 +119,10 @@ class _Echo:
 
 
 class _RingEcho(_Echo):
-    def __init__(self, ctx, raw: bool = False):
+    def __init__(self, ctx, raw: bool = False, kind: str = "shm"):
         self.raw = raw
-        self.steps = ShmRing.create(1, 64, 16384, role="writer")
-        self.replies = ShmRing.create(1, 64, 16384, role=0)
+        self.steps = create_channel(1, 64, 16384, role="writer", kind=kind)
+        self.replies = create_channel(1, 64, 16384, role=0, kind=kind)
         self.proc = ctx.Process(target=_ring_echo, args=(self.steps.spec, self.replies.spec, raw),
                                 daemon=True)
         self.proc.start()
@@ -201,7 +206,9 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
     echoes: dict[str, _Echo] = {}
     executor = None
     try:
-        echoes["ring"] = _RingEcho(ctx)
+        if ring_is_safe_here():
+            echoes["ring"] = _RingEcho(ctx)
+        echoes["pipe"] = _RingEcho(ctx, kind="pipe")
         echoes["queue"] = _QueueEcho(ctx)
         if with_executor:
             from gpu.config import EngineConfig
@@ -212,7 +219,9 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
             echoes["executor"] = _ExecutorEcho(executor, use_async=False)
             echoes["async"] = _ExecutorEcho(executor, use_async=True)
         if with_raw:
-            echoes["ring-bytes"] = _RingEcho(ctx, raw=True)
+            if ring_is_safe_here():
+                echoes["ring-bytes"] = _RingEcho(ctx, raw=True)
+            echoes["pipe-bytes"] = _RingEcho(ctx, raw=True, kind="pipe")
             echoes["queue-bytes"] = _QueueEcho(ctx, raw=True)
         next_id = {name: 0 for name in echoes}
         samples: dict[str, dict[int, list[int]]] = {name: {n: [] for n in sizes} for name in echoes}
@@ -244,14 +253,16 @@ def run(args: argparse.Namespace) -> int:
     step_bytes = {n: len(encode_step(decode_step_input(n))) for n in sizes}
     reply_bytes = {n: len(encode_output(echo_output(decode_step_input(n)))) for n in sizes}
     results = bench(sizes, args.iters, args.warmup, not args.no_executor, not args.no_raw)
-    speedup = {n: round(results["queue"][n]["median_us"] / results["ring"][n]["median_us"], 1) for n in sizes}
+    base = "ring" if "ring" in results else "pipe"
+    speedup = {n: round(results["queue"][n]["median_us"] / results[base][n]["median_us"], 1) for n in sizes}
     if args.json:
         print(json.dumps({"iters": args.iters, "step_bytes": step_bytes, "reply_bytes": reply_bytes,
-                          "results": results, "queue_over_ring_median": speedup}, indent=2))
+                          "results": results, "queue_over_ring_median": speedup,
+                          "ratio_base": base}, indent=2))
         return 0
     modes = list(results)
     print(f"round trip of a decode step, {args.iters} iterations (median / p99 in µs)")
-    header = f"{'seqs':>5} {'bytes':>11} " + " ".join(f"{m:>17}" for m in modes) + f" {'queue/ring':>11}"
+    header = f"{'seqs':>5} {'bytes':>11} " + " ".join(f"{m:>17}" for m in modes) + f" {'queue/' + base:>11}"
     print(header)
     for n in sizes:
         cells = " ".join(f"{results[m][n]['median_us']:>8.1f} /{results[m][n]['p99_us']:>7.1f}" for m in modes)

@@ -35,6 +35,7 @@ from gpu.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
 from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
 from gpu.shm_ring import RingError, RingPeerDied, RingTimeout, ShmRing
+from gpu.transport import create_channel
 from gpu.worker import SHUTDOWN_MESSAGE, WorkerArgs, encode_step, worker_main
 
 logger = logging.getLogger(__name__)
@@ -143,8 +144,9 @@ class MultiprocExecutor(Executor):
     def _start(self, runner_factory: str | None, timeout: float, num_threads: int | None) -> None:
         ctx = multiprocessing.get_context("spawn")
         res = self._res
-        res.step_ring = ShmRing.create(self.world_size, RING_SLOTS, RING_SLOT_SIZE, role="writer")
-        res.reply_ring = ShmRing.create(1, RING_SLOTS, RING_SLOT_SIZE, role=0)
+        # The shm ring on x86, pipes elsewhere (gpu/transport.py says why).
+        res.step_ring = create_channel(self.world_size, RING_SLOTS, RING_SLOT_SIZE, role="writer")
+        res.reply_ring = create_channel(1, RING_SLOTS, RING_SLOT_SIZE, role=0)
         # Created after the rings: at interpreter exit finalizers run newest first, so the
         # workers get their stop message before the rings are unlinked.
         self._finalizer = weakref.finalize(self, res.close)

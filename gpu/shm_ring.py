@@ -12,7 +12,11 @@ Layout of the segment (all counters are little-endian u64, each on its own 64-by
 
 Slot ``k % num_slots`` holds the k-th slot ever written once its ``seq`` equals ``k + 1``. The
 writer fills the payload first and stores ``seq`` last, so a reader that sees the new ``seq``
-sees the payload too (x86-64 keeps stores in order; that is the supported platform). A message
+sees the payload too. That holds only where the CPU keeps stores (and loads) in order, as x86
+does (TSO): pure Python cannot issue memory barriers, so on weakly ordered CPUs (aarch64,
+POWER, RISC-V) a reader could see the new ``seq`` before the payload. The ring therefore
+REFUSES to run on anything but x86 (``RingUnsupported``); gpu/transport.py picks the pipe
+channel (gpu/pipe_channel.py, ordered by the kernel) there instead. A message
 longer than one payload spans consecutive slots; the writer publishes them one by one as room
 appears, so a message may even be larger than the whole ring. The writer never reuses a slot
 until every reader's mark has passed it: a slow reader makes the writer wait, never lose data.
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import select
 import time
 import uuid
@@ -71,6 +76,28 @@ class RingPeerDied(RingError):
 
 class RingTimeout(RingError, TimeoutError):
     """A send or receive did not complete in time."""
+
+
+class RingUnsupported(RingError):
+    """This CPU does not keep stores in order, which the ring's publication relies on."""
+
+
+# platform.machine() of CPUs with x86's total store order (the only ones the ring trusts).
+X86_MACHINES = frozenset({"x86_64", "AMD64", "i386", "i686"})
+
+
+def ring_is_safe_here() -> bool:
+    return platform.machine() in X86_MACHINES
+
+
+def check_memory_ordering() -> None:
+    """Raise RingUnsupported on CPUs where a reader could see a slot's seq before its payload."""
+    machine = platform.machine()
+    if machine not in X86_MACHINES:
+        raise RingUnsupported(
+            f"the shared-memory ring needs x86 memory ordering (stores seen in order) and this CPU "
+            f"is {machine or 'unknown'}: Python cannot issue the memory barriers a weakly ordered "
+            f"CPU needs. Use the pipe transport (the default here; PAGEDSERVE_STEP_TRANSPORT=pipe)")
 
 
 def _rebuild_fd(dup) -> int:
@@ -198,6 +225,7 @@ class ShmRing:
     def create(cls, num_readers: int, num_slots: int = 64, slot_size: int = 16384, *,
                role: int | str | None = None, **kwargs) -> "ShmRing":
         """Create a new segment (this process owns and unlinks it) and its wake-up fds."""
+        check_memory_ordering()
         if num_readers < 1 or num_slots < 2 or slot_size < _SLOT_HEADER + 8:
             raise ValueError("a ring needs >= 1 reader, >= 2 slots and slots of >= 24 bytes")
         slot_size = -(-slot_size // _LINE) * _LINE
@@ -226,6 +254,7 @@ class ShmRing:
         Attach each spec at most once per process: the end owns (and closes) the fds that came
         with it. A ring has one writer end for its whole life (its position is not shared).
         """
+        check_memory_ordering()
         shm = _attach_untracked(spec.name)
         u64 = shm.buf.cast("Q")
         matches = u64[_W_MAGIC] == _MAGIC and u64[_W_SLOTS] == spec.num_slots

@@ -28,6 +28,7 @@ import msgspec
 from gpu.config import EngineConfig
 from gpu.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepInput, StepOutput
 from gpu.shm_ring import RingClosed, RingPeerDied, RingSpec, ShmRing
+from gpu.transport import attach_channel
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +136,8 @@ def worker_main(args: WorkerArgs) -> None:
     parent_fds = [parent.sentinel] if parent is not None and parent.sentinel is not None else []
     conn = args.ready_conn
     try:
-        step_ring = ShmRing.attach(args.step_ring, args.rank, peer_fds=parent_fds)
-        reply_ring = (ShmRing.attach(args.reply_ring, "writer", peer_fds=parent_fds)
+        step_ring = attach_channel(args.step_ring, args.rank, peer_fds=parent_fds)
+        reply_ring = (attach_channel(args.reply_ring, "writer", peer_fds=parent_fds)
                       if args.rank == 0 else None)
         if args.runner_factory is None or args.world_size > 1:
             _setup_torch(args)

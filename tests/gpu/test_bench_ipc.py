@@ -19,7 +19,7 @@ def test_bench_ipc_reports_all_transports_and_sizes():
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["iters"] == 40
-    for transport in ("ring", "queue", "executor", "async"):
+    for transport in ("ring", "pipe", "queue", "executor", "async", "pipe-bytes"):
         for size in ("1", "256"):
             figures = result["results"][transport][size]
             assert 0 < figures["median_us"] <= figures["p99_us"], (transport, size, figures)

@@ -1,4 +1,6 @@
-"""ShmRing: ordering, splitting, wrap-around, back-pressure and dead peers, across processes."""
+"""The step transports: ordering, splitting, wrap-around, back-pressure and dead peers, across
+processes. Every behaviour test runs on both transports (gpu/transport.py): the shared-memory
+ring and the pipe channel that replaces it on CPUs without x86 memory ordering."""
 from __future__ import annotations
 
 import multiprocessing
@@ -11,17 +13,47 @@ import time
 import pytest
 
 from gpu.shm_ring import (RingClosed, RingPeerDied, RingTimeout, ShmRing, leftover_segments)
+from gpu.transport import attach_channel, create_channel
 
 CTX = multiprocessing.get_context("spawn")
 SLOTS, SLOT_SIZE = 16, 256  # payload 240 bytes; the whole ring holds 3840 bytes
 POOL_SEED = 1234
 
 
+@pytest.fixture(params=["shm", "pipe"])
+def transport(request) -> str:
+    return request.param
+
+
+def _create(kind: str, num_readers: int, num_slots: int, slot_size: int, **kwargs):
+    return create_channel(num_readers, num_slots, slot_size, kind=kind, **kwargs)
+
+
+def _fill_until_timeout(w, message: bytes, limit: int = 100_000) -> int:
+    """Send ``message`` until a send times out (the buffer is full); returns how many fitted."""
+    for sent in range(limit):
+        try:
+            w.send(message, timeout=0.05)
+        except RingTimeout:
+            return sent
+    raise AssertionError(f"{limit} messages never filled the channel")
+
+
 @pytest.fixture(autouse=True)
-def no_leftover_segments():
-    before = set(leftover_segments())
+def no_leftover_segments(monkeypatch):
+    """Every segment this test created is gone at its end (other tests may run at the same time,
+    so only the names created here are checked, never all of /dev/shm)."""
+    created: list[str] = []
+    create = ShmRing.create.__func__
+
+    def recording_create(cls, *args, **kwargs):
+        ring = create(cls, *args, **kwargs)
+        created.append(ring.name)
+        return ring
+
+    monkeypatch.setattr(ShmRing, "create", classmethod(recording_create))
     yield
-    assert set(leftover_segments()) <= before
+    assert not set(created) & set(leftover_segments())
 
 
 def _pool() -> bytes:
@@ -47,7 +79,7 @@ def _messages(seed: int, count: int, payload: int):
 
 
 def _reader_main(spec, index: int, seed: int, count: int, conn, delay_every: int = 0) -> None:
-    ring = ShmRing.attach(spec, index)
+    ring = attach_channel(spec, index)
     received, bad = 0, None
     try:
         for i, expected in enumerate(_messages(seed, count, ring.payload_size)):
@@ -65,15 +97,15 @@ def _reader_main(spec, index: int, seed: int, count: int, conn, delay_every: int
 
 
 def _stalling_reader(spec, index: int, consume: int, conn) -> None:
-    ring = ShmRing.attach(spec, index)
+    ring = attach_channel(spec, index)
     for _ in range(consume):
         ring.recv(timeout=60)
     conn.send("stalled")
     time.sleep(120)
 
 
-def _run_stress(num_readers: int, count: int, seed: int, delay_every: int = 0) -> float:
-    ring = ShmRing.create(num_readers, SLOTS, SLOT_SIZE, role="writer")
+def _run_stress(kind: str, num_readers: int, count: int, seed: int, delay_every: int = 0) -> float:
+    ring = _create(kind, num_readers, SLOTS, SLOT_SIZE, role="writer")
     procs, conns = [], []
     try:
         for i in range(num_readers):
@@ -104,14 +136,14 @@ def _run_stress(num_readers: int, count: int, seed: int, delay_every: int = 0) -
 
 # 100k messages per reader count keeps each run within ~10 s on a loaded 2-core machine.
 @pytest.mark.parametrize("num_readers", [1, 3])
-def test_stress_every_message_once_in_order_byte_identical(num_readers):
-    _run_stress(num_readers, 100_000, seed=num_readers)
+def test_stress_every_message_once_in_order_byte_identical(transport, num_readers):
+    _run_stress(transport, num_readers, 100_000, seed=num_readers)
 
 
-def test_slow_reader_makes_writer_wait_never_overwrite():
+def test_slow_reader_makes_writer_wait_never_overwrite(transport):
     # one fast and one slow reader: the writer must wait for the slow one at every wrap
     count = 400
-    ring = ShmRing.create(2, SLOTS, SLOT_SIZE, role="writer")
+    ring = _create(transport, 2, SLOTS, SLOT_SIZE, role="writer")
     procs, conns = [], []
     try:
         for i, delay in enumerate([0, 10]):
@@ -149,9 +181,31 @@ def test_full_ring_blocks_writer_until_the_reader_consumes():
         r.close()
 
 
-def test_message_larger_than_the_ring_streams_through():
-    with ShmRing.create(1, 4, 64, role="writer") as w:  # 4 x 48 byte payloads
-        r = ShmRing.attach(w.spec, 0)
+def test_full_channel_times_out_cleanly_and_loses_nothing(transport):
+    """A send that times out on a full channel leaves it usable; nothing queued is overwritten."""
+    with _create(transport, 1, 4, 64, role="writer") as w:
+        r = attach_channel(w.spec, 0)
+        msgs = [i.to_bytes(4, "little") * 12 for i in range(100_000)]  # 48 bytes each
+        fitted = 0
+        while True:  # fill it (numbered messages) until one send times out
+            try:
+                w.send(msgs[fitted], timeout=0.05)
+            except RingTimeout:
+                break
+            fitted += 1
+            assert fitted < len(msgs), "the channel never filled"
+        assert fitted >= 4
+        got = [bytes(r.recv(timeout=1)) for _ in range(fitted)]
+        assert got == msgs[:fitted]
+        assert r.try_recv() is None  # the timed-out message was not half delivered
+        w.send(b"after", timeout=1)
+        assert r.recv(timeout=1) == b"after"
+        r.close()
+
+
+def test_message_larger_than_the_ring_streams_through(transport):
+    with _create(transport, 1, 4, 64, role="writer") as w:  # 4 x 48 byte payloads / one page of pipe
+        r = attach_channel(w.spec, 0)
         big = os.urandom(10_000)
         got = []
         t = threading.Thread(target=lambda: got.append(bytes(r.recv(timeout=10))))
@@ -164,8 +218,8 @@ def test_message_larger_than_the_ring_streams_through():
         r.close()
 
 
-def test_reader_killed_mid_run_is_detected_by_the_writer():
-    ring = ShmRing.create(3, SLOTS, SLOT_SIZE, role="writer")
+def test_reader_killed_mid_run_is_detected_by_the_writer(transport):
+    ring = _create(transport, 3, SLOTS, SLOT_SIZE, role="writer")
     procs, conns = [], []
     try:
         for i in range(3):
@@ -202,27 +256,24 @@ def test_reader_killed_mid_run_is_detected_by_the_writer():
         ring.close()
 
 
-def test_stalled_reader_without_sentinel_times_out_or_fails_liveness():
-    with ShmRing.create(2, 4, 64, role="writer") as w:
+def test_stalled_reader_without_sentinel_times_out_or_fails_liveness(transport):
+    with _create(transport, 2, 4, 64, role="writer") as w:
         alive = [True]
         w.alive = lambda: alive[0]
-        for _ in range(4):
-            w.send(b"a")
-        with pytest.raises(RingTimeout):
-            w.send(b"b", timeout=0.05)
+        assert _fill_until_timeout(w, b"a") >= 4
         alive[0] = False
         with pytest.raises(RingPeerDied):
             w.send(b"b", timeout=5)
 
 
 def _writer_then_exit(spec) -> None:
-    ring = ShmRing.attach(spec, "writer")
+    ring = attach_channel(spec, "writer")
     ring.send(b"last words")
     ring.close()
 
 
-def test_reader_sees_dead_writer_and_closed_ring():
-    ring = ShmRing.create(1, SLOTS, SLOT_SIZE, role=0)
+def test_reader_sees_dead_writer_and_closed_ring(transport):
+    ring = _create(transport, 1, SLOTS, SLOT_SIZE, role=0)
     try:
         p = CTX.Process(target=_writer_then_exit, args=(ring.spec,))
         p.start()
@@ -253,3 +304,32 @@ def test_names_are_unique_and_unlinked_by_the_creator_only():
     a.close()
     del b  # garbage collection unlinks too
     assert not os.path.exists(f"/dev/shm/{a.name}")
+
+
+def test_writer_close_reaches_readers_as_ring_closed(transport):
+    with _create(transport, 2, SLOTS, SLOT_SIZE, role="writer") as w:
+        readers = [attach_channel(w.spec, i) for i in range(2)]
+        w.send(b"one")
+        w.mark_closed()
+        for r in readers:
+            assert r.recv(timeout=1) == b"one"  # readers drain, then see the close
+            with pytest.raises(RingClosed):
+                r.recv(timeout=1)
+            r.close()
+
+
+def _fds() -> set[int]:
+    return set(int(n) for n in os.listdir("/proc/self/fd"))
+
+
+def test_pipe_channel_closes_every_fd_it_opened():
+    before = _fds()
+    w = _create("pipe", 3, SLOTS, SLOT_SIZE, role="writer")
+    readers = [attach_channel(w.spec, i) for i in range(3)]
+    w.send(b"x")
+    assert [r.recv(timeout=1) for r in readers] == [b"x"] * 3
+    for r in readers:
+        r.close()
+    w.close()
+    w.close()
+    assert _fds() <= before
