@@ -21,13 +21,13 @@ SHORT_RUN_RSS_GROWTH_PCT = 10.0
 def test_bounded_soak_leaves_nothing_behind():
     s = LocalServer([*tiny_args(), "--served-model-name", "tiny"])
     try:
-        summary = run_soak(SoakConfig(base_url=s.url, requests=360, warmup=80, concurrency=16,
+        summary = run_soak(SoakConfig(base_url=s.url, requests=300, warmup=60, concurrency=16,
                                       server_pid=s.pid, max_rss_growth_pct=SHORT_RUN_RSS_GROWTH_PCT,
                                       fd_tolerance=4, request_timeout=60))
     finally:
         code = s.stop()
     report = json.dumps(summary, indent=1)[:6000]
-    assert summary["requests"] == 360 and summary["warmup_requests"] == 80
+    assert summary["requests"] == 300 and summary["warmup_requests"] == 60
     assert summary["five_xx"] == 0, report
     assert summary["failures"] == 0, report
     assert set(summary["by_kind"]) == set(MIX), report  # every kind of traffic was sent
