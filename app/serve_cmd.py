@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDSERVE_API_KEY)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="past this many waiting requests, new ones get 503 + Retry-After")
+    g.add_argument("--restart-workers", action="store_true",
+                   help="after a worker dies or hangs, fail the in-flight requests and start a fresh "
+                        "worker pool (503 + Retry-After meanwhile) instead of staying dead")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
     g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,

@@ -538,9 +538,14 @@ class OpenAIServer:
         return ORJSONResponse({"prompt": await self.decode(req.tokens)})
 
     async def health(self, request: Request) -> Response:
-        if self.engine.is_healthy():
-            return Response(status_code=200)
-        return error_response(APIError.engine_dead())
+        """``{"status": "ok" | "restarting" | "dead"}``, 200 only when ok (what balancers route on)."""
+        status = getattr(self.engine, "health_status", None)  # an engine without restarts: is_healthy
+        state = status() if status is not None else ("ok" if self.engine.is_healthy() else "dead")
+        if state == "ok":
+            return ORJSONResponse({"status": "ok"})
+        err = (APIError.overloaded("The engine is restarting its workers; retry shortly.")
+               if state == "restarting" else APIError.engine_dead())
+        return ORJSONResponse({"status": state, **err.body()}, status_code=err.status, headers=err.headers)
 
     async def version(self, request: Request) -> Response:
         return ORJSONResponse({"version": _version()})

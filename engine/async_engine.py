@@ -5,6 +5,11 @@ event loop stays free to accept requests and stream), processes the outputs and 
 asyncio queue per request. Slow work (tokenizing, chat templates, model loading) runs in a
 thread pool. If the loop dies, every in-flight request ends with EngineDeadError and new
 ones are refused: never a hang.
+
+With ``restart_workers`` (--restart-workers), a worker failure (death, hang, foreign reply:
+ExecutorError) fails the in-flight requests, and a fresh worker pool and engine core (empty
+scheduler, block manager sized for the new pool) are built off the loop; meanwhile new requests
+get EngineRestartingError (503 + Retry-After) and ``health_status()`` says "restarting".
 """
 from __future__ import annotations
 
@@ -13,11 +18,12 @@ import concurrent.futures
 import logging
 import time
 
-from engine.errors import EngineDeadError, EngineOverloadedError
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
 from engine.output_collector import OutputCollector
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from gpu.config import EngineConfig
+from gpu.executor import ExecutorError
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +91,10 @@ class AsyncEngine:
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pagedserve-cpu")
         self.last_step_gap_s = 0.0  # time between a step's reply and the next step's send
         self.num_deaths = 0  # times the engine loop stopped on a failure (for /metrics)
+        self.num_worker_restarts = 0  # worker pools rebuilt after a failure (--restart-workers)
+        self._restarting = False
+        self._rebuild: concurrent.futures.Future | None = None  # the pool being rebuilt
+        self._retired_counters = (0, 0, 0)  # cumulative stats of cores replaced by restarts
 
     # ---- life cycle -----------------------------------------------------------------------
 
@@ -115,10 +125,22 @@ class AsyncEngine:
         return self.parts.executor.num_blocks
 
     def is_healthy(self) -> bool:
-        return self._error is None and self._task is not None and not self._task.done()
+        return self.health_status() == "ok"
+
+    def health_status(self) -> str:
+        """"ok", "restarting" (a new worker pool is being built) or "dead"."""
+        if self._error is not None or self._task is None or self._task.done():
+            return "dead"
+        return "restarting" if self._restarting else "ok"
 
     def stats(self):
-        return self.core.stats()
+        s = self.core.stats()
+        queries, hits, preemptions = self._retired_counters  # counters stay monotonic
+        s.prefix_cache_queries += queries
+        s.prefix_cache_hits += hits
+        s.num_preemptions += preemptions
+        s.num_worker_restarts = self.num_worker_restarts
+        return s
 
     async def shutdown(self, timeout_s: float = 0.0) -> None:
         """Stop accepting; let in-flight requests finish for up to timeout_s; abort the rest."""
@@ -135,8 +157,16 @@ class AsyncEngine:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
+        loop = asyncio.get_running_loop()
+        if self._rebuild is not None:  # a restart was under way: stop the pool it builds too
+            try:
+                parts = await asyncio.wrap_future(self._rebuild)
+                if parts is not self.parts:
+                    await loop.run_in_executor(self._pool, parts.executor.shutdown)
+            except Exception:  # noqa: BLE001 - the failed restart was logged
+                pass
         if self.parts is not None:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self.parts.executor.shutdown)
+            await loop.run_in_executor(self._pool, self.parts.executor.shutdown)
         self._pool.shutdown(wait=False)
 
     # ---- requests -------------------------------------------------------------------------
@@ -193,6 +223,9 @@ class AsyncEngine:
     def _check_alive(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"the engine stopped: {self._error}")
+        if self._restarting:
+            raise EngineRestartingError("the engine is restarting its workers after a failure; "
+                                        "retry in a few seconds")
         if not self._accepting or self._task is None or self._task.done():
             raise EngineDeadError("the engine is not running (starting up or shutting down)")
 
@@ -212,35 +245,87 @@ class AsyncEngine:
     # ---- the loop -------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        core, executor = self.parts.core, self.parts.executor
+        while True:
+            try:
+                await self._step_loop(self.parts.core, self.parts.executor)
+            except asyncio.CancelledError:
+                raise
+            except ExecutorError as e:
+                if not self.config.parallel.restart_workers or not self._accepting:
+                    self._die(e)
+                    return
+                self._fail_in_flight(EngineDeadError(
+                    f"the workers failed and the request was aborted: {e} (the server is restarting "
+                    "its workers; retry shortly)"))
+                try:
+                    await self._restart_workers(e)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as restart_error:  # noqa: BLE001
+                    self._die(ExecutorError(f"{e}; restarting the workers failed: {restart_error}"))
+                    return
+            except BaseException as e:  # noqa: BLE001 - any failure must reach every request
+                self._die(e)
+                return
+
+    def _die(self, e: BaseException) -> None:
+        logger.error("engine loop died", exc_info=e)
+        self._error = e
+        self._restarting = False
+        self.num_deaths += 1
+        self._fail_in_flight(EngineDeadError(f"the engine stopped: {e}"))
+
+    def _fail_in_flight(self, error: EngineDeadError) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+
+    async def _restart_workers(self, cause: ExecutorError) -> None:
+        """Build a new worker pool and core off the loop; the old pool is reaped first (its
+        memory, on a GPU, must be free before the new workers load the model)."""
+        self._restarting = True
+        logger.warning("restarting the worker pool (--restart-workers) after: %s", cause)
+        old, config, tokenizer = self.parts.executor, self.config, self.tokenizer
+
+        def rebuild():
+            from engine.bootstrap import build_engine
+
+            t0 = time.monotonic()
+            old.shutdown()
+            parts = build_engine(config, tokenizer=tokenizer)
+            logger.info("worker pool restarted in %.1f s", time.monotonic() - t0)
+            return parts
+
+        self._rebuild = self._pool.submit(rebuild)
+        parts = await asyncio.wrap_future(self._rebuild)
+        self._rebuild = None
+        old_stats = self.parts.core.stats()
+        q, h, p = self._retired_counters
+        self._retired_counters = (q + old_stats.prefix_cache_queries, h + old_stats.prefix_cache_hits,
+                                  p + old_stats.num_preemptions)
+        self.parts = parts  # a fresh scheduler and block manager sized for the new pool
+        self._pending_aborts.clear()  # ids of the old core's requests
+        self.num_worker_restarts += 1
+        self._restarting = False
+
+    async def _step_loop(self, core, executor) -> None:
         reply_time = None  # when the previous step's output arrived (None after an idle wait)
-        try:
-            while True:
-                while self._pending_aborts:
-                    core.abort_request(self._pending_aborts.pop())
-                scheduled = core.schedule() if core.has_unfinished() else None
-                if scheduled is None:
-                    reply_time = None
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), IDLE_HEALTH_CHECK_S)
-                    except asyncio.TimeoutError:
-                        await executor.check_health_async()
-                    continue
-                if reply_time is not None:
-                    # Output processing, stream flushes and scheduling between two steps.
-                    self.last_step_gap_s = time.perf_counter() - reply_time
-                output = await executor.execute_async(scheduled.step_input)
-                reply_time = time.perf_counter()
-                self._deliver(core.process(scheduled, output))
-                await asyncio.sleep(0)  # let streams flush before the next step is sent
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - any failure must reach every request
-            logger.exception("engine loop died")
-            self._error = e
-            self.num_deaths += 1
-            dead = EngineDeadError(f"the engine stopped: {e}")
-            for queue in self._queues.values():
-                queue.put_nowait(dead)
-            self._queues.clear()
+        while True:
+            while self._pending_aborts:
+                core.abort_request(self._pending_aborts.pop())
+            scheduled = core.schedule() if core.has_unfinished() else None
+            if scheduled is None:
+                reply_time = None
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), IDLE_HEALTH_CHECK_S)
+                except asyncio.TimeoutError:
+                    await executor.check_health_async()
+                continue
+            if reply_time is not None:
+                # Output processing, stream flushes and scheduling between two steps.
+                self.last_step_gap_s = time.perf_counter() - reply_time
+            output = await executor.execute_async(scheduled.step_input)
+            reply_time = time.perf_counter()
+            self._deliver(core.process(scheduled, output))
+            await asyncio.sleep(0)  # let streams flush before the next step is sent

@@ -49,6 +49,7 @@ class EngineStats:
     num_waiting_seqs: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 0
+    num_worker_restarts: int = 0  # worker pools rebuilt after a failure (set by AsyncEngine)
 
 
 class EngineCore:

@@ -18,6 +18,10 @@ class EngineOverloadedError(EngineError):
         self.retry_after_s = retry_after_s
 
 
+class EngineRestartingError(EngineOverloadedError):
+    """The worker pool failed and is being rebuilt (--restart-workers): 503 + Retry-After."""
+
+
 class RequestRejectedError(ValueError):
     """A request that can never run (too long for the context or the KV cache, bad ids)."""
 

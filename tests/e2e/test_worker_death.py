@@ -53,11 +53,16 @@ def mapped_segments(pid: int) -> set[str]:
         return {line.split()[-1] for line in f if "/dev/shm/pagedserve-" in line}
 
 
-def start(tp: int) -> tuple[ServerProcess, list[int], list[int], set[str]]:
+def workers_of(pid: int) -> list[int]:
+    """The server's worker processes, rank order (= start order = pid order)."""
+    return sorted(p for p in children(pid) if "spawn_main" in cmdline(p) and not gone(p))
+
+
+def start(tp: int, *extra: str) -> tuple[ServerProcess, list[int], list[int], set[str]]:
     """The server, its children, its workers (rank order = start order = pid order), its rings."""
-    s = ServerProcess("--executor", "mp", "--tensor-parallel-size", str(tp))
+    s = ServerProcess("--executor", "mp", "--tensor-parallel-size", str(tp), *extra)
     kids = children(s.proc.pid)
-    workers = sorted(p for p in kids if "spawn_main" in cmdline(p))
+    workers = workers_of(s.proc.pid)
     assert len(workers) == tp, [cmdline(p) for p in kids]
     segments = mapped_segments(s.proc.pid)
     assert len(segments) == 2 and all(os.path.exists(n) for n in segments)
@@ -72,7 +77,8 @@ def assert_dead_but_answering(s: ServerProcess) -> None:
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
     assert "killed by SIGKILL" in r.json()["error"]["message"]
     for _ in range(3):
-        assert httpx.get(s.url + "/health", timeout=2).status_code == 503
+        r = httpx.get(s.url + "/health", timeout=2)
+        assert r.status_code == 503 and r.json()["status"] == "dead", r.text
         assert httpx.get(s.url + "/v1/models", timeout=2).status_code == 200
 
 
@@ -192,6 +198,7 @@ class Prober:
         self._thread.join(15)
 
 
+@pytest.mark.slow
 def test_event_loop_answers_while_workers_are_reaped():
     """tp 2, idle: worker 0 is stopped (SIGSTOP: SIGTERM stays pending, so reaping must wait and
     then kill it: seconds), worker 1 is killed. While the server reaps them, other connections
@@ -213,12 +220,144 @@ def test_event_loop_answers_while_workers_are_reaped():
         assert reaped_after > 1.0, f"reaping took only {reaped_after:.2f} s: the test proves nothing"
         statuses = [st for path, st, _ in prober.samples if path == "/health"]
         assert statuses[0] == 200 and statuses[-1] == 503, statuses
-        slow = [(path, round(dt, 3)) for path, _, dt in prober.samples if dt > 0.1]
-        assert not slow, f"{len(slow)} of {len(prober.samples)} probes over 100 ms: {slow[:10]}"
+        # Within 100 ms; a loaded 2-core box may delay a rare probe a little (scheduling, not
+        # the loop), so up to 2% may reach 300 ms. A loop that waits for the reap takes seconds.
+        latencies = sorted(dt for _, _, dt in prober.samples)
+        over = [round(dt, 3) for dt in latencies if dt > 0.1]
+        assert latencies[-1] < 0.3 and len(over) <= 0.02 * len(latencies), (
+            f"{len(over)} of {len(latencies)} probes over 100 ms: {over[-10:]}")
+        print(f"{len(latencies)} probes while reaping for {reaped_after:.1f} s, slowest "
+              f"{latencies[-1] * 1000:.1f} ms, median {latencies[len(latencies) // 2] * 1000:.1f} ms")
         assert_sigterm_exits_clean(s, kids, segments)
     finally:
         try:
             os.kill(stopped, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        s.stop()
+
+
+STREAM_BODY = {"model": "tiny", "prompt": "Go", "max_tokens": 1900, "ignore_eos": True, "stream": True,
+               "temperature": 0}
+
+
+def stream_until_signal(s: ServerProcess, victim: int, sig: int = signal.SIGKILL) -> tuple[dict, list[str]]:
+    """Stream a long completion, send ``sig`` to ``victim`` after 3 events, read to the end."""
+    events: list[str] = []
+    outcome: dict = {}
+    with httpx.stream("POST", s.url + "/v1/completions", json=STREAM_BODY,
+                      timeout=httpx.Timeout(10.0, read=30.0)) as r:
+        outcome["status"] = r.status_code
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+            if len(events) == 3 and "sent_at" not in outcome:
+                os.kill(victim, sig)
+                outcome["sent_at"] = time.monotonic()
+    outcome["end_at"] = time.monotonic()
+    return outcome, events
+
+
+def assert_error_then_done(events: list[str], *needles: str) -> None:
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "engine_dead", error
+    for needle in needles:
+        assert needle in error["message"], error
+
+
+def health(s: ServerProcess) -> tuple[int, dict, dict]:
+    r = httpx.get(s.url + "/health", timeout=2)
+    return r.status_code, r.json(), dict(r.headers)
+
+
+def metric(s: ServerProcess, name: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(s.url + "/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_restart_workers_after_kill9_twice(tp):
+    """--restart-workers: each kill -9 fails the in-flight stream clearly, /health goes
+    restarting (503 + Retry-After, new requests too) -> ok, and the new pool serves; after two
+    rounds SIGTERM exits 0 and every ring segment the server ever mapped is gone."""
+    s, kids, workers, segments = start(tp, "--restart-workers")
+    all_kids, all_segments = set(kids), set(segments)
+    try:
+        for round_no in (1, 2):
+            victim = workers[-1]
+            outcome, events = stream_until_signal(s, victim)
+            assert outcome["status"] == 200
+            assert outcome["end_at"] - outcome["sent_at"] < 5, "the stream hung after the kill"
+            assert_error_then_done(events, "killed by SIGKILL", "restarting")
+            states: list[str] = []
+            refused = None
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                code, body, headers = health(s)
+                if not states or states[-1] != body["status"]:
+                    states.append(body["status"])
+                assert (code == 200) == (body["status"] == "ok"), (code, body)
+                if body["status"] == "restarting":
+                    assert headers.get("retry-after"), headers
+                    if refused is None:
+                        r = httpx.post(s.url + "/v1/completions", timeout=5,
+                                       json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+                        refused = (r.status_code, r.headers.get("retry-after"), r.json()["error"])
+                if body["status"] == "ok" and "restarting" in states:
+                    break
+                assert body["status"] != "dead", (body, s.output()[-3000:])
+                time.sleep(0.05)
+            assert states[-2:] == ["restarting", "ok"], (states, s.output()[-3000:])
+            assert refused is not None and refused[0] == 503 and refused[1], refused
+            assert "restarting" in refused[2]["message"], refused
+            new_workers = workers_of(s.proc.pid)
+            assert len(new_workers) == tp and not set(new_workers) & set(workers), (workers, new_workers)
+            assert all(gone(p) for p in workers), "the old pool was not reaped"
+            workers = new_workers
+            all_kids |= set(children(s.proc.pid))
+            all_segments |= mapped_segments(s.proc.pid)
+            r = httpx.post(s.url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": "Hi", "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+            assert metric(s, "pagedserve:worker_restarts_total") == round_no
+            # the new core starts empty: nothing running, no KV block held
+            assert metric(s, "pagedserve:num_requests_running") == 0
+            assert metric(s, "pagedserve:kv_cache_usage_perc") == 0
+        assert s.output().count("worker pool restarted") == 2
+        assert_sigterm_exits_clean(s, sorted(all_kids), all_segments)
+    finally:
+        s.stop()
+
+
+def test_hung_worker_is_declared_dead_after_the_step_timeout():
+    """A worker stopped mid-stream (alive, never answering): after --step-timeout the stream gets
+    an error naming the timeout, /health 503, new requests 503, and the stuck worker is reaped."""
+    s, kids, workers, segments = start(1, "--step-timeout", "2")
+    try:
+        outcome, events = stream_until_signal(s, workers[0], signal.SIGSTOP)
+        assert outcome["status"] == 200
+        assert 1.5 < outcome["end_at"] - outcome["sent_at"] < 10
+        assert_error_then_done(events, "no reply to step", "--step-timeout")
+        assert health(s)[0] == 503
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+                       timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not gone(workers[0]):
+            time.sleep(0.05)
+        assert gone(workers[0]), "the hung worker was not reaped"
+        assert_sigterm_exits_clean(s, kids, segments)
+    finally:
+        try:
+            os.kill(workers[0], signal.SIGKILL)
         except ProcessLookupError:
             pass
         s.stop()

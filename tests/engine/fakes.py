@@ -151,6 +151,9 @@ class FakeExecutor:
     def check_health(self):
         pass
 
+    async def check_health_async(self):
+        self.check_health()
+
 
 def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
                 max_num_seqs: int = 16, max_model_len: int = 256, policy: str = "fcfs",

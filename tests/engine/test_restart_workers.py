@@ -1,0 +1,177 @@
+"""AsyncEngine with --restart-workers over a fake executor (no model, no processes): a worker
+failure fails the in-flight requests, new ones get 503 + Retry-After while a fresh pool and core
+are built off the loop, then requests are served again; the counters stay monotonic."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
+from engine.sampling_params import SamplingParams
+from gpu.executor import ExecutorError
+from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
+
+PROMPT = FakeTokenizer().encode("restart me")
+DEATH = "worker 0 (pid 4242) was killed by SIGKILL; in-flight requests cannot finish"
+
+
+class Builds:
+    """Stands in for engine.bootstrap.build_engine; ``gate`` holds a rebuild (restart) open."""
+
+    def __init__(self):
+        self.parts: list = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_next: BaseException | None = None
+        self.shut_down: list[FakeExecutor] = []
+
+    def __call__(self, config, tokenizer=None):
+        from engine.bootstrap import EngineParts
+        from engine.core import EngineCore
+
+        if self.parts:  # a restart: runs off the loop, may be held open by the test
+            assert threading.current_thread() is not threading.main_thread()
+            assert self.gate.wait(10)
+            if self.fail_next is not None:
+                raise self.fail_next
+        tok = tokenizer or FakeTokenizer()
+        executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size)
+        executor.shutdown = lambda ex=executor: self.shut_down.append(ex)
+        parts = EngineParts(config, {}, tok, executor, EngineCore(config, executor, tok))
+        self.parts.append(parts)
+        return parts
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    import engine.bootstrap
+
+    b = Builds()
+    monkeypatch.setattr(engine.bootstrap, "build_engine", b)
+    return b
+
+
+async def started(restart: bool = True):
+    from engine.async_engine import AsyncEngine
+
+    config = make_config(num_blocks=128)
+    config.parallel.restart_workers = restart
+    engine = AsyncEngine(config)
+    await engine.start()
+    return engine
+
+
+def kill_workers(executor: FakeExecutor, message: str = DEATH) -> None:
+    async def dead(step):
+        raise ExecutorError(message)
+
+    async def dead_health():
+        raise ExecutorError(message)
+
+    executor.execute_async = dead
+    executor.check_health_async = dead_health
+
+
+async def wait_status(engine, status: str, within: float = 5.0) -> None:
+    for _ in range(int(within / 0.01)):
+        if engine.health_status() == status:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"status {engine.health_status()!r}, expected {status!r}")
+
+
+async def collect(stream) -> list:
+    return [d async for d in stream]
+
+
+async def test_in_flight_fails_new_requests_wait_then_are_served(builds):
+    engine = await started()
+    try:
+        old = builds.parts[0]
+        done = await collect(engine.generate(PROMPT, SamplingParams(max_tokens=5), "warm"))
+        assert done[-1].finished
+        # A long request is running when the workers die; the rebuild is held open.
+        builds.gate.clear()
+        stream = engine.generate(PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), "victim")
+        first = await stream.__anext__()
+        assert first.outputs[0].token_ids
+        kill_workers(old.executor)
+        with pytest.raises(EngineDeadError, match=r"killed by SIGKILL.*restarting"):
+            await collect(stream)
+        await wait_status(engine, "restarting")
+        assert not engine.is_healthy()
+        with pytest.raises(EngineRestartingError, match="restarting its workers") as info:
+            engine.generate(PROMPT, SamplingParams(max_tokens=2), "too-early")
+        assert isinstance(info.value, EngineOverloadedError)  # 503 + Retry-After in app/
+        assert old.executor in builds.shut_down  # the old pool is reaped before the new one starts
+        builds.gate.set()
+        await wait_status(engine, "ok")
+        new = builds.parts[1]
+        assert engine.core is new.core and engine.parts.executor is new.executor
+        stats = engine.stats()
+        assert stats.num_worker_restarts == 1 and engine.num_worker_restarts == 1
+        assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+        assert stats.num_free_blocks == stats.num_blocks  # a fresh block manager for the new pool
+        assert stats.prefix_cache_queries >= old.core.stats().prefix_cache_queries  # monotonic
+        out = await collect(engine.generate(PROMPT, SamplingParams(max_tokens=7, ignore_eos=True), "after"))
+        assert out[-1].finished and sum(len(d.outputs[0].token_ids) for d in out) == 7
+        assert engine.num_deaths == 0
+    finally:
+        await engine.shutdown()
+    assert builds.parts[1].executor in builds.shut_down
+
+
+async def test_two_failures_in_a_row_restart_twice(builds):
+    engine = await started()
+    try:
+        for n in (1, 2):
+            builds.gate.clear()
+            kill_workers(engine.parts.executor)  # idle: the health check notices
+            await wait_status(engine, "restarting", within=5)
+            builds.gate.set()
+            await wait_status(engine, "ok")
+            assert engine.num_worker_restarts == n and engine.stats().num_worker_restarts == n
+            out = await collect(engine.generate(PROMPT, SamplingParams(max_tokens=3), f"r{n}"))
+            assert out[-1].finished
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_failed_restart_leaves_the_engine_dead(builds):
+    engine = await started()
+    try:
+        builds.fail_next = ExecutorError("worker 0 failed to start: out of memory")
+        kill_workers(engine.parts.executor)
+        await wait_status(engine, "dead")
+        with pytest.raises(EngineDeadError, match="killed by SIGKILL.*restarting the workers failed.*out of memory"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=2), "x")
+        assert engine.num_deaths == 1 and engine.num_worker_restarts == 0
+    finally:
+        await engine.shutdown()
+
+
+async def test_without_the_flag_a_worker_failure_is_final(builds):
+    engine = await started(restart=False)
+    try:
+        kill_workers(engine.parts.executor)
+        stream = engine.generate(PROMPT, SamplingParams(max_tokens=5), "x")
+        with pytest.raises(EngineDeadError, match="the engine stopped: .*killed by SIGKILL"):
+            await collect(stream)
+        assert engine.health_status() == "dead" and len(builds.parts) == 1
+    finally:
+        await engine.shutdown()
+
+
+async def test_shutdown_during_a_restart_stops_the_pool_being_built(builds):
+    engine = await started()
+    builds.gate.clear()
+    kill_workers(engine.parts.executor)
+    await wait_status(engine, "restarting")
+    shutting = asyncio.ensure_future(engine.shutdown())
+    await asyncio.sleep(0.05)
+    builds.gate.set()
+    await asyncio.wait_for(shutting, 10)
+    assert len(builds.parts) == 2
+    assert builds.parts[1].executor in builds.shut_down
