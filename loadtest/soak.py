@@ -32,6 +32,12 @@ from loadtest.sse import SSEDecoder, StreamError
 logger = logging.getLogger(__name__)
 
 IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+# sample name -> the label that splits it
+FAILURE_COUNTERS = {
+    "pagedserve:http_error_responses_total": "status_code",
+    "pagedserve:request_errors_total": "reason",
+    "pagedserve:request_success_total": "finished_reason",
+}
 
 
 @dataclass(slots=True)
@@ -127,6 +133,29 @@ async def gauges(client: httpx.AsyncClient) -> dict[str, float | None]:
     return {g: _metric(text, g) for g in IDLE_GAUGES}
 
 
+def failure_counters(text: str) -> dict[str, dict[str, float]]:
+    """The server's own failure counters ({counter: {label value: count}}), to compare with what
+    the clients saw; counters an older server lacks are simply absent."""
+    out: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            label = FAILURE_COUNTERS.get(s.name)
+            if label and label in s.labels:
+                out.setdefault(s.name.removeprefix("pagedserve:"), {})[s.labels[label]] = s.value
+    return out
+
+
+async def read_failure_counters(base_url: str) -> dict[str, dict[str, float]]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as c:
+        return failure_counters((await c.get("/metrics")).text)
+
+
+def counter_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    return {name: {k: v - before.get(name, {}).get(k, 0.0) for k, v in values.items()
+                   if v - before.get(name, {}).get(k, 0.0)}
+            for name, values in after.items()}
+
+
 async def wait_idle(base_url: str, timeout: float) -> dict[str, float | None]:
     """Poll /metrics (on a fresh connection) until nothing runs or waits; the last reading."""
     async with httpx.AsyncClient(base_url=base_url, timeout=10) as c:
@@ -195,6 +224,7 @@ async def async_run_soak(cfg: SoakConfig) -> dict:
     pid = server_pid(cfg)
     if pid is None:
         logger.warning("no server pid (pass --server-pid): RSS and fd figures are left out")
+    counters_before = await read_failure_counters(cfg.base_url)
     t0 = time.monotonic()
     warm_outcomes: list[Outcome] = []
     await _phase(cfg, 0, cfg.warmup, model, max_model_len, warm_outcomes)
@@ -206,13 +236,15 @@ async def async_run_soak(cfg: SoakConfig) -> dict:
     t2 = time.monotonic()
     end_gauges = await wait_idle(cfg.base_url, cfg.idle_timeout)
     end = proctree.snapshot(pid) if pid else None
+    counted = counter_delta(counters_before, await read_failure_counters(cfg.base_url))
     return summarize(cfg, model, warm_outcomes, outcomes, warm_gauges, end_gauges, warm, end,
-                     warmup_s=t1 - t0, run_s=t2 - t1)
+                     warmup_s=t1 - t0, run_s=t2 - t1, server_counted=counted)
 
 
 def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcomes: list[Outcome],
               warm_gauges: dict, end_gauges: dict, warm: proctree.TreeSnapshot | None,
-              end: proctree.TreeSnapshot | None, *, warmup_s: float, run_s: float) -> dict:
+              end: proctree.TreeSnapshot | None, *, warmup_s: float, run_s: float,
+              server_counted: dict | None = None) -> dict:
     every = warm_outcomes + outcomes
     statuses = Counter(str(o.status) if o.status is not None else "no_response" for o in every)
     kinds: dict[str, Counter] = {}
@@ -238,6 +270,16 @@ def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcome
         checks["rss_growth_under_limit"] = server["rss_growth_pct"] is not None and \
             server["rss_growth_pct"] < cfg.max_rss_growth_pct
         checks["fds_flat"] = abs(server["fd_delta"]) <= cfg.fd_tolerance
+    if server_counted and "http_error_responses_total" in server_counted:
+        # the server's /metrics saw the same failures as the clients (issue 10 fault 9); meaningful
+        # only when this run is the server's only traffic
+        client_4xx = {k: float(v) for k, v in statuses.items() if k.isdigit() and int(k) >= 400}
+        checks["metrics_count_the_same_errors"] = \
+            server_counted.get("http_error_responses_total", {}) == client_4xx
+        checks["metrics_count_no_server_failure"] = not server_counted.get("request_errors_total")
+        checks["metrics_count_every_abort"] = \
+            server_counted.get("request_success_total", {}).get("abort", 0.0) == \
+            sum(1 for o in every if o.aborted)
     latencies = sorted(o.latency_s for o in every if o.ok and not o.aborted and o.kind != "bad_input")
     return {
         "model": model,
@@ -257,6 +299,7 @@ def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcome
         "failures": len(failures),
         "first_failures": [{"index": o.index, "kind": o.kind, "status": o.status, "error": o.error}
                            for o in sorted(failures, key=lambda o: o.index)[:20]],
+        "server_counted": server_counted,
         "metrics_after_warmup": warm_gauges,
         "metrics_at_end": end_gauges,
         "server": server,

@@ -40,6 +40,8 @@ def test_bounded_soak_leaves_nothing_behind():
     assert len(server["end"]["processes"]) >= 2, report  # the server and its worker(s) were measured
     assert abs(server["fd_delta"]) <= 4, report
     assert server["rss_growth_pct"] < SHORT_RUN_RSS_GROWTH_PCT, report
+    assert summary["checks"]["metrics_count_the_same_errors"], report
+    assert summary["checks"]["metrics_count_every_abort"], report
     assert summary["passed"], report
     assert code == 0, s.output()[-3000:]
     assert s.leftover_segments() == []
@@ -73,3 +75,20 @@ def test_summary_fails_on_a_5xx_a_leak_or_a_busy_engine():
     assert not run(good, end=TreeSnapshot([ProcessFigures(1, "server", 1000, 30)]))["passed"]
     assert not run(good, end_gauges={**idle, "kv_cache_usage_perc": 0.01})["passed"]
     assert not run(good, end_gauges={**idle, "num_requests_running": 1.0})["passed"]
+
+
+def test_summary_compares_the_servers_failure_counters_with_the_clients():
+    cfg = SoakConfig(base_url="http://x")
+    idle = {"kv_cache_usage_perc": 0.0, "num_requests_running": 0.0, "num_requests_waiting": 0.0}
+    seen = [Outcome(0, "bad_input", 400, ok=True), Outcome(1, "abort_stream", 200, ok=True, aborted=True)]
+
+    def run(counted):
+        return summarize(cfg, "m", [], seen, idle, idle, None, None, warmup_s=1, run_s=1,
+                         server_counted=counted)
+
+    same = {"http_error_responses_total": {"400": 1.0}, "request_errors_total": {},
+            "request_success_total": {"abort": 1.0, "length": 3.0}}
+    assert run(same)["passed"]
+    assert not run({**same, "http_error_responses_total": {}})["passed"]  # a 4xx not counted
+    assert not run({**same, "request_errors_total": {"internal_error": 1.0}})["passed"]
+    assert not run({**same, "request_success_total": {"length": 3.0}})["passed"]  # abort not counted
