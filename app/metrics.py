@@ -135,10 +135,11 @@ class ServerMetrics:
         self._http_errors.labels(self.model_name, str(status)).inc()
 
     def refused(self, exc: BaseException) -> None:
-        """A request the engine would not take (counted when it is an overload)."""
-        from engine.errors import EngineOverloadedError
+        """A request the engine would not take: counted when the cause is too many waiting
+        requests (a 503 while the workers restart is not an overload)."""
+        from engine.errors import EngineOverloadedError, EngineRestartingError
 
-        if isinstance(exc, EngineOverloadedError):
+        if isinstance(exc, EngineOverloadedError) and not isinstance(exc, EngineRestartingError):
             self.overloaded.inc()
 
     def render(self) -> bytes:

@@ -143,6 +143,19 @@ async def test_overload_503s_are_counted_apart_from_a_dead_engine(client, engine
     assert http(m, 503) == 4
 
 
+async def test_503_while_restarting_is_not_an_overload(client, engine):
+    from engine.errors import EngineRestartingError
+
+    def restarting(*a, **kw):
+        raise EngineRestartingError("the engine is restarting its workers; retry shortly")
+
+    engine.generate = restarting
+    r = await client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503
+    m = await scrape(client)
+    assert m[("pagedserve:request_overloaded_total", ())] == 0 and http(m, 503) == 1
+
+
 async def test_worker_restarts_come_from_engine_stats(client, engine):
     engine.stats_value.num_worker_restarts = 2
     m = await scrape(client)

@@ -72,3 +72,27 @@ def test_failures_are_counted_by_a_real_server():
         assert m["pagedserve:request_overloaded_total"] == 0
     finally:
         assert s.stop() == 0, s.output()
+
+
+def test_worker_restart_is_counted_not_a_death():
+    """With --restart-workers a killed worker is replaced: /metrics counts one restart and no
+    engine death, and the server serves again."""
+    s = ServerProcess("--executor", "mp", "--restart-workers")
+    try:
+        url = s.url
+        assert metrics(url)["pagedserve:worker_restarts_total"] == 0
+        workers = [p for p in children(s.proc.pid) if "spawn_main" in cmdline(p)]
+        assert workers, "no worker process found"
+        os.kill(workers[0], signal.SIGKILL)
+        m = wait_for(url, lambda m: m["pagedserve:worker_restarts_total"] >= 1, timeout=60)
+        assert m["pagedserve:worker_restarts_total"] == 1
+        assert m["pagedserve:engine_deaths_total"] == 0
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the server did not come back after the restart"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 200
+    finally:
+        assert s.stop() == 0, s.output()
