@@ -10,7 +10,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.server import build_app
-from tests.app.fake_engine import FakeAsyncEngine
 from tests.app.test_auth_metrics import call_and_disconnect
 from tests.engine.fake_async import patch_build_engine, started_engine
 
