@@ -28,9 +28,12 @@ BOUND_KEY = "x-pagedserve-bound"
 
 
 def _json_integer(v: Any) -> Any:
-    # JSON Schema counts 2.0 as an integer (and orjson reads integers past 64 bits as floats):
-    # take an integral float as that integer, so the bounds below give the error.
+    # JSON Schema counts 2.0 as an integer: take an integral float as that integer. orjson reads
+    # integers past 64 bits as floats, rounded (-2**63 - 1 becomes -2**63): refuse those here,
+    # before the rounding could carry them inside a bound.
     if type(v) is float and v.is_integer():
+        if abs(v) >= 2**63:
+            raise ValueError("integers must fit in 64 bits")
         return int(v)
     return v
 
@@ -261,6 +264,13 @@ class ChatMessage(OpenAIModel):
         return "".join(parts)
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What chat completions and /tokenize refuse alike in a conversation."""
+    for message in messages:
+        if message.tool_calls:
+            raise APIError.unsupported("messages", "tool_calls in messages are not supported")
+
+
 class ResponseFormat(OpenAIModel):
     model_config = ConfigDict(json_schema_extra=_only_text_type)
 
@@ -303,9 +313,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise APIError.bad_request("continue_final_message needs the last message to be from "
                                        "the assistant", param="continue_final_message")
-        for message in self.messages:
-            if message.tool_calls:
-                raise APIError.unsupported("messages", "tool_calls in messages are not supported")
+        check_messages(self.messages)
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens; take it when both are given.
@@ -337,6 +345,8 @@ class TokenizeRequest(OpenAIModel):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError.bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
+        if self.messages is not None:
+            check_messages(self.messages)
 
 
 class DetokenizeRequest(OpenAIModel):

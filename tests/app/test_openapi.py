@@ -11,7 +11,7 @@ from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate as validate_openapi
 
 from app.errors import APIError
-from app.protocol import BOUND_KEY, ChatCompletionRequest, CompletionRequest, parse
+from app.protocol import BOUND_KEY, ChatCompletionRequest, CompletionRequest, TokenizeRequest, parse
 from app.server import build_app
 from tests.app.fake_engine import FakeAsyncEngine
 
@@ -99,9 +99,12 @@ def body_validator(doc: dict, name: str) -> Draft202012Validator:
 def server_accepts(model, body: dict) -> bool:
     try:
         req = parse(model, body)
-        req.check_supported()
-        if isinstance(req, ChatCompletionRequest):
-            req.template_messages()  # content parts are checked here
+        if isinstance(req, TokenizeRequest):
+            req.check()
+        else:
+            req.check_supported()
+        for message in getattr(req, "messages", None) or []:
+            message.text()  # content parts are checked here
     except APIError as e:
         assert e.status == 400
         return False
@@ -144,9 +147,18 @@ CHAT_BODIES = [
 ]
 
 
+TOKENIZE_BODIES = [
+    {"prompt": "x"}, {"prompt": ""}, {"messages": CHAT}, {"prompt": "x", "messages": CHAT}, {},
+    {"messages": [{"role": "tool", "tool_calls": [None]}]},  # found by the fuzzer
+    {"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+]
+
+
 async def test_schema_and_models_agree():
     doc = await fetch_doc()
-    for model, bodies in ((CompletionRequest, COMPLETION_BODIES), (ChatCompletionRequest, CHAT_BODIES)):
+    for model, bodies in ((CompletionRequest, COMPLETION_BODIES), (ChatCompletionRequest, CHAT_BODIES),
+                          (TokenizeRequest, TOKENIZE_BODIES)):
         validator = body_validator(doc, model.__name__)
         for body in bodies:
             assert validator.is_valid(body) == server_accepts(model, body), body
@@ -159,3 +171,15 @@ async def test_tokenize_needs_exactly_one_of_prompt_or_messages():
                      ({"prompt": "x", "messages": CHAT}, False), ({"prompt": None, "messages": CHAT}, True),
                      ({"prompt": "x", "messages": None}, True), ({"prompt": None}, False)]:
         assert validator.is_valid(body) == ok, body
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": "x", "priority": -9223372036854775809}', "priority"),
+    (b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),
+    (b'{"prompt": [1, 100000000000000000000]}', "prompt"),
+])
+async def test_integers_past_64_bits_are_refused_not_rounded(client, engine, raw, param):
+    # orjson reads them as rounded floats: -2**63 - 1 came back as -2**63, inside the bound
+    r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert engine.calls == []

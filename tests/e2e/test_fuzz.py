@@ -9,8 +9,9 @@ schema cannot state says no (the schema is not laxer than the server). The serve
 be healthy at the end.
 
 The server runs with small limits so any generated request is bounded work: a context of
-96 tokens bounds max_tokens, and past 16 waiting requests a wide n gets 503 + Retry-After.
-PAGEDSERVE_FUZZ_EXAMPLES and PAGEDSERVE_FUZZ_SEED make a longer or different run locally.
+48 tokens bounds max_tokens, and past 8 waiting requests a wide n gets 503 + Retry-After.
+PAGEDSERVE_FUZZ_EXAMPLES, PAGEDSERVE_FUZZ_SEED and PAGEDSERVE_FUZZ_FULL=1 make a longer or
+different run locally.
 """
 from __future__ import annotations
 
@@ -36,12 +37,13 @@ from tests.e2e.test_server_e2e import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-MAX_MODEL_LEN = 96
-MAX_WAITING = 16
+MAX_MODEL_LEN = 48
+MAX_WAITING = 8
 SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
                "--max-waiting-requests", str(MAX_WAITING), "--max-body-bytes", str(64 * 1024))
 EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "25"))
 SEED = int(os.environ.get("PAGEDSERVE_FUZZ_SEED", "20261123"))
+FULL = os.environ.get("PAGEDSERVE_FUZZ_FULL") == "1"
 REQUEST_TIMEOUT_S = 30.0  # generous for a loaded 2-core box; a hang fails the test
 
 # 400s a schema-valid body may still get: rules across fields or against the running model
@@ -79,7 +81,8 @@ def api_schema(fuzz_server):
 @pytest.fixture(scope="module")
 def fuzz_log():
     """Every fuzz request's (operation, status); the last test reports and checks them."""
-    return {"statuses": collections.Counter(), "n": 0, "t0": time.monotonic()}
+    return {"statuses": collections.Counter(), "n": 0, "t0": time.monotonic(), "request_s": 0.0,
+            "slowest": (0.0, "")}
 
 
 # ---- regressions found by the fuzzer (each failed before its fix) ----------------------------
@@ -129,9 +132,13 @@ def test_fuzz(api_schema, fuzz_server, fuzz_log, method, path, mode):
 
 
 def check_one(case, url: str, fuzz_log: dict) -> None:
+    t0 = time.monotonic()
     response = case.call(base_url=url, timeout=REQUEST_TIMEOUT_S)
+    took = time.monotonic() - t0
     status = response.status_code
     fuzz_log["n"] += 1
+    fuzz_log["request_s"] += took
+    fuzz_log["slowest"] = max(fuzz_log["slowest"], (took, case.as_curl_command()[:300]))
     fuzz_log["statuses"][f"{case.operation.label} {status}"] += 1
     assert status != 500, f"500 for {case.as_curl_command()}\n{response.text[:2000]}"
     case.validate_response(response, checks=[
@@ -146,10 +153,38 @@ def check_one(case, url: str, fuzz_log: dict) -> None:
         assert response.headers.get("retry-after") or response.json()["error"]["code"] != "overloaded"
 
 
+# The coverage phase: schemathesis' deterministic boundary cases (n = 0 and 129, a missing
+# required field, each wrong type, ...) and every other HTTP method. On the generating routes
+# only the negative ones by default: they are cheap (refused before the engine) and find where
+# the schema's edges are; the ~300 positive ones each generate (PAGEDSERVE_FUZZ_FULL=1 adds
+# them: about 2.5 minutes here).
+@pytest.mark.parametrize("method, path", [(m, p) for m, p, body in OPERATIONS if body])
+def test_coverage_boundaries(api_schema, fuzz_server, fuzz_log, method, path):
+    op = api_schema[path][method]
+    modes = list(GenerationMode)
+    if path in ("/v1/completions", "/v1/chat/completions") and not FULL:
+        modes = [GenerationMode.NEGATIVE]
+    cases = api_schema.iter_coverage_cases(
+        op, generation_modes=modes,
+        generation_config=api_schema.config.generation_for(operation=op))
+    n = 0
+    for case in cases:
+        n += 1
+        if case.method.upper() != method:
+            response = case.call(base_url=fuzz_server.url, timeout=REQUEST_TIMEOUT_S)
+            fuzz_log["n"] += 1
+            fuzz_log["statuses"][f"{case.method.upper()} {path} {response.status_code}"] += 1
+            assert response.status_code == 405 and response.headers.get("allow"), case.as_curl_command()
+            continue
+        check_one(case, fuzz_server.url, fuzz_log)
+    assert n > 10
+
+
 def test_server_healthy_after_fuzz(fuzz_server, fuzz_log):
     elapsed = time.monotonic() - fuzz_log["t0"]
     print(f"\nfuzz: {fuzz_log['n']} requests in {elapsed:.1f} s (seed {SEED}, {EXAMPLES} examples "
-          f"per operation)")
+          f"per operation); {fuzz_log['request_s']:.1f} s waiting for the server, slowest "
+          f"{fuzz_log['slowest'][0]:.2f} s: {fuzz_log['slowest'][1]}")
     for key, count in sorted(fuzz_log["statuses"].items()):
         print(f"  {key}: {count}")
     assert fuzz_log["n"] >= 8, "the fuzzer sent (almost) nothing"
