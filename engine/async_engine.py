@@ -222,7 +222,7 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error}")
+            raise EngineDeadError(self._death_message())
         if self._restarting:
             raise EngineRestartingError("the engine is restarting its workers after a failure; "
                                         "retry in a few seconds")
@@ -273,7 +273,13 @@ class AsyncEngine:
         self._error = e
         self._restarting = False
         self.num_deaths += 1
-        self._fail_in_flight(EngineDeadError(f"the engine stopped: {e}"))
+        self._fail_in_flight(EngineDeadError(self._death_message()))
+
+    def _death_message(self) -> str:
+        hint = ""
+        if isinstance(self._error, ExecutorError) and not self.config.parallel.restart_workers:
+            hint = "; restart the server (or serve with --restart-workers)"
+        return f"the engine stopped: {self._error}{hint}"
 
     def _fail_in_flight(self, error: EngineDeadError) -> None:
         for queue in self._queues.values():
