@@ -1,4 +1,4 @@
-"""uvicorn's httptools protocol with a request-head timeout (slowloris defence).
+"""uvicorn's httptools protocol with request-head and request-body timeouts (slowloris defence).
 
 uvicorn arms no timer on a new connection, and the keep-alive timer is cancelled by the first
 byte of the next request, so a client that opens connections and never finishes a request line
@@ -6,8 +6,10 @@ and headers holds each one (a file descriptor and a protocol object) for ever; e
 exhaust the process's descriptors and nobody else can connect. This subclass gives every request
 head ``header_timeout`` seconds, counted from the connection (or from the first byte of the next
 request on a kept-alive connection) to the end of the headers, like nginx's
-client_header_timeout. A late client gets 408 and the connection is closed. Bodies are not
-covered: a started request is the app's business (its body read and --max-body-bytes).
+client_header_timeout. The body then gets ``body_timeout`` seconds from the end of the headers
+(a client that stalls mid-body would otherwise hold its connection and a handler task for ever).
+A late client gets 408 (unless a response has started) and the connection is closed; the app
+sees a client that left.
 """
 from __future__ import annotations
 
@@ -18,63 +20,79 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger(__name__)
 
-RESPONSE_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                b"content-length: 39\r\nconnection: close\r\n\r\n"
-                b"The request head did not arrive in time")
+def _response_408(what: str) -> bytes:
+    text = f"The request {what} did not arrive in time".encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(text), text))
 
 
-class HeaderTimeoutProtocol(HttpToolsProtocol):
-    """Bind ``header_timeout`` with :func:`with_header_timeout`; uvicorn builds one per connection."""
+class ReadTimeoutProtocol(HttpToolsProtocol):
+    """Timeouts bound by :func:`with_read_timeouts`; uvicorn builds one per connection."""
 
     header_timeout: float = 30.0
+    body_timeout: float = 60.0
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._head_bytes = False  # some of the current request head has arrived
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._reading: str | None = "head"  # the part of the request being waited for
+        self._head_begun = False  # some bytes of the current request head have arrived
 
-    def _arm_head_timer(self) -> None:
-        self._disarm_head_timer()
-        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+    def _arm(self, part: str) -> None:
+        self._disarm()
+        self._reading = part
+        delay = self.header_timeout if part == "head" else self.body_timeout
+        self._read_timer = self.loop.call_later(delay, self._timed_out, part, delay)
 
-    def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    def _disarm(self) -> None:
+        self._reading = None
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
+    def _timed_out(self, part: str, delay: float) -> None:
+        self._read_timer = None
         if self.transport.is_closing():
             return
-        logger.info("closing a connection from %s: no complete request head in %.0f s",
-                    self.client, self.header_timeout)
-        if self._head_bytes:
-            self.transport.write(RESPONSE_408)
+        logger.info("closing a connection from %s: no complete request %s in %.0f s",
+                    self.client, part, delay)
+        if part == "head":  # answer only a client that sent something, after any earlier response
+            answer = self._head_begun and (self.cycle is None or self.cycle.response_complete)
+        else:
+            answer = self.cycle is not None and not self.cycle.response_started
+        if answer:
+            self.transport.write(_response_408(part))
         self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_head_timer()
+        self._arm("head")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_timer()
+        self._disarm()
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes = True
-        if self._head_timer is None:  # the next request on a kept-alive connection
-            self._arm_head_timer()
+        self._head_begun = True
+        if self._reading is None:  # the next request on a kept-alive connection
+            self._arm("head")
 
     def on_headers_complete(self) -> None:
-        self._disarm_head_timer()
-        self._head_bytes = False
+        self._head_begun = False
         super().on_headers_complete()
+        self._arm("body")  # on_message_complete disarms it, at once when there is no body
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
 
 
-def with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
-    """A protocol class for ``uvicorn.Config(http=...)`` with this timeout (a subclass, so two
+def with_read_timeouts(header_timeout: float, body_timeout: float) -> type[ReadTimeoutProtocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` with these timeouts (a subclass, so two
     servers in one process can differ)."""
-    if seconds <= 0:
-        raise ValueError(f"--header-timeout must be > 0 seconds, got {seconds}")
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": float(seconds)})
+    for flag, seconds in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout)):
+        if seconds <= 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {seconds}")
+    return type("ReadTimeoutProtocol", (ReadTimeoutProtocol,),
+                {"header_timeout": float(header_timeout), "body_timeout": float(body_timeout)})

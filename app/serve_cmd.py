@@ -20,7 +20,7 @@ import signal
 import socket
 
 from app.engine_args import add_engine_args, engine_config_from_args
-from app.http_protocol import with_header_timeout
+from app.http_protocol import with_read_timeouts
 from app.listen import ListenError, bind_socket
 
 logger = logging.getLogger("pagedserve.serve")
@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--header-timeout", type=float, default=30.0,
                    help="seconds a connection may take to send a complete request line and headers; "
                         "later it gets 408 and is closed (slow-header / slowloris clients)")
+    g.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive after its headers; later it gets "
+                        "408 and the connection is closed")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         uv_config = uvicorn.Config(
             "app.server:build_app",  # replaced below; uvicorn only needs a placeholder until load()
             host=args.host, port=sock.getsockname()[1], loop="uvloop",
-            http=with_header_timeout(args.header_timeout),
+            http=with_read_timeouts(args.header_timeout, args.body_timeout),
             lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout,
             log_level=args.log_level, access_log=args.log_level == "debug",
         )

@@ -18,7 +18,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -587,7 +587,7 @@ def _wrap(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)
-        except ClientDisconnected:
+        except (ClientDisconnected, ClientDisconnect):  # also gone in the middle of its body
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - every error leaves in OpenAI format
             return error_response(to_api_error(e))

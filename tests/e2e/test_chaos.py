@@ -79,7 +79,7 @@ def poll_status(url: str, want: int, within: float) -> int | None:
 def shared_server():
     """One default server (mp executor) for the tests that leave it healthy (saves a start);
     it must still exit 0 and clean up afterwards."""
-    s = serve("--header-timeout", "8")
+    s = serve("--header-timeout", "8", "--body-timeout", "5")
     try:
         yield s
         assert_stops_clean(s, proctree.tree(s.pid)[1:])
@@ -236,19 +236,24 @@ def _trickle(socks: list[socket.socket], stop: threading.Event) -> None:
                 pass
 
 
-def _closed_by_server(sock: socket.socket, within: float) -> bool:
+def _until_closed(sock: socket.socket, within: float) -> bytes | None:
+    """What the server sent before it closed the connection; None if it is still open."""
     sock.settimeout(within)
+    got = b""
     try:
-        while True:
-            data = sock.recv(4096)
-            if not data:
-                return True
-            if data.startswith(b"HTTP/1.1 408"):
-                continue  # a Request Timeout answer, then the close
+        while data := sock.recv(4096):
+            got += data
     except (ConnectionResetError, BrokenPipeError):
-        return True
+        pass
     except TimeoutError:
-        return False
+        return None
+    return got
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    """Closed, at most after a 408 answer."""
+    got = _until_closed(sock, within)
+    return got is not None and (not got or got.startswith(b"HTTP/1.1 408"))
 
 
 @pytest.mark.slow
@@ -281,14 +286,63 @@ def test_slow_header_connections_do_not_starve_others(shared_server):
             assert httpx.get(s.url + path, timeout=5).status_code == 200
             assert time.monotonic() - t0 < 2.0, path
         assert proctree.snapshot(s.pid).fds >= fds_before + 190  # still held: it was under attack
-        # the header timeout closes every half-open connection, trickling or silent
-        assert all(_closed_by_server(sock, 15) for sock in socks), s.output()[-3000:]
+        # the header timeout closes every half-open connection, trickling or silent; a client
+        # that sent part of a head is told why (except a trickling one: the bytes it sends while
+        # the server closes turn the close into a reset that can discard the 408)
+        answers = [_until_closed(sock, 15) for sock in socks]
+        assert all(a is not None for a in answers), s.output()[-3000:]
+        untold = [i for i in range(40, 199, 2) if not answers[i].startswith(b"HTTP/1.1 408")]
+        assert not untold, [(i, answers[i][:20]) for i in untold]
+        assert all(a == b"" for a in answers[1:199:2]), [a[:20] for a in answers[1:199:2]]
         stop.set()
         assert wait_fds(s.pid, lambda n: n <= fds_before + 4, 5)
         assert httpx.get(s.url + "/health", timeout=5).status_code == 200
     finally:
         stop.set()
         for sock in socks:
+            sock.close()
+
+
+def _counters(url: str) -> dict:
+    from loadtest.soak import failure_counters
+
+    return failure_counters(httpx.get(url + "/metrics", timeout=5).text)
+
+
+def _body_started(port: int) -> socket.socket:
+    """A request whose head is complete and whose body has only begun."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+                 b'{"model": "tiny", "prompt": "Hello, this body is never fini')
+    return sock
+
+
+@pytest.mark.slow
+def test_abandoned_and_stalled_request_bodies(shared_server):
+    """A client that leaves in the middle of its request body is a client gone (499), not a
+    server error: no 500, no error log. A client that stalls in its body gets 408 after
+    --body-timeout and its connection is closed."""
+    s = shared_server
+    before, logged = _counters(s.url), s.output().count("unexpected error")
+    fds_before = proctree.snapshot(s.pid).fds
+    for sock in [_body_started(s.port) for _ in range(20)]:
+        sock.close()
+    stalled = [_body_started(s.port) for _ in range(20)]
+    try:
+        answers = [_until_closed(sock, 20) for sock in stalled]
+        assert all(a is not None and a.startswith(b"HTTP/1.1 408") for a in answers), answers
+        time.sleep(0.5)
+        after = _counters(s.url)
+        assert s.output().count("unexpected error") == logged, s.output()[-3000:]
+        errors = after.get("request_errors_total", {})
+        assert errors.get("internal_error", 0) == before.get("request_errors_total", {}).get("internal_error", 0)
+        http = after.get("http_error_responses_total", {})
+        assert http.get("500", 0) == before.get("http_error_responses_total", {}).get("500", 0), http
+        assert wait_fds(s.pid, lambda n: n <= fds_before + 4, 5)
+        assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+    finally:
+        for sock in stalled:
             sock.close()
 
 
