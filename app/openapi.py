@@ -98,6 +98,8 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                            "properties": {"prompt": {"type": "string"}}},
     "VersionResponse": {"type": "object", "required": ["version"],
                         "properties": {"version": {"type": "string"}}},
+    "HealthStatus": {"type": "object", "required": ["status"],
+                     "properties": {"status": {"enum": ["ok", "restarting", "dead"]}}},
 }
 
 # Before OpenAPI 3.2 (no itemSchema) the schema of an event stream describes one event.
@@ -118,6 +120,14 @@ def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str,
                            "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
     if headers:
         out["headers"] = headers
+    return out
+
+
+def _health_error() -> dict[str, Any]:
+    out = _error("The workers are restarting (status `restarting`, with Retry-After) or the engine "
+                 "has stopped (status `dead`).", _RETRY_AFTER)
+    schema = out["content"]["application/json"]["schema"]
+    out["content"]["application/json"]["schema"] = {"allOf": [schema, _ref("HealthStatus")]}
     return out
 
 
@@ -202,8 +212,8 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
             "Text of token ids.", "DetokenizeRequest",
             _json("The text.", "DetokenizeResponse"), generates=False, max_body_bytes=max_body_bytes)},
         "/v1/models": {"get": _get("The served model.", _json("One model.", "ModelList"))},
-        "/health": {"get": _get("Liveness of the engine.", {"description": "The engine is serving."},
-                                **{"503": _error("The engine has stopped.")})},
+        "/health": {"get": _get("Liveness of the engine.", _json("The engine is serving.", "HealthStatus"),
+                                **{"503": _health_error()})},
         "/version": {"get": _get("Server version.", _json("The version.", "VersionResponse"))},
         "/metrics": {"get": _get("Prometheus metrics.", {
             "description": "Prometheus text exposition format.",
