@@ -8,7 +8,9 @@ reaper thread (joins, terminate, kill take seconds with a stuck rank; nothing on
 waits for a process) and every later call raises ``ExecutorError`` with the same message. Replies are matched to steps by
 id: a reply to a step whose caller was cancelled is dropped by its id, any other mismatch is a
 worker fault that fails the executor (never a silent shift of every later step). A step with no
-reply within ``step_timeout_s`` (workers alive but stuck) fails the executor the same way.
+reply within ``step_timeout_s`` (workers alive but stuck) fails the executor the same way, and
+so does, with tensor parallelism, a step that failed on rank 0 alone (the ranks' collectives are
+out of step); with one rank a step error only fails that step's requests.
 
 Everything the executor owns (processes, rings, pipes) sits in ``_Resources``, released by
 ``shutdown()``, by the garbage collector or at interpreter exit; the rings' creator is this
@@ -326,13 +328,23 @@ class MultiprocExecutor(Executor):
                 continue
             return out
 
-    # With tensor parallelism a step that fails on rank 0 may be the echo of another rank's
-    # death (the collective lost its peer): wait a moment for a sentinel, so the error names the
-    # rank that really failed and the group is torn down.
+    # With tensor parallelism every rank runs the whole step, so an error every rank hits kills
+    # the ranks > 0 (worker.py) and arrives here as a death: rank 0's error reply may be the echo
+    # of it (the collective lost its peer). Wait a moment for a sentinel, so the error names the
+    # rank that really failed. An error on rank 0 alone (a lone OOM, a collective that timed out)
+    # leaves the other ranks inside the step's collectives, where the next step's would pair with
+    # the wrong peers: the group cannot go on either.
     _PEER_FAILURE_GRACE_S = 2.0
 
     def _error_from_peer(self, out: StepOutput) -> bool:
         return out.error is not None and self.world_size > 1
+
+    def _lone_rank0_failure(self, step: StepInput, out: StepOutput) -> ExecutorError:
+        return self._fail(
+            f"step {step.step_id} failed on worker 0 while the other {self.world_size - 1} rank(s) "
+            "went on: with tensor parallelism the ranks' collectives are out of step, so the "
+            "worker group cannot go on; in-flight requests cannot finish. Worker 0's error:\n"
+            f"{out.error}")
 
     def execute(self, step: StepInput) -> StepOutput:
         self._check_usable()
@@ -344,8 +356,10 @@ class MultiprocExecutor(Executor):
             while True:
                 out = self._take_reply(step.step_id)
                 if out is not None:
-                    if self._error_from_peer(out) and wait(self._sentinels, self._PEER_FAILURE_GRACE_S):
-                        raise RingPeerDied("a worker exited")
+                    if self._error_from_peer(out):
+                        if wait(self._sentinels, self._PEER_FAILURE_GRACE_S):
+                            raise RingPeerDied("a worker exited")
+                        raise self._lone_rank0_failure(step, out)
                     return out
                 ring.wait(deadline)
         except RingPeerDied:
@@ -406,6 +420,7 @@ class MultiprocExecutor(Executor):
                     await asyncio.wait([death], timeout=self._PEER_FAILURE_GRACE_S)
                     if death.done():
                         raise RingPeerDied("a worker exited")
+                    raise self._lone_rank0_failure(step, out)
                 return out
             except RingPeerDied:
                 pass

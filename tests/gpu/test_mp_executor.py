@@ -25,6 +25,7 @@ BIG_STEP = -3  # a step id the fake runner answers with a reply larger than the 
 WRONG_ID_STEP = -4  # a step id the fake runner answers with the id of a step never sent
 HANG_STEP = -5  # a step id the fake runner never finishes (a hung worker)
 NAP_STEP = -6  # a step id the fake runner answers normally after half a second
+RANK0_FAILING_STEP = -7  # with TPRunner: rank 0 raises, rank 1 is left waiting in its collective
 BIG_TOKENS = 100_000  # ~1.2 MB of msgpack (int64 seq ids + int32 tokens), the reply ring holds 1 MiB
 
 
@@ -275,6 +276,8 @@ class TPRunner(FakeRunner):
 
         if step.step_id == FAILING_STEP and self.rank == 1:
             raise ValueError("rank 1 cannot run this step")
+        if step.step_id == RANK0_FAILING_STEP and self.rank == 0:
+            raise MemoryError("rank 0 alone ran out of memory mid-step")
         x = tp_all_reduce(torch.full((len(step.seq_ids),), float(self.rank + 1)))
         return StepOutput.pack(step.step_id, step.seq_ids, [int(v) for v in x.tolist()])
 
@@ -448,3 +451,28 @@ def test_step_timeout_zero_means_none():
         assert ex._timeout_for_next_step() is None
     finally:
         ex.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tensor_parallel_step_failing_on_rank0_alone_fails_the_group(mode, own_segments):
+    """Rank 0 fails a step the other rank runs on (a lone OOM, a collective that timed out):
+    rank 1 is left inside the step's collective, so the next step's collectives would pair with
+    the wrong peers. The group cannot go on: the executor fails, naming the cause."""
+    from gpu.mp_executor import MultiprocExecutor
+
+    ex = MultiprocExecutor(_config(tp=2), runner_factory=f"{HERE}:TPRunner", startup_timeout=120,
+                           num_threads=1)
+    pids = ex.worker_pids
+    try:
+        assert list(ex.execute(_step(1, [4], new=[4])).token_ids) == [3]
+        with pytest.raises(ExecutorError, match=r"(?s)collectives are out of step.*rank 0 alone ran out"):
+            if mode == "sync":
+                ex.execute(_step(RANK0_FAILING_STEP, [4]))
+            else:
+                asyncio.run(asyncio.wait_for(ex.execute_async(_step(RANK0_FAILING_STEP, [4])), 30))
+        with pytest.raises(ExecutorError, match="out of step"):
+            ex.execute(_step(2, [4]))
+    finally:
+        ex.shutdown()
+    assert all(_gone(p) for p in pids)
+    assert not _existing(own_segments)
