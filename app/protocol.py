@@ -101,7 +101,9 @@ class SamplingFields(OpenAIModel):
     # vLLM extras
     top_k: TopK | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # > 0 in vLLM; bounded here because the penalty divides or multiplies logits: 5e-324 made
+    # them +inf and the sampler failed the whole step. 0.01..100 keeps fp32 logits finite.
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     ignore_eos: bool = False
     min_tokens: Int = Field(default=0, ge=0, json_schema_extra={BOUND_KEY: "context"})
     stop_token_ids: list[AnyTokenId] | None = None

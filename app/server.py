@@ -292,9 +292,9 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self.read_json(request))
-        self.check_model(req.model)
         req.check_supported()
         prompts = await self.completion_prompts(req)
+        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         max_tokens = [self.max_tokens_for(len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
                       for _, ids in prompts]
         kw = req.sampling_kwargs()
@@ -428,9 +428,10 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self.read_json(request))
-        self.check_model(req.model)
         req.check_supported()
-        text, ids = await self.chat_prompt(req.template_messages(), req.add_generation_prompt,
+        messages = req.template_messages()
+        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        text, ids = await self.chat_prompt(messages, req.add_generation_prompt,
                                            req.continue_final_message)
         requested = req.requested_max_tokens()
         try:
@@ -516,14 +517,16 @@ class OpenAIServer:
 
     async def tokenize(self, request: Request) -> Response:
         req = parse(TokenizeRequest, await self.read_json(request))
-        self.check_model(req.model)
         req.check()
+        messages = None
         if req.messages is not None:
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        if messages is not None:
             if req.continue_final_message and req.add_generation_prompt:
                 raise APIError.bad_request("continue_final_message and add_generation_prompt cannot "
                                            "both be true", param="continue_final_message")
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
             _, ids = await self.chat_prompt(messages, req.add_generation_prompt,
                                             req.continue_final_message)
         else:
@@ -533,8 +536,8 @@ class OpenAIServer:
 
     async def detokenize(self, request: Request) -> Response:
         req = parse(DetokenizeRequest, await self.read_json(request))
-        self.check_model(req.model)
         self.check_ids(req.tokens, "tokens")
+        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         return ORJSONResponse({"prompt": await self.decode(req.tokens)})
 
     async def health(self, request: Request) -> Response:

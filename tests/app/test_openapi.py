@@ -130,6 +130,7 @@ COMPLETION_BODIES = [
     {"prompt": "x", "stream": 1}, {"prompt": "x", "suffix": ""}, {"prompt": "x", "suffix": "tail"},
     {"prompt": "x", "cache_salt": ""}, {"prompt": "x", "cache_salt": "tenant"},
     {"prompt": "x", "logprobs": 21}, {"prompt": "x", "unknown": [1]},
+    {"prompt": "x", "repetition_penalty": 5e-324}, {"prompt": "x", "repetition_penalty": 1.2},
 ]
 CHAT_BODIES = [
     {"messages": CHAT}, {"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
@@ -184,3 +185,15 @@ async def test_integers_past_64_bits_are_refused_not_rounded(client, engine, raw
     r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert engine.calls == []
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/detokenize", {"tokens": [300]}),  # found by the fuzzer: 404 came first
+    ("/v1/completions", {"prompt": [300]}),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}),
+    ("/tokenize", {"prompt": "x", "messages": CHAT}),
+])
+async def test_a_body_the_schema_refuses_is_a_400_even_for_an_unknown_model(client, path, body):
+    # the body is validated before the model is looked up, so the status follows the schema
+    r = await client.post(path, json={**body, "model": "not-served"})
+    assert r.status_code == 400, r.text

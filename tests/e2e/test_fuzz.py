@@ -10,8 +10,8 @@ be healthy at the end.
 
 The server runs with small limits so any generated request is bounded work: a context of
 48 tokens bounds max_tokens, and past 8 waiting requests a wide n gets 503 + Retry-After.
-PAGEDSERVE_FUZZ_EXAMPLES, PAGEDSERVE_FUZZ_SEED and PAGEDSERVE_FUZZ_FULL=1 make a longer or
-different run locally.
+PAGEDSERVE_FUZZ_EXAMPLES, PAGEDSERVE_FUZZ_SEED, PAGEDSERVE_FUZZ_FULL=1 and
+PAGEDSERVE_FUZZ_SHRINK=1 make a longer, different or more readable run locally.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from schemathesis.config import SchemathesisConfig
 from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import (
@@ -44,6 +44,10 @@ SERVER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
 EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "25"))
 SEED = int(os.environ.get("PAGEDSERVE_FUZZ_SEED", "20261123"))
 FULL = os.environ.get("PAGEDSERVE_FUZZ_FULL") == "1"
+# Shrinking a failure can take hypothesis five minutes per operation against a server; the
+# report carries the failing request as a curl command anyway. PAGEDSERVE_FUZZ_SHRINK=1 shrinks.
+PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + (
+    [Phase.shrink] if os.environ.get("PAGEDSERVE_FUZZ_SHRINK") == "1" else [])
 REQUEST_TIMEOUT_S = 30.0  # generous for a loaded 2-core box; a hang fails the test
 
 # 400s a schema-valid body may still get: rules across fields or against the running model
@@ -102,6 +106,16 @@ def test_huge_logit_bias_token_id_is_a_400_not_an_engine_death(fuzz_server):
     assert httpx.get(fuzz_server.url + "/health").status_code == 200
 
 
+def test_subnormal_repetition_penalty_is_a_400_not_a_failed_step(fuzz_server):
+    # repetition_penalty 5e-324 (> 0, so it passed) divided logits into +inf; the sampler's
+    # top-p histogram then indexed with NaN and the worker step failed: a 500 for this request
+    # and for every request batched with it.
+    r = httpx.post(fuzz_server.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                   json={"prompt": "0", "repetition_penalty": 5e-324, "top_p": 0.5, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+    assert httpx.get(fuzz_server.url + "/health").status_code == 200
+
+
 # ---- the fuzz run ---------------------------------------------------------------------------
 
 # (method, path, has a body): test_openapi checks the document lists exactly these routes.
@@ -123,7 +137,7 @@ def test_fuzz(api_schema, fuzz_server, fuzz_log, method, path, mode):
 
     @seed(SEED)
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
-              database=None, print_blob=True)
+              database=None, print_blob=True, phases=PHASES)
     @given(case=strategy)
     def one(case):
         check_one(case, fuzz_server.url, fuzz_log)
