@@ -5,12 +5,14 @@ reply ring. ``execute_async`` waits for the reply with ``loop.add_reader`` on th
 eventfd and on every worker's sentinel, so the event loop never blocks on a worker and a worker
 that dies fails the pending step at once. After a death the executor tears everything down on a
 reaper thread (joins, terminate, kill take seconds with a stuck rank; nothing on the event loop
-waits for a process) and every later call raises ``ExecutorError`` with the same message. Replies are matched to steps by
-id: a reply to a step whose caller was cancelled is dropped by its id, any other mismatch is a
-worker fault that fails the executor (never a silent shift of every later step). A step with no
-reply within ``step_timeout_s`` (workers alive but stuck) fails the executor the same way, and
-so does, with tensor parallelism, a step that failed on rank 0 alone (the ranks' collectives are
-out of step); with one rank a step error only fails that step's requests.
+waits for a process) and every later call raises ``ExecutorError`` with the same message.
+
+Replies are matched to steps by id: a reply to a step whose caller was cancelled is dropped by
+its id, any other mismatch is a worker fault that fails the executor (never a silent shift of
+every later step). A step with no reply within ``step_timeout_s`` (workers alive but stuck)
+fails the executor the same way, and so does, with tensor parallelism, a step that failed on
+rank 0 alone (the ranks' collectives are out of step); with one rank a step error only fails
+that step's requests.
 
 Everything the executor owns (processes, rings, pipes) sits in ``_Resources``, released by
 ``shutdown()``, by the garbage collector or at interpreter exit; the rings' creator is this
