@@ -548,7 +548,8 @@ class OpenAIServer:
             return ORJSONResponse({"status": "ok"})
         err = (APIError.overloaded("The engine is restarting its workers; retry shortly.")
                if state == "restarting" else APIError.engine_dead())
-        return ORJSONResponse({"status": state, **err.body()}, status_code=err.status, headers=err.headers)
+        return ORJSONResponse({"status": state, **err.body()}, status_code=err.status,
+                              headers=err.headers)
 
     async def version(self, request: Request) -> Response:
         return ORJSONResponse({"version": _version()})

@@ -149,7 +149,8 @@ async def test_a_failed_restart_leaves_the_engine_dead(builds):
         builds.fail_next = ExecutorError("worker 0 failed to start: out of memory")
         kill_workers(engine.parts.executor)
         await wait_status(engine, "dead")
-        with pytest.raises(EngineDeadError, match="killed by SIGKILL.*restarting the workers failed.*out of memory"):
+        with pytest.raises(EngineDeadError,
+                           match="killed by SIGKILL.*restarting the workers failed.*out of memory"):
             engine.generate(PROMPT, SamplingParams(max_tokens=2), "x")
         assert engine.num_deaths == 1 and engine.num_worker_restarts == 0
     finally:
@@ -161,7 +162,8 @@ async def test_without_the_flag_a_worker_failure_is_final(builds):
     try:
         kill_workers(engine.parts.executor)
         stream = engine.generate(PROMPT, SamplingParams(max_tokens=5), "x")
-        with pytest.raises(EngineDeadError, match="the engine stopped: .*killed by SIGKILL.*restart the server"):
+        with pytest.raises(EngineDeadError,
+                           match="the engine stopped: .*killed by SIGKILL.*restart the server"):
             await collect(stream)
         assert engine.health_status() == "dead" and len(builds.parts) == 1
     finally:
