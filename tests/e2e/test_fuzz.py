@@ -72,13 +72,9 @@ def fuzz_server():
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_server):
+    # A body the schema refuses must be refused before anything else (not 404, never 5xx).
     config = SchemathesisConfig.from_dict({
-        "seed": SEED,
-        "phases": {"examples": {"enabled": False}, "coverage": {"enabled": False},
-                   "stateful": {"enabled": False}},
-        "generation": {"max-examples": EXAMPLES},
-        "checks": {"negative_data_rejection": {"expected-statuses": [400, 413]}},
-    })
+        "seed": SEED, "checks": {"negative_data_rejection": {"expected-statuses": [400, 413]}}})
     return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json", config=config, timeout=10)
 
 
@@ -118,7 +114,7 @@ def test_subnormal_repetition_penalty_is_a_400_not_a_failed_step(fuzz_server):
 
 # ---- the fuzz run ---------------------------------------------------------------------------
 
-# (method, path, has a body): test_openapi checks the document lists exactly these routes.
+# (method, path, has a body): every operation of the document (checked below).
 OPERATIONS = [
     ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
     ("POST", "/tokenize", True), ("POST", "/detokenize", True),
@@ -127,6 +123,11 @@ OPERATIONS = [
 ]
 CASES = [(m, p, mode) for m, p, body in OPERATIONS
          for mode in (("positive", "negative") if body else ("positive",))]
+
+
+def test_the_served_document_lists_the_fuzzed_operations(api_schema):
+    listed = {(op.ok().method.upper(), op.ok().path) for op in api_schema.get_all_operations()}
+    assert listed == {(m, p) for m, p, _ in OPERATIONS}
 
 
 # schemathesis.pytest.from_fixture cannot run under pytest 9 (it reads a removed private
@@ -154,7 +155,8 @@ def check_one(case, url: str, fuzz_log: dict) -> None:
     fuzz_log["request_s"] += took
     fuzz_log["slowest"] = max(fuzz_log["slowest"], (took, case.as_curl_command()[:300]))
     fuzz_log["statuses"][f"{case.operation.label} {status}"] += 1
-    assert status != 500, f"500 for {case.as_curl_command()}\n{response.text[:2000]}"
+    assert status < 500 or status == 503, (
+        f"{status} for {case.as_curl_command()}\n{response.text[:2000]}")
     case.validate_response(response, checks=[
         status_code_conformance, content_type_conformance, response_headers_conformance,
         response_schema_conformance, negative_data_rejection])
