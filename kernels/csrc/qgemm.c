@@ -1,0 +1,363 @@
+/* Weight-only quantized matmul for CPU decode: y[M,N] = x[M,K] @ dequant(W)[N,K]^T (+ bias).
+ *
+ * Why hand-written: on AVX2 machines PyTorch's packed int8/int4 CPU kernels are slower than a
+ * plain fp32 GEMV (see docs / loadtest/PERF.md). Single-stream decode is bound by the bytes of
+ * weights read per token, so the weights stay packed in memory and are widened to fp32 in
+ * registers right before the FMA; activations and accumulation stay fp32 (weight-only
+ * quantization, no activation rounding).
+ *
+ * Layouts (row n = output channel, contiguous along K):
+ *   int8: w8[N][K] int8, scale[N] fp32; W[n][k] = scale[n] * w8[n][k]            (symmetric)
+ *   int4: w4[N][K/2] uint8, d[N][K/32], m[N][K/32] fp32; per group g of 32 values,
+ *         byte j of the group holds value j in its low nibble and value j+16 in its high
+ *         nibble (the order of GGUF Q4_1 blocks); W[n][32g+i] = d[n][g] * q + m[n][g], q 0..15.
+ *
+ * The AVX2+FMA path is compiled when the build defines __AVX2__ and __FMA__ (the loader passes
+ * -mavx2 -mfma only when the CPU has them); otherwise the portable scalar loops are used.
+ * qg_isa() says which one this build is. Rows of W are split over OpenMP threads; the caller
+ * passes the thread count (torch.get_num_threads()).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QG_AVX2 1
+#else
+#define QG_AVX2 0
+#endif
+
+#define QG_GROUP 32
+
+int qg_isa(void) { return QG_AVX2 ? 2 : 0; }
+
+#if QG_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
+
+/* Activations are rounded to int16 per row (x[i][k] ~= xq[i][k] * xs[i]) so that the AVX2 inner
+ * loop is one widen + one vpmaddwd + one add per 16 weights, half the work of widening weights to
+ * fp32. With 15 bits the rounding error is at most 3e-5 of the row's largest value, far below the
+ * int8 weight rounding (about 4e-3), so the result stays weight-only quality. */
+#define XQ_MAX 16383
+/* int32 lane sums stay below 2^31: KCHUNK/16 pair sums of at most 2*127*16383 each */
+#define KCHUNK 4096
+
+#if QG_AVX2
+static inline float hsum8i(__m256i v) { return hsum8(_mm256_cvtepi32_ps(v)); }
+
+/* xq[M][Kp] (zero padded to Kp, a multiple of 16) and xs[M]. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t Kp, int16_t *xq, float *xs) {
+    for (int64_t i = 0; i < M; i++) {
+        const float *xr = x + i * K;
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 vmax = _mm256_setzero_ps();
+        int64_t k = 0;
+        __m256 nan = _mm256_setzero_ps();
+        for (; k + 8 <= K; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        int bad = _mm256_movemask_ps(nan) != 0;
+        for (; k < K; k++) {
+            float a = xr[k] < 0 ? -xr[k] : xr[k];
+            amax = a > amax ? a : amax;
+            bad |= xr[k] != xr[k];
+        }
+        bad |= amax > FLT_MAX;
+        if (bad) amax = 0.0f;  /* the row's outputs become NaN below, as they would in fp32 */
+        float inv = amax > 0 ? (float)XQ_MAX / amax : 0.0f;
+        xs[i] = bad ? NAN : amax > 0 ? amax / (float)XQ_MAX : 0.0f;
+        int16_t *q = xq + i * Kp;
+        k = 0;
+        __m256 vi = _mm256_set1_ps(inv);
+        for (; k + 8 <= K; k += 8) {
+            __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k), vi));  /* round to nearest */
+            __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            _mm_storeu_si128((__m128i *)(q + k), p);
+        }
+        for (; k < K; k++) {
+            float f = xr[k] * inv;
+            q[k] = (int16_t)(f < 0 ? f - 0.5f : f + 0.5f);
+        }
+        for (; k < Kp; k++) q[k] = 0;
+    }
+}
+
+static inline __m256i w8x16(const int8_t *p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* Integer dot products of rows [n0, n0+nr) of w8 with rows [m0, m0+mr) of xq, into out[mr][nr]
+ * (unscaled). */
+static void i8_tile(const int16_t *xq, int64_t Kp, int64_t K, const int8_t *w8, int64_t n0, int nr,
+                    int64_t m0, int mr, float out[2][4]) {
+    int64_t kv = K & ~(int64_t)15;
+    for (int i = 0; i < mr; i++)
+        for (int r = 0; r < nr; r++) out[i][r] = 0.0f;
+    for (int64_t kc = 0; kc < kv; kc += KCHUNK) {
+        int64_t ke = kc + KCHUNK < kv ? kc + KCHUNK : kv;
+        if (nr == 4) {
+            const int8_t *w0 = w8 + (n0 + 0) * K, *w1 = w8 + (n0 + 1) * K;
+            const int8_t *w2 = w8 + (n0 + 2) * K, *w3 = w8 + (n0 + 3) * K;
+            const int16_t *x0 = xq + m0 * Kp;
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+            if (mr == 2) {
+                const int16_t *x1 = x0 + Kp;
+                __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+                for (int64_t k = kc; k < ke; k += 16) {
+                    __m256i xa = _mm256_loadu_si256((const __m256i *)(x0 + k));
+                    __m256i xb = _mm256_loadu_si256((const __m256i *)(x1 + k));
+                    __m256i v0 = w8x16(w0 + k), v1 = w8x16(w1 + k), v2 = w8x16(w2 + k), v3 = w8x16(w3 + k);
+                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(v0, xa));
+                    b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(v0, xb));
+                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(v1, xa));
+                    b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(v1, xb));
+                    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(v2, xa));
+                    b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(v2, xb));
+                    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(v3, xa));
+                    b3 = _mm256_add_epi32(b3, _mm256_madd_epi16(v3, xb));
+                }
+                out[1][0] += hsum8i(b0); out[1][1] += hsum8i(b1);
+                out[1][2] += hsum8i(b2); out[1][3] += hsum8i(b3);
+            } else {
+                for (int64_t k = kc; k < ke; k += 16) {
+                    __m256i xa = _mm256_loadu_si256((const __m256i *)(x0 + k));
+                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w8x16(w0 + k), xa));
+                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w8x16(w1 + k), xa));
+                    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(w8x16(w2 + k), xa));
+                    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(w8x16(w3 + k), xa));
+                }
+            }
+            out[0][0] += hsum8i(a0); out[0][1] += hsum8i(a1);
+            out[0][2] += hsum8i(a2); out[0][3] += hsum8i(a3);
+        } else {
+            for (int i = 0; i < mr; i++)
+                for (int r = 0; r < nr; r++) {
+                    const int8_t *wr = w8 + (n0 + r) * K;
+                    const int16_t *xr = xq + (m0 + i) * Kp;
+                    __m256i a = _mm256_setzero_si256();
+                    for (int64_t k = kc; k < ke; k += 16)
+                        a = _mm256_add_epi32(a, _mm256_madd_epi16(w8x16(wr + k),
+                                                                  _mm256_loadu_si256((const __m256i *)(xr + k))));
+                    out[i][r] += hsum8i(a);
+                }
+        }
+    }
+    for (int i = 0; i < mr; i++) /* the K tail, fewer than 16 values */
+        for (int r = 0; r < nr; r++) {
+            const int8_t *wr = w8 + (n0 + r) * K;
+            const int16_t *xr = xq + (m0 + i) * Kp;
+            int32_t s = 0;
+            for (int64_t k = kv; k < K; k++) s += (int32_t)xr[k] * wr[k];
+            out[i][r] += (float)s;
+        }
+}
+#endif
+
+/* Returns 0, or -1 when the activation scratch cannot be allocated. */
+int qg_int8_mm(const float *x, int64_t M, int64_t K, const int8_t *w8, const float *scale,
+               const float *bias, float *y, int64_t N, int nthreads) {
+    int64_t nblocks = (N + 3) / 4;
+    if (nthreads < 1) nthreads = 1;
+#if QG_AVX2
+    int64_t Kp = (K + 15) & ~(int64_t)15;
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * Kp + 16));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M + 1));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -1;
+    }
+    quantize_rows(x, M, K, Kp, xq, xs);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
+    for (int64_t b = 0; b < nblocks; b++) {
+        int64_t n0 = b * 4;
+        int nr = (int)(N - n0 < 4 ? N - n0 : 4);
+        float out[2][4];
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            int mr = (int)(M - m0 < 2 ? M - m0 : 2);
+            i8_tile(xq, Kp, K, w8, n0, nr, m0, mr, out);
+            for (int i = 0; i < mr; i++)
+                for (int r = 0; r < nr; r++)
+                    y[(m0 + i) * N + n0 + r] = out[i][r] * xs[m0 + i] * scale[n0 + r] + (bias ? bias[n0 + r] : 0.0f);
+        }
+    }
+    free(xq);
+    free(xs);
+#else
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wr = w8 + n * K;
+        for (int64_t i = 0; i < M; i++) {
+            const float *xr = x + i * K;
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++) s += xr[k] * (float)wr[k];
+            y[i * N + n] = s * scale[n] + (bias ? bias[n] : 0.0f);
+        }
+    }
+    (void)nblocks;
+#endif
+    return 0;
+}
+
+void qg_int8_dequant(const int8_t *w8, const float *scale, int64_t K, int64_t n0, int64_t n1, float *out,
+                     int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wr = w8 + n * K;
+        float *o = out + (n - n0) * K;
+        float s = scale[n];
+        for (int64_t k = 0; k < K; k++) o[k] = s * (float)wr[k];
+    }
+}
+
+/* ---------------------------------------------------------------- int4 ---------------- */
+
+/* sum_k x[k] * q[k] over one group, q the raw 0..15 codes (scalar build and reference). */
+static inline float q4_group_dot_scalar(const float *xg, const uint8_t *p) {
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) {
+        s += xg[j] * (float)(p[j] & 0x0F);
+        s += xg[j + 16] * (float)(p[j] >> 4);
+    }
+    return s;
+}
+
+#if QG_AVX2
+/* The codes of one packed group widened to int16: lo = values 0..15, hi = values 16..31. */
+static inline void q4_unpack16(const uint8_t *p, __m256i *lo, __m256i *hi) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+}
+
+/* Integer dot of one group's codes with 32 int16 activations, as 8 fp32 lane sums. */
+static inline __m256 q4_group_dot(__m256i lo, __m256i hi, const int16_t *xg) {
+    __m256i a = _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xg));
+    __m256i b = _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xg + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+}
+#endif
+
+/* Returns 0, or -1 when the scratch for the activations cannot be allocated. */
+int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const float *d, const float *mn,
+               const float *bias, float *y, int64_t N, int nthreads) {
+    int64_t G = K / QG_GROUP;
+    /* per x row and group: the plain sum of x, which the group minimum multiplies */
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(M * G + 1));
+    if (!xsum) return -1;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int j = 0; j < QG_GROUP; j++) s += x[i * K + g * QG_GROUP + j];
+            xsum[i * G + g] = s;
+        }
+#if QG_AVX2
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K + 16));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M + 1));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        free(xsum);
+        return -1;
+    }
+    quantize_rows(x, M, K, K, xq, xs);  /* K is a multiple of 32: no padding */
+#endif
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wr = w4 + n * (K / 2);
+        const float *dr = d + n * G, *mr = mn + n * G;
+        int64_t i = 0;
+#if QG_AVX2
+        for (; i + 2 <= M; i += 2) {
+            const int16_t *x0 = xq + i * K, *x1 = x0 + K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+            for (int64_t g = 0; g < G; g++) {
+                __m256i lo, hi;
+                q4_unpack16(wr + g * 16, &lo, &hi);
+                __m256 dg = _mm256_set1_ps(dr[g]);
+                a0 = _mm256_fmadd_ps(dg, q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
+                a1 = _mm256_fmadd_ps(dg, q4_group_dot(lo, hi, x1 + g * QG_GROUP), a1);
+            }
+            float m0 = 0.0f, m1 = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                m0 += mr[g] * xsum[i * G + g];
+                m1 += mr[g] * xsum[(i + 1) * G + g];
+            }
+            y[i * N + n] = hsum8(a0) * xs[i] + m0 + (bias ? bias[n] : 0.0f);
+            y[(i + 1) * N + n] = hsum8(a1) * xs[i + 1] + m1 + (bias ? bias[n] : 0.0f);
+        }
+        for (; i < M; i++) {
+            const int16_t *x0 = xq + i * K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+            int64_t g = 0;
+            for (; g + 2 <= G; g += 2) { /* two groups in flight: hides the FMA latency */
+                __m256i lo, hi, lo2, hi2;
+                q4_unpack16(wr + g * 16, &lo, &hi);
+                q4_unpack16(wr + g * 16 + 16, &lo2, &hi2);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[g]), q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[g + 1]), q4_group_dot(lo2, hi2, x0 + (g + 1) * QG_GROUP), a1);
+            }
+            for (; g < G; g++) {
+                __m256i lo, hi;
+                q4_unpack16(wr + g * 16, &lo, &hi);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[g]), q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
+            }
+            float m0 = 0.0f;
+            for (g = 0; g < G; g++) m0 += mr[g] * xsum[i * G + g];
+            y[i * N + n] = hsum8(_mm256_add_ps(a0, a1)) * xs[i] + m0 + (bias ? bias[n] : 0.0f);
+        }
+#else
+        for (; i < M; i++) {
+            const float *x0 = x + i * K;
+            float s = 0.0f;
+            for (int64_t g = 0; g < G; g++)
+                s += dr[g] * q4_group_dot_scalar(x0 + g * QG_GROUP, wr + g * 16) + mr[g] * xsum[i * G + g];
+            y[i * N + n] = s + (bias ? bias[n] : 0.0f);
+        }
+#endif
+    }
+#if QG_AVX2
+    free(xq);
+    free(xs);
+#endif
+    free(xsum);
+    return 0;
+}
+
+void qg_int4_dequant(const uint8_t *w4, const float *d, const float *mn, int64_t K, int64_t n0, int64_t n1,
+                     float *out, int nthreads) {
+    int64_t G = K / QG_GROUP;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wr = w4 + n * (K / 2);
+        float *o = out + (n - n0) * K;
+        for (int64_t g = 0; g < G; g++) {
+            float dg = d[n * G + g], mg = mn[n * G + g];
+            const uint8_t *p = wr + g * 16;
+            for (int j = 0; j < 16; j++) {
+                o[g * QG_GROUP + j] = dg * (float)(p[j] & 0x0F) + mg;
+                o[g * QG_GROUP + j + 16] = dg * (float)(p[j] >> 4) + mg;
+            }
+        }
+    }
+}

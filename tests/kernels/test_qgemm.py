@@ -1,0 +1,142 @@
+"""The quantized matmul kernel against the torch reference (dequantize, then matmul)."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from kernels import qgemm
+
+# The kernel rounds activations to 15 bits per row (AVX2 path); the error that adds is about
+# 3e-5 of the row's largest value times sqrt(K) terms, far inside this bound.
+RTOL = 2e-3
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor) -> None:
+    assert y.shape == ref.shape and y.dtype == torch.float32
+    assert torch.isfinite(y).all(), "the kernel left unwritten (poisoned) or non-finite outputs"
+    err = (y - ref).abs().max().item()
+    assert err <= RTOL * max(1.0, ref.abs().max().item()), f"max error {err}"
+
+
+def _poisoned_kernel_output(monkeypatch):
+    """Make every output buffer the kernel writes start as NaN: a skipped element shows."""
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        if t.dtype == torch.float32:
+            t.fill_(math.nan)
+        return t
+
+    monkeypatch.setattr(qgemm.torch, "empty", empty)
+
+
+SHAPES = [(m, k, n) for m in (1, 3, 16, 33) for k, n in ((64, 7), (577, 33), (96, 130), (1536, 9), (8200, 5))]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_int8_matches_dequantize_then_matmul(monkeypatch, m, k, n):
+    _poisoned_kernel_output(monkeypatch)
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen)
+    w8, scale = qgemm.quantize_int8(w)
+    ref = x @ qgemm.dequantize_int8(w8, scale).t() + bias
+    _check(qgemm.int8_mm(x, w8, scale, bias), ref)
+    _check(qgemm.int8_mm(x, w8, scale), ref - bias)
+
+
+@pytest.mark.parametrize("m,k,n", [s for s in SHAPES if s[1] % qgemm.GROUP == 0])
+def test_int4_matches_dequantize_then_matmul(monkeypatch, m, k, n):
+    _poisoned_kernel_output(monkeypatch)
+    gen = torch.Generator().manual_seed(m * 1000 + k + n + 1)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen)
+    packed = qgemm.quantize_int4(w)
+    ref = x @ qgemm.dequantize_int4(*packed).t() + bias
+    _check(qgemm.int4_mm(x, *packed, bias), ref)
+
+
+def test_quantization_error_is_what_the_scheme_allows():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=gen)
+    w8, scale = qgemm.quantize_int8(w)
+    assert ((qgemm.dequantize_int8(w8, scale) - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    w4, d, mn = qgemm.quantize_int4(w)
+    err = (qgemm.dequantize_int4(w4, d, mn) - w).abs().reshape(64, -1, qgemm.GROUP)
+    assert (err <= d[..., None] / 2 + 1e-5).all()
+
+
+def test_leading_dims_and_a_zero_row():
+    x = torch.randn(2, 3, 64)
+    x[1, 2] = 0.0
+    w8, scale = qgemm.quantize_int8(torch.randn(10, 64))
+    y = qgemm.int8_mm(x, w8, scale)
+    assert y.shape == (2, 3, 10)
+    assert (y[1, 2] == 0).all()
+    _check(y.reshape(6, 10), x.reshape(6, 64) @ qgemm.dequantize_int8(w8, scale).t())
+
+
+def test_nan_in_a_row_gives_nan_in_that_row_only():
+    x = torch.randn(3, 64)
+    x[1, 5] = math.nan
+    w8, scale = qgemm.quantize_int8(torch.randn(8, 64))
+    w4, d, mn = qgemm.quantize_int4(torch.randn(8, 64))
+    for y in (qgemm.int8_mm(x, w8, scale), qgemm.int4_mm(x, w4, d, mn)):
+        assert torch.isnan(y[1]).all()
+        assert torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
+
+
+def test_wrong_input_size_is_refused():
+    w8, scale = qgemm.quantize_int8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="expects 64"):
+        qgemm.int8_mm(torch.randn(1, 63), w8, scale)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qgemm.quantize_int4(torch.randn(8, 48))
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))  # nothing cached: must build
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    qgemm.library.cache_clear()
+    try:
+        with pytest.raises(qgemm.QuantKernelError, match="needs a C compiler"):
+            qgemm.library()
+    finally:
+        qgemm.library.cache_clear()
+
+
+def test_the_build_on_this_machine_uses_simd_when_the_cpu_has_it():
+    flags = qgemm._cpu_flags()
+    assert qgemm.isa() == ("avx2" if {"avx2", "fma"} <= flags else "scalar")
+
+
+def test_the_portable_scalar_build_is_right_too(tmp_path):
+    """The path a CPU without AVX2 runs, built and checked in a fresh process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from kernels import qgemm\n"
+        "assert qgemm.isa() == 'scalar', qgemm.isa()\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "for m, k, n in ((1, 577, 33), (3, 64, 7), (16, 96, 130)):\n"
+        "    x = torch.randn(m, k, generator=g); w = torch.randn(n, k, generator=g); b = torch.randn(n, generator=g)\n"
+        "    w8, s = qgemm.quantize_int8(w)\n"
+        "    ref = x @ qgemm.dequantize_int8(w8, s).t() + b\n"
+        "    assert torch.allclose(qgemm.int8_mm(x, w8, s, b), ref, rtol=1e-4, atol=1e-3)\n"
+        "    if k % 32 == 0:\n"
+        "        p = qgemm.quantize_int4(w)\n"
+        "        ref = x @ qgemm.dequantize_int4(*p).t() + b\n"
+        "        assert torch.allclose(qgemm.int4_mm(x, *p, b), ref, rtol=1e-4, atol=1e-3)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PAGEDSERVE_QGEMM_ISA": "scalar", "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
