@@ -23,7 +23,7 @@ def test_bounded_soak_leaves_nothing_behind():
     try:
         summary = run_soak(SoakConfig(base_url=s.url, requests=300, warmup=60, concurrency=16,
                                       server_pid=s.pid, max_rss_growth_pct=SHORT_RUN_RSS_GROWTH_PCT,
-                                      fd_tolerance=4, request_timeout=60))
+                                      fd_tolerance=4, request_timeout=60, max_tokens=12))
     finally:
         code = s.stop()
     report = json.dumps(summary, indent=1)[:6000]
