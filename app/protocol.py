@@ -26,7 +26,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # JSON integers must fit the engine'
 BOUND_KEY = "x-pagedserve-bound"
 
 
-
 def _json_integer(v: Any) -> Any:
     # JSON Schema counts 2.0 as an integer: take an integral float as that integer. orjson reads
     # integers past 64 bits as floats, rounded (-2**63 - 1 becomes -2**63): refuse those here,
