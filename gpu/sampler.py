@@ -19,6 +19,10 @@ vocabulary size makes a seeded batch about ten times cheaper on CPU.
 
 ``Sampler.sample`` may modify the ``logits`` tensor it is given in place.
 
+Non-finite logits: one ``amax`` per step finds rows with +inf or NaN (or nothing finite);
+only those rows are rewritten (``_repair_non_finite`` documents the policy), so one request's
+values never fail the step for the others and finite rows draw exactly as before.
+
 Devices: every tensor made here lives on the logits' device (on CUDA a tensor made without
 ``device=`` would be a CPU tensor and the op mixing it with the logits fails). Host values
 become tensors only through ``_on(like, data)``; factories take ``device=<input>.device``.
@@ -197,6 +201,30 @@ def _apply_penalties(
     logits[key_rows, key_cols] = vals
 
 
+def _repair_non_finite(logits: Tensor, row_max: Tensor) -> None:
+    """Make rows with +inf or NaN logits, or no finite one, drawable; in place.
+
+    A +inf or NaN logit (a +inf logit_bias from the offline API, a penalty overflow, a broken
+    model) made the draws index out of range, and a failed step fails every request in the
+    batch, so one row's values must never fail the others. Per bad row: if it has +inf
+    entries, those are its only candidates (equally likely); NaN counts as -inf; a row left
+    with no candidate at all (all -inf or NaN) is treated as all-equal logits: greedy picks
+    token 0, a random row draws uniformly by its seed. Finite rows are not touched.
+    """
+    bad = (~torch.isfinite(row_max)).nonzero().squeeze(1)
+    rows = logits[bad]
+    pos_inf = rows == float("inf")
+    has_pos = pos_inf.any(dim=-1, keepdim=True)
+    rows = torch.where(
+        has_pos,
+        torch.where(pos_inf, 0.0, float("-inf")),
+        rows.masked_fill(rows.isnan(), float("-inf")),
+    )
+    none_left = (rows == float("-inf")).all(dim=-1, keepdim=True)
+    logits[bad] = rows.masked_fill(none_left, 0.0)
+    logger.debug("%d sampler rows had non-finite logits", bad.numel())
+
+
 def _select(t: Tensor, rows: list[int], total: int) -> Tensor:
     """Rows of t; the tensor itself when every row is selected (no copy)."""
     return t if len(rows) == total else t[_on(t, rows)]
@@ -228,6 +256,14 @@ class Sampler:
         )
 
         logits = process_logits(logits, options, token_ids, num_prompt_tokens)
+        # Temperature scaling here rather than per path, so the one finiteness check below sees
+        # every value a row is drawn from (a finite logit over a tiny temperature may overflow).
+        temps = [o.temperature if o.temperature >= SAMPLING_EPS else 1.0 for o in options]
+        if any(t != 1.0 for t in temps):
+            logits.div_(_on(logits, temps, logits.dtype).unsqueeze(1))
+        row_max = logits.amax(dim=-1)  # +inf or NaN when a row has either, -inf when all are
+        if not bool(torch.isfinite(row_max).all()):
+            _repair_non_finite(logits, row_max)
 
         random_rows = [i for i, o in enumerate(options) if o.temperature >= SAMPLING_EPS]
         if not random_rows:
@@ -263,12 +299,9 @@ class Sampler:
     def _sample_random(
         self, logits: Tensor, options: list[SamplingOptions], uniforms: list[float]
     ) -> Tensor:
-        """Draw one token per row (rows with temperature > 0); logits is modified in place."""
+        """Draw one token per row (rows with temperature > 0, logits already divided by it);
+        logits is modified in place."""
         rows, vocab = logits.shape
-        temps = [o.temperature for o in options]
-        if any(t != 1.0 for t in temps):
-            logits.div_(_on(logits, temps, logits.dtype).unsqueeze(1))
-
         min_ps = [o.min_p for o in options]
         if any(m > 0.0 for m in min_ps):
             # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)

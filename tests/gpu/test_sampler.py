@@ -573,6 +573,76 @@ def test_prompt_logprobs_stay_on_the_logits_device():
             assert compute_prompt_logprobs(logits, targets, 2) == expected
 
 
+# ---------------------------------------------------------------- non-finite logits (one row must not fail the step)
+
+_INF = float("inf")
+_NAN = float("nan")
+
+_NON_FINITE_KINDS = {
+    "greedy": dict(temperature=0.0),
+    "temperature 1": dict(),
+    "temperature 0.7 + min_p": dict(temperature=0.7, min_p=0.05),
+    "top_k": dict(top_k=5, temperature=0.9),
+    "top_p": dict(top_p=0.9),
+    "top_p near 1": dict(top_p=0.999),
+    "top_k + top_p": dict(top_k=40, top_p=0.5),
+    "penalties": dict(repetition_penalty=1.3, frequency_penalty=0.5),
+    "logprobs": dict(logprobs=2, temperature=0.8),
+}
+
+# Bad row patterns and the tokens the documented policy allows for that row.
+_BAD_ROWS = {
+    "+inf at 7": (lambda r: r.__setitem__(7, _INF), {7}),
+    "+inf at 3 and 9, NaN at 4": (lambda r: (r.__setitem__(3, _INF), r.__setitem__(9, _INF),
+                                            r.__setitem__(4, _NAN)), {3, 9}),
+    "-inf row with one +inf": (lambda r: (r.fill_(-_INF), r.__setitem__(5, _INF)), {5}),
+    "NaN at the argmax": (lambda r: r.__setitem__(int(r.argmax()), _NAN), None),
+    "all NaN": (lambda r: r.fill_(_NAN), None),
+    "all -inf": (lambda r: r.fill_(-_INF), None),
+}
+
+
+@pytest.mark.parametrize("candidates", [16, 256])  # 16: top-p rows reach the histogram path
+@pytest.mark.parametrize("bad", list(_BAD_ROWS))
+@pytest.mark.parametrize("kind", list(_NON_FINITE_KINDS))
+def test_a_non_finite_row_gets_a_token_and_leaves_the_other_rows_alone(kind, bad, candidates):
+    torch.manual_seed(31)
+    b, v = 4, 3000
+    clean = torch.randn(b, v) * 2
+    options = [SamplingOptions(seed=100 + i, **_NON_FINITE_KINDS[kind]) for i in range(b)]
+    token_ids = [[1, 2, 3, 4 + i] for i in range(b)]
+    sampler = Sampler(top_p_candidates=candidates)
+    expected = _run(clean, options, token_ids, [2] * b, sampler).token_ids
+    poisoned = clean.clone()
+    make_bad, allowed = _BAD_ROWS[bad]
+    make_bad(poisoned[2])
+    out = _run(poisoned, options, token_ids, [2] * b, sampler)
+    assert [t for i, t in enumerate(out.token_ids) if i != 2] == [
+        t for i, t in enumerate(expected) if i != 2
+    ]
+    tok = out.token_ids[2]
+    assert 0 <= tok < v
+    if allowed is not None:  # +inf entries are the only candidates
+        assert tok in allowed
+    elif bad == "NaN at the argmax" and kind == "greedy":  # NaN counts as -inf
+        row = clean[2].clone()
+        row[int(clean[2].argmax())] = -_INF
+        assert tok == int(row.argmax())
+    elif bad in ("all NaN", "all -inf") and kind == "greedy":  # no candidate: all equal
+        assert tok == 0
+
+
+def test_logit_bias_of_inf_forces_the_token_in_a_shared_batch():
+    """+inf/-inf biases (offline API, NaN from a penalty) reach the sampler as they are."""
+    torch.manual_seed(32)
+    logits = torch.randn(3, 5000)
+    options = [SamplingOptions(seed=i, top_p=0.95) for i in range(3)]
+    expected = _run(logits, options, sampler=Sampler(top_p_candidates=16)).token_ids
+    options[1] = SamplingOptions(seed=1, top_p=0.95, logit_bias={42: _INF, 43: _NAN})
+    out = _run(logits, options, sampler=Sampler(top_p_candidates=16)).token_ids
+    assert out == [expected[0], 42, expected[2]]
+
+
 # ---------------------------------------------------------------- timing (not a test)
 
 
