@@ -156,73 +156,81 @@ def dequantize_int4(w4: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch
 
 # ------------------------------------------------------------------ matmuls
 
-def _prep(x: torch.Tensor, k: int) -> torch.Tensor:
-    if x.shape[-1] != k:
-        raise ValueError(f"input has {x.shape[-1]} features, the quantized weight expects {k}")
-    return x.reshape(-1, k).to(torch.float32).contiguous()
+class PackedLinear:
+    """y = x @ W^T + bias for one packed weight, with everything the kernel call needs resolved
+    once (pointers, the C function): a decode step makes ~120 of these calls, so the per-call
+    Python work is kept to allocating ``y`` and one ctypes call."""
 
+    __slots__ = ("mode", "tensors", "bias", "n", "k", "_mm", "_dequant", "_wargs", "_bp")
 
-def _bias_ptr(bias: torch.Tensor | None) -> int | None:
-    if bias is None:
-        return None
-    if bias.dtype != torch.float32 or not bias.is_contiguous():
-        raise ValueError("the bias of a quantized linear must be contiguous float32")
-    return bias.data_ptr()
+    def __init__(self, mode: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None):
+        lib = library()
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            raise ValueError("the bias of a quantized linear must be contiguous float32")
+        for t in tensors:
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("packed weights must be contiguous CPU tensors")
+        self.mode, self.tensors, self.bias = mode, tensors, bias
+        self._bp = None if bias is None else bias.data_ptr()
+        if mode == "int8":
+            w8, scale = tensors
+            self.n, self.k = w8.shape
+            self._mm, self._dequant = lib.qg_int8_mm, lib.qg_int8_dequant
+            self._wargs = (w8.data_ptr(), scale.data_ptr())
+        elif mode == "int4":
+            w4, d, mn = tensors
+            self.n, self.k = w4.shape[0], w4.shape[1] * 2
+            self._mm, self._dequant = lib.qg_int4_mm, lib.qg_int4_dequant
+            self._wargs = (w4.data_ptr(), d.data_ptr(), mn.data_ptr())
+        else:
+            raise ValueError(f"unknown packed mode {mode!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype is torch.float32 and x.is_contiguous() and x.shape[1] == self.k:
+            x2 = x
+        else:
+            if x.shape[-1] != self.k:
+                raise ValueError(f"input has {x.shape[-1]} features, the quantized weight expects {self.k}")
+            x2 = x.reshape(-1, self.k).to(torch.float32).contiguous()
+        m = x2.shape[0]
+        if m > FUSED_MAX_M:
+            y = self._blocked(x2)
+        else:
+            y = torch.empty((m, self.n), dtype=torch.float32)
+            if self._mm(x2.data_ptr(), m, self.k, *self._wargs, self._bp, y.data_ptr(), self.n,
+                        torch.get_num_threads()):
+                raise MemoryError(f"qgemm: no memory for the {self.mode} kernel's activation scratch")
+        return y if x2 is x else y.reshape(*x.shape[:-1], self.n)
+
+    def _blocked(self, x2: torch.Tensor) -> torch.Tensor:
+        """Large M (prefill): widen W a block of rows at a time and let the BLAS matmul do the FLOPs."""
+        n, k = self.n, self.k
+        nt = torch.get_num_threads()
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        scratch = torch.empty(min(n, _DEQUANT_ROWS), k, dtype=torch.float32)
+        for n0 in range(0, n, _DEQUANT_ROWS):
+            n1 = min(n, n0 + _DEQUANT_ROWS)
+            w = scratch[: n1 - n0]
+            self._dequant(*self._wargs, k, n0, n1, w.data_ptr(), nt)
+            if n1 - n0 == n:
+                torch.matmul(x2, w.t(), out=y)
+            else:
+                y[:, n0:n1] = x2 @ w.t()
+        if self.bias is not None:
+            y += self.bias
+        return y
 
 
 def int8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
     """x @ (w8 * scale[:, None]).T + bias, in fp32 (x of any leading shape)."""
-    lib = library()
-    n, k = w8.shape
-    x2 = _prep(x, k)
-    m = x2.shape[0]
-    nt = torch.get_num_threads()
-    if m <= FUSED_MAX_M:
-        y = torch.empty(m, n, dtype=torch.float32)
-        if lib.qg_int8_mm(x2.data_ptr(), m, k, w8.data_ptr(), scale.data_ptr(), _bias_ptr(bias), y.data_ptr(),
-                          n, nt):
-            raise MemoryError("qgemm: no memory for the int8 kernel's activation scratch")
-    else:
-        y = _blocked(x2, n, k, lambda n0, n1, out: lib.qg_int8_dequant(
-            w8.data_ptr(), scale.data_ptr(), k, n0, n1, out.data_ptr(), nt), bias)
-    return y.reshape(*x.shape[:-1], n)
+    return PackedLinear("int8", (w8, scale), bias)(x)
 
 
 def int4_mm(x: torch.Tensor, w4: torch.Tensor, d: torch.Tensor, mn: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantize_int4(w4, d, mn).T + bias, in fp32."""
-    lib = library()
-    n, k = w4.shape[0], w4.shape[1] * 2
-    x2 = _prep(x, k)
-    m = x2.shape[0]
-    nt = torch.get_num_threads()
-    if m <= FUSED_MAX_M:
-        y = torch.empty(m, n, dtype=torch.float32)
-        if lib.qg_int4_mm(x2.data_ptr(), m, k, w4.data_ptr(), d.data_ptr(), mn.data_ptr(), _bias_ptr(bias),
-                          y.data_ptr(), n, nt):
-            raise MemoryError("qgemm: no memory for the int4 kernel's activation scratch")
-    else:
-        y = _blocked(x2, n, k, lambda n0, n1, out: lib.qg_int4_dequant(
-            w4.data_ptr(), d.data_ptr(), mn.data_ptr(), k, n0, n1, out.data_ptr(), nt), bias)
-    return y.reshape(*x.shape[:-1], n)
-
-
-def _blocked(x2: torch.Tensor, n: int, k: int, dequant, bias: torch.Tensor | None) -> torch.Tensor:
-    """Large M (prefill): widen W a block of rows at a time and let the BLAS matmul do the FLOPs."""
-    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    scratch = torch.empty(min(n, _DEQUANT_ROWS), k, dtype=torch.float32)
-    for n0 in range(0, n, _DEQUANT_ROWS):
-        n1 = min(n, n0 + _DEQUANT_ROWS)
-        w = scratch[: n1 - n0]
-        dequant(n0, n1, w)
-        if n1 - n0 == n:
-            torch.matmul(x2, w.t(), out=y)
-        else:
-            y[:, n0:n1] = x2 @ w.t()
-    if bias is not None:
-        y += bias
-    return y
+    return PackedLinear("int4", (w4, d, mn), bias)(x)
 
 
 if __name__ == "__main__":  # `python -m kernels.qgemm`: build now (install step), print the path taken

@@ -25,12 +25,15 @@ MODES = ("none", "int8", "int4")
 class QuantizedWeight:
     """The packed weight of one linear layer (this rank's shard) and the matmul that reads it."""
 
-    __slots__ = ("mode", "tensors", "bias", "out_features", "in_features")
+    __slots__ = ("mode", "tensors", "bias", "out_features", "in_features", "_linear")
 
     def __init__(self, mode: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
                  out_features: int, in_features: int):
+        from kernels.qgemm import PackedLinear
+
         self.mode, self.tensors, self.bias = mode, tensors, bias
         self.out_features, self.in_features = out_features, in_features
+        self._linear = PackedLinear(mode, tensors, bias)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> "QuantizedWeight":
@@ -50,13 +53,8 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        from kernels import qgemm
-
-        if self.mode == "int8":
-            y = qgemm.int8_mm(x, *self.tensors, self.bias)
-        else:
-            y = qgemm.int4_mm(x, *self.tensors, self.bias)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        y = self._linear(x)
+        return y if x.dtype is torch.float32 else y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The weight this layer now computes with, in fp32 (tests and accuracy checks)."""
