@@ -19,6 +19,7 @@ BENCH_COMMANDS = {
     "serve": ("loadtest.bench", "Serving benchmark against any OpenAI-compatible server"),
     "ipc": ("gpu.bench_ipc", "Round trip of step messages: shm ring vs multiprocessing.Queue"),
     "soak": ("loadtest.soak", "Thousands of mixed requests, then proof nothing leaked (RSS, fds, KV)"),
+    "startup": ("app.bench_startup", "Cold start: `serve` process start to /health 200 (median of N)"),
 }
 
 

@@ -81,18 +81,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, config, uv_config, sock: socket.socket) -> int:
-    import uvicorn
-    from sse_starlette.sse import AppStatus
-
-    from app.server import build_app
     from engine.async_engine import AsyncEngine
 
-    # In-flight streams must run to completion on shutdown (up to --shutdown-timeout), not be
-    # cut the moment the signal arrives.
-    AppStatus.disable_automatic_graceful_drain()
-
+    # The engine starts first: its worker spends seconds importing torch and loading weights,
+    # and the HTTP side is imported meanwhile (sleep(0) lets start() hand its work to a thread).
     engine = AsyncEngine(config)
-    await engine.start()
+    starting = asyncio.ensure_future(engine.start())
+    await asyncio.sleep(0)
+    try:
+        import uvicorn
+        from sse_starlette.sse import AppStatus
+
+        from app.server import build_app
+
+        # In-flight streams must run to completion on shutdown (up to --shutdown-timeout), not be
+        # cut the moment the signal arrives.
+        AppStatus.disable_automatic_graceful_drain()
+    except BaseException:
+        await asyncio.gather(starting, return_exceptions=True)
+        await engine.shutdown()
+        raise
+    await starting
     try:
         app = build_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes)

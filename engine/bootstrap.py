@@ -3,6 +3,7 @@ tokenizer, start the executor. Shared by the offline LLM and the AsyncEngine.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 from dataclasses import dataclass
@@ -51,13 +52,17 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
     return config, hf
 
 
-def load_tokenizer(config: EngineConfig):
-    from engine.tokenizer import Tokenizer
-
+def _tokenizer_path(config: EngineConfig) -> str:
     path = config.model.model
     if path is None:
         raise ConfigError("a dummy model without a path has no tokenizer; pass --model with a tokenizer")
-    return Tokenizer.from_model(path)
+    return path
+
+
+def load_tokenizer(config: EngineConfig):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_model(_tokenizer_path(config))
 
 
 def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
@@ -65,10 +70,22 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
     from gpu.executor import create_executor
 
     config, hf = resolve_config(config)
+    pending = None
     if tokenizer is None:
-        tokenizer = load_tokenizer(config)
-    executor = create_executor(config)
+        _tokenizer_path(config)  # a missing path fails before any worker starts
+        # Built on a thread while the workers start (a spawned worker spends seconds importing
+        # torch and loading weights, waiting for it holds no GIL): cold start pays for the
+        # slower of the two, not their sum.
+        pending = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
+        future = pending.submit(load_tokenizer, config)
     try:
+        executor = create_executor(config)
+    finally:
+        if pending is not None:
+            pending.shutdown(wait=True)
+    try:
+        if pending is not None:
+            tokenizer = future.result()
         core = EngineCore(config, executor, tokenizer)
     except BaseException:
         executor.shutdown()

@@ -158,12 +158,13 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: str) -> "Tokenizer":
-        import gguf
+        from gpu.models.errors import ModelLoadError
+        from gpu.models.gguf_file import read_gguf
 
         try:
-            reader = gguf.GGUFReader(path)
-        except Exception as e:
-            raise TokenizerError(f"{path}: cannot read GGUF file: {e}") from None
+            reader = read_gguf(path)
+        except ModelLoadError as e:
+            raise TokenizerError(str(e)) from None
 
         def get(key, default=None):
             f = reader.fields.get(key)

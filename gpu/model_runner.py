@@ -14,6 +14,7 @@ import torch
 from gpu.config import EngineConfig
 from gpu.device import resolve_device, resolve_dtype
 from gpu.forward_context import forward_context
+from gpu.kv_alloc import zeroed_tensor
 from gpu.messages import NewSeq, PromptLogprobs, SamplingOptions, StepInput, StepOutput
 from kernels.metadata import AttentionMetadata
 
@@ -128,11 +129,9 @@ class ModelRunner:
         m = self.model
         shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         # Zeros, not empty: masked-out slots must hold finite numbers (0 * NaN is NaN).
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(m.num_layers)
-        ]
+        self.kv_caches = [(zeroed_tensor(shape, self.dtype, self.device),
+                           zeroed_tensor(shape, self.dtype, self.device))
+                          for _ in range(m.num_layers)]
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks, self.block_size,
                     num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / 2**30)

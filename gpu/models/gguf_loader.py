@@ -1,6 +1,7 @@
 """GGUF tensors as (Hugging Face name, float32 tensor) pairs, one at a time.
 
-Quantized tensors are dequantized by the ``gguf`` package. llama.cpp's converter permutes the
+Quantized tensors are dequantized to float32 (gpu.models.gguf_quants: fast paths for Q4_0 /
+Q4_1 / Q8_0, the ``gguf`` package for the rest). llama.cpp's converter permutes the
 rows of attn_q / attn_k (and their biases) for its rotary layout on Llama-architecture files;
 that is undone here so the weights match the Hugging Face (neox) layout our rotary uses.
 """
@@ -54,8 +55,8 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def iter_gguf_weights(path: str, hf_config: dict, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass ``reader`` (a gguf.GGUFReader of ``path``) to skip parsing the file a second time."""
-    from gguf.quants import dequantize
+    """Pass ``reader`` (gpu.models.gguf_file.read_gguf of ``path``) to skip parsing the file again."""
+    from gpu.models.gguf_quants import dequantize
 
     if reader is None:
         from gpu.models.hf_config import open_gguf

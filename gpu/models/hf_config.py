@@ -75,24 +75,22 @@ def normalize_config(cfg: dict) -> dict:
 
 
 def open_gguf(path: str):
-    """A gguf.GGUFReader (memory-maps the file; parsing the metadata takes ~2 s for a 49k vocab)."""
-    import gguf
+    """The parsed GGUF file (gpu.models.gguf_file: metadata and a memory map of the tensors)."""
+    from gpu.models.gguf_file import read_gguf
 
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the gguf package raises ValueError/struct.error/... on bad files
-        raise ModelLoadError(f"{path}: cannot read GGUF file: {e}") from None
+    return read_gguf(path)
 
 
 def read_gguf_metadata(path: str, reader=None) -> tuple[dict, list[str]]:
     """(scalar and string metadata, tensor names). Large arrays (vocab, merges) are skipped."""
-    import gguf
+    from gpu.models.gguf_file import array_length
 
     if reader is None:
         reader = open_gguf(path)
     meta = {}
     for key, field in reader.fields.items():
-        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > 64:
+        n = array_length(field)
+        if n is not None and n > 64:
             continue
         meta[key] = field.contents()
     return meta, [t.name for t in reader.tensors]
@@ -114,7 +112,9 @@ def gguf_to_hf_config(path: str, reader=None) -> dict:
     kv_heads = int(get("attention.head_count_kv", heads))
     vocab = get("vocab_size")
     if vocab is None:  # not always written: count the vocabulary tokens instead
-        vocab = len((reader or open_gguf(path)).fields["tokenizer.ggml.tokens"].data)
+        from gpu.models.gguf_file import array_length
+
+        vocab = array_length((reader or open_gguf(path)).fields["tokenizer.ggml.tokens"])
     cfg = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": "llama" if arch == "llama" else arch,

@@ -1,0 +1,34 @@
+"""`pagedserve bench startup` starts real servers, times them to /health 200 and stops them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from loadtest.local_server import tiny_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_startup_times_a_real_server_and_stops_it():
+    cmd = [sys.executable, "-m", "app.cli", "bench", "startup", "--runs", "1", "--json", "--",
+           *tiny_args(num_blocks=64)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(result["runs"]) == 1 and 0 < result["median_s"] == result["runs"][0]
+    marks = result["median_marks"]
+    # The milestones of a start in order, all before /health answered.
+    assert marks["workers ready (parent)"] <= marks["engine ready (parent)"] <= marks["ready line"]
+    assert marks["ready line"] <= result["median_s"]
+    assert result["median_cpu_s"] > 0  # the server was reaped: its CPU time is counted
+
+
+def test_bench_startup_reports_a_server_that_cannot_start():
+    cmd = [sys.executable, "-m", "app.cli", "bench", "startup", "--runs", "1", "--",
+           "--model", "/nonexistent/model.gguf"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "did not become healthy" in out.stderr and "does not exist" in out.stderr
+    assert "Traceback" not in out.stderr.split("did not become healthy")[0]  # one clear message first
