@@ -23,6 +23,7 @@ from engine.output_collector import OutputCollector
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from gpu.config import EngineConfig
+from gpu.error_text import error_summary
 from gpu.executor import ExecutorError
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,9 @@ class AsyncEngine:
             except (asyncio.CancelledError, Exception):
                 pass
         loop = asyncio.get_running_loop()
-        if self._rebuild is not None:  # a restart was under way: stop the pool it builds too
+        # A restart was under way: stop the pool it builds too. (Cancelling the loop before the
+        # rebuild started cancels it: awaiting it then would raise CancelledError here.)
+        if self._rebuild is not None and not self._rebuild.cancelled():
             try:
                 parts = await asyncio.wrap_future(self._rebuild)
                 if parts is not self.parts:
@@ -255,7 +258,7 @@ class AsyncEngine:
                     self._die(e)
                     return
                 self._fail_in_flight(EngineDeadError(
-                    f"the workers failed and the request was aborted: {e} (the server is restarting "
+                    f"the workers failed and the request was aborted: {error_summary(str(e))} (the server is restarting "
                     "its workers; retry shortly)"))
                 try:
                     await self._restart_workers(e)
@@ -279,7 +282,7 @@ class AsyncEngine:
         hint = ""
         if isinstance(self._error, ExecutorError) and not self.config.parallel.restart_workers:
             hint = "; restart the server (or serve with --restart-workers)"
-        return f"the engine stopped: {self._error}{hint}"
+        return f"the engine stopped: {error_summary(str(self._error))}{hint}"  # full text: the log
 
     def _fail_in_flight(self, error: EngineDeadError) -> None:
         for queue in self._queues.values():

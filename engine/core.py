@@ -12,7 +12,8 @@ capacity (when max_tokens is None) → "length". The EOS or stop token stays in 
 but its text is not output unless ``include_stop_str_in_output``.
 
 Worker failure: when ``StepOutput.error`` is set, every request with a sequence in that step
-finishes with finish_reason "error" (``RequestOutput.error`` holds the message); the other
+finishes with finish_reason "error" (``RequestOutput.error`` holds a one-line summary the client
+may see; the worker's traceback goes to the log only); the other
 requests go on. Executor exceptions (ExecutorError) propagate from ``step()``.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
 from gpu.config import EngineConfig
+from gpu.error_text import error_summary
 from gpu.messages import SampledLogprobs, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -194,7 +196,7 @@ class EngineCore:
                 req = seq.request
                 if req.request_id not in self.requests:
                     continue
-                req.error = step_output.error
+                req.error = error_summary(step_output.error)  # the traceback stays in the log above
                 for s in req.seqs:
                     if not s.is_finished:
                         self._finish_seq(s, "error")

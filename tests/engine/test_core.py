@@ -303,6 +303,37 @@ def test_worker_error_fails_the_step_requests():
     assert not core.has_unfinished() and core.block_manager.num_free_blocks == 63
 
 
+_WORKER_TRACEBACK = """Traceback (most recent call last):
+  File "/srv/pagedserve/gpu/worker.py", line 187, in _serve
+    out = runner.execute(step)
+          ^^^^^^^^^^^^^^^^^^^^
+  File "/srv/pagedserve/gpu/sampler.py", line 382, in _draw_top_p_by_histogram
+    mass = torch.zeros(rows, n_b).scatter_add_(1, bucket, probs)
+RuntimeError: index -9223372036854775808 is out of bounds
+for dimension 1 with size 2048
+"""
+
+
+def test_worker_error_reaches_the_request_as_one_line_and_the_log_in_full(caplog):
+    """The client sees RequestOutput.error (500 body, SSE error event): the exception, never
+    the worker's traceback with the server's file paths; the log keeps the traceback."""
+    core, ex = make_core()
+    core.add_request("a", None, prompt(0, 5), SamplingParams(max_tokens=5))
+    core.step()
+    ex.error = _WORKER_TRACEBACK
+    with caplog.at_level("ERROR", logger="engine.core"):
+        outs = core.step()
+    assert outs[0].error == (
+        "RuntimeError: index -9223372036854775808 is out of bounds for dimension 1 with size 2048"
+    )
+    assert "/srv/pagedserve" in caplog.text and "scatter_add_" in caplog.text
+    # An error that is not a traceback (an encode failure reported by the worker) stays as it is.
+    core.add_request("b", None, prompt(1, 5), SamplingParams(max_tokens=5))
+    core.step()
+    ex.error = "cannot encode StepOutput: int too big"
+    assert core.step()[0].error == "cannot encode StepOutput: int too big"
+
+
 # ---- prefix caching and n > 1 ---------------------------------------------------------------
 
 def test_prefix_cache_hits_for_shared_prefix():

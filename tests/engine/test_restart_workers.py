@@ -181,3 +181,36 @@ async def test_shutdown_during_a_restart_stops_the_pool_being_built(builds):
     await asyncio.wait_for(shutting, 10)
     assert len(builds.parts) == 2
     assert builds.parts[1].executor in builds.shut_down
+
+
+TRACEBACK_DEATH = """step 9 failed on worker 0 while the other 1 rank(s) went on. Worker 0's error:
+Traceback (most recent call last):
+  File "/srv/pagedserve/gpu/worker.py", line 187, in _serve
+    out = runner.execute(step)
+RuntimeError: CUDA error: an illegal memory access was encountered
+"""
+
+
+@pytest.mark.parametrize("restart", [False, True])
+async def test_a_worker_traceback_never_reaches_the_client(builds, restart):
+    """The engine-dead / workers-failed message a request gets (a 503 body, an SSE error event)
+    is one line without the server's file paths; the log keeps the traceback."""
+    engine = await started(restart=restart)
+    try:
+        builds.gate.clear()
+        stream = engine.generate(PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), "v")
+        await stream.__anext__()
+        kill_workers(engine.parts.executor, TRACEBACK_DEATH)
+        with pytest.raises(EngineDeadError) as info:
+            await collect(stream)
+        msg = str(info.value)
+        assert "\n" not in msg and "/srv/pagedserve" not in msg and "File " not in msg
+        assert "step 9 failed on worker 0" in msg
+        assert "RuntimeError: CUDA error: an illegal memory access was encountered" in msg
+        if not restart:
+            with pytest.raises(EngineDeadError) as later:
+                engine.generate(PROMPT, SamplingParams(max_tokens=2), "later")
+            assert "\n" not in str(later.value) and "/srv/pagedserve" not in str(later.value)
+    finally:
+        builds.gate.set()
+        await engine.shutdown()
