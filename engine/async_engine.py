@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from gpu.config import EngineConfig
 from gpu.error_text import error_summary
 from gpu.executor import ExecutorError
+from gpu.messages import StepEncodeError
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +335,12 @@ class AsyncEngine:
             if reply_time is not None:
                 # Output processing, stream flushes and scheduling between two steps.
                 self.last_step_gap_s = time.perf_counter() - reply_time
-            output = await executor.execute_async(scheduled.step_input)
+            try:
+                output = await executor.execute_async(scheduled.step_input)
+            except StepEncodeError as e:  # one request's values: fail its step, not the engine
+                self._deliver(core.fail_unsent(scheduled, e))
+                reply_time = None
+                continue
             reply_time = time.perf_counter()
             self._deliver(core.process(scheduled, output))
             await asyncio.sleep(0)  # let streams flush before the next step is sent

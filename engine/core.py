@@ -32,7 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
 from gpu.config import EngineConfig
 from gpu.error_text import error_summary
-from gpu.messages import SampledLogprobs, StepOutput
+from gpu.messages import SampledLogprobs, StepEncodeError, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,20 @@ class EngineCore:
         scheduled = self.schedule()
         if scheduled is None:
             return []
-        return self.process(scheduled, self.executor.execute(scheduled.step_input))
+        try:
+            output = self.executor.execute(scheduled.step_input)
+        except StepEncodeError as e:
+            return self.fail_unsent(scheduled, e)
+        return self.process(scheduled, output)
+
+    def fail_unsent(self, scheduled: ScheduledStep, error: StepEncodeError) -> list[RequestOutput]:
+        """The executor could not encode the step (a value past 64 bits that got past
+        SamplingParams, e.g. changed after validation): nothing reached the workers. Every
+        request in the step fails as for a worker error (which request's values were at fault
+        is not known) and the engine goes on; the workers' view of sequences stays right."""
+        outputs = self.process(scheduled, StepOutput(scheduled.step_input.step_id, error=str(error)))
+        self.scheduler.step_not_sent(scheduled)
+        return outputs
 
     def stats(self) -> EngineStats:
         running = sum(1 for r in self.requests.values() if any(s.status is SeqStatus.RUNNING for s in r.seqs))

@@ -16,6 +16,10 @@ from gpu.messages import SamplingOptions
 MAX_LOGPROBS = 20
 MAX_N = 128
 SEED_LIMIT = 2**63  # seeds live in [0, 2**63) so they survive msgpack and torch generators
+# Every integer setting reaches the workers inside a msgpack-encoded step and the worker's int64
+# tensors: one past int64 failed the encode of the whole step (every request in it), so each is
+# refused here, naming its field, before the request can reach the engine.
+INT64_LIMIT = 2**63
 
 
 def _is_int(v) -> bool:
@@ -54,9 +58,11 @@ class SamplingParams:
         self._check_int("n", self.n, 1, MAX_N)
         self._check_float("temperature", self.temperature, lo=0.0, desc=">= 0 (0 = greedy)")
         self._check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True, desc="in (0, 1]")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+        if (not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1))
+                or self.top_k >= INT64_LIMIT):
             raise SamplingParamsError(
-                "top_k", f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+                "top_k", f"top_k must be -1 or 0 (disabled) or a positive integer below 2**63, "
+                f"got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
         self._check_float("min_p", self.min_p, lo=0.0, hi=1.0, desc="in [0, 1]")
@@ -105,8 +111,8 @@ class SamplingParams:
 
     @staticmethod
     def _check_int(name: str, value, lo: int, hi: int | None) -> None:
-        if not _is_int(value) or value < lo or (hi is not None and value > hi):
-            allowed = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
+        if not _is_int(value) or value < lo or value > (INT64_LIMIT - 1 if hi is None else hi):
+            allowed = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo} and below 2**63"
             raise SamplingParamsError(name, f"{name} must be {allowed}, got {value!r}")
 
     @staticmethod
@@ -127,8 +133,9 @@ class SamplingParams:
                 value = int(value)
             except ValueError:
                 raise SamplingParamsError(name, f"{name} token ids must be integers, got {value!r}") from None
-        if not _is_int(value) or value < 0:
-            raise SamplingParamsError(name, f"{name} token ids must be integers >= 0, got {value!r}")
+        if not _is_int(value) or value < 0 or value >= INT64_LIMIT:
+            raise SamplingParamsError(
+                name, f"{name} token ids must be integers >= 0 and below 2**63, got {value!r}")
         return value
 
     @staticmethod

@@ -229,6 +229,14 @@ class Scheduler:
         self._finished_ids = []
         return ScheduledStep(step_input, seqs, num_new_tokens, samples, preempted)
 
+    def step_not_sent(self, step: ScheduledStep) -> None:
+        """The step never reached the workers (call after its requests were finished): its
+        finished ids are due again, and its new sequences, never registered, must not be
+        named as finished."""
+        unregistered = {ns.seq_id for ns in step.step_input.new_seqs}
+        self._finished_ids = list(step.step_input.finished_seq_ids) + [
+            i for i in self._finished_ids if i not in unregistered]
+
     def step_done(self, step: ScheduledStep) -> None:
         """The step's K/V is in the cache: publish full blocks to the prefix cache."""
         for seq in step.seqs:

@@ -42,6 +42,14 @@ SEQ_ID_FORMAT = "q"  # sequence ids: int64
 INT_FORMAT = "i"  # token counts, batch indexes, block ids, token ids: int32
 
 
+class StepEncodeError(ValueError):
+    """A StepInput msgpack cannot encode (an integer past 64 bits in a request's settings).
+
+    Nothing was sent: the workers and the executor are unaffected and no reply is due. The
+    engine fails the requests of that step and goes on (the cause is one request's values, so
+    it must not stop the engine for everyone)."""
+
+
 def pack_seq_ids(values: Iterable[int] = ()) -> bytes:
     return array(SEQ_ID_FORMAT, values).tobytes()
 

@@ -37,7 +37,7 @@ import msgspec
 
 from gpu.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
-from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
+from gpu.messages import STEP_OUTPUT_DECODER, StepEncodeError, StepInput, StepOutput
 from gpu.shm_ring import RingError, RingPeerDied, RingTimeout, ShmRing
 from gpu.transport import create_channel
 from gpu.worker import SHUTDOWN_MESSAGE, WorkerArgs, encode_step, worker_main
@@ -368,7 +368,7 @@ class MultiprocExecutor(Executor):
             raise self._fail_from_death() from None
         except RingTimeout:
             raise self._fail(self._hung_message(step, timeout)) from None
-        except ExecutorError:
+        except (ExecutorError, StepEncodeError):  # StepEncodeError: nothing was sent
             raise
         except BaseException:
             self._abandoned.append(step.step_id)  # e.g. KeyboardInterrupt: the reply still comes

@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from gpu.config import EngineConfig
-from gpu.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepInput, StepOutput
+from gpu.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepEncodeError, StepInput, StepOutput
 from gpu.shm_ring import RingClosed, RingPeerDied, RingSpec, ShmRing
 from gpu.transport import attach_channel
 
@@ -41,9 +41,13 @@ DEFAULT_RUNNER = "gpu.model_runner:ModelRunner"
 
 
 def encode_step(step: StepInput) -> bytearray:
-    """Tag byte + msgpack, encoded in place (no intermediate copy)."""
+    """Tag byte + msgpack, encoded in place (no intermediate copy). StepEncodeError when a value
+    does not fit msgpack (nothing is sent then)."""
     buf = bytearray(b"S")
-    STEP_INPUT_ENCODER.encode_into(step, buf, 1)
+    try:
+        STEP_INPUT_ENCODER.encode_into(step, buf, 1)
+    except (OverflowError, TypeError, msgspec.EncodeError) as e:
+        raise StepEncodeError(f"step {step.step_id} cannot be encoded for the workers: {e}") from e
     return buf
 
 

@@ -8,7 +8,8 @@ prefix-cache hit, a lost block or a bad preemption shows up as an assertion).
 from __future__ import annotations
 
 from gpu.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from gpu.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, SampledLogprobs, StepInput, StepOutput
+from gpu.messages import SampledLogprobs, StepInput, StepOutput
+from gpu.worker import decode_step, encode_step
 
 PAD, BOS, EOS = 0, 1, 2
 BYTE0 = 3  # ids 3..258 are the bytes 0..255
@@ -80,7 +81,7 @@ class FakeExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         # What the multi-process executor does: the step must survive msgpack unchanged.
-        wire = STEP_INPUT_DECODER.decode(STEP_INPUT_ENCODER.encode(step))
+        wire = decode_step(encode_step(step))  # StepEncodeError as there
         assert wire == step, "the step changed through msgpack"
         step = wire
         self.steps.append(step)

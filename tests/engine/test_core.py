@@ -411,3 +411,31 @@ def test_out_of_vocabulary_prompt_ids_are_rejected_before_they_reach_the_model()
     assert not core.has_unfinished()
     core.add_request("ok", None, [BYTE0 + 40, vocab - 1], SamplingParams(max_tokens=2, **GREEDY))
     assert run_to_completion(core)["ok"].finished
+
+
+def _unencodable_params() -> SamplingParams:
+    """Settings that pass validation, then are changed to an integer msgpack cannot encode
+    (a dataclass is mutable: the last line of defence must hold without validation)."""
+    p = SamplingParams(max_tokens=5)
+    p.top_k = 2**64
+    return p
+
+
+def test_a_step_that_cannot_be_encoded_fails_its_requests_and_the_engine_goes_on():
+    core, ex = make_core()
+    core.add_request("ok1", None, prompt(0, 5), SamplingParams(max_tokens=3))
+    core.step()
+    core.abort_request("ok1")  # its finished id travels with the next (unsendable) step
+    core.add_request("bad", None, prompt(1, 5), _unencodable_params())
+    outs = core.step()  # raised OverflowError before: the offline loop died
+    bad = [o for o in outs if o.request_id == "bad"]
+    assert bad and bad[-1].finished and bad[-1].outputs[0].finish_reason == "error"
+    assert "cannot be encoded" in bad[-1].error and "\n" not in bad[-1].error
+    assert not core.has_unfinished()
+    # The workers' view stays right: the lost step's finished ids are sent again and its new
+    # sequence, never registered, is not (FakeExecutor asserts both), and requests run again.
+    core.add_request("after", None, prompt(2, 5), SamplingParams(max_tokens=4))
+    after = run_to_completion(core)["after"]
+    assert after.finished and after.outputs[0].finish_reason == "length"
+    assert len(ex.seqs) == 1  # only "after" (forgotten at the next step): ok1 did not leak
+    assert core.block_manager.num_free_blocks == 63

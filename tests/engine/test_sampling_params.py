@@ -65,3 +65,31 @@ def test_to_sampling_options_seed_and_blocked_ids():
     assert len(seeds) == 20 and all(0 <= s < 2**63 for s in seeds)
     # seed wraps instead of overflowing 63 bits
     assert SamplingParams(seed=2**63 - 1).to_sampling_options(1).seed == 0
+
+
+_PAST_INT64 = [2**63, 2**64, 10**30]
+
+
+@pytest.mark.parametrize("value", _PAST_INT64)
+@pytest.mark.parametrize("kwargs, param", [
+    (lambda v: {"stop_token_ids": [1, v]}, "stop_token_ids"),
+    (lambda v: {"logit_bias": {v: 1.0}}, "logit_bias"),
+    (lambda v: {"logit_bias": {str(v): 1.0}}, "logit_bias"),  # JSON keys are strings
+    (lambda v: {"top_k": v}, "top_k"),
+    (lambda v: {"seed": v}, "seed"),
+    (lambda v: {"max_tokens": v}, "max_tokens"),
+    (lambda v: {"min_tokens": v, "max_tokens": None}, "min_tokens"),
+])
+def test_integers_past_int64_are_refused_naming_the_field(kwargs, param, value):
+    """Every integer travels to the workers as a msgpack int64: one past it failed the encode
+    of the whole step and killed the engine loop (offline API; the server's schema refuses it)."""
+    with pytest.raises(SamplingParamsError, match=param) as info:
+        SamplingParams(**kwargs(value))
+    assert info.value.param == param and "2**63" in str(info.value)
+
+
+def test_the_largest_int64_values_are_accepted():
+    top = 2**63 - 1
+    p = SamplingParams(stop_token_ids=[top], logit_bias={top: 1.0}, top_k=top, seed=top,
+                       max_tokens=top, min_tokens=top)
+    assert p.to_sampling_options(0).top_k == top

@@ -143,6 +143,20 @@ def test_step_error_is_returned_and_worker_keeps_serving(executor):
     executor.check_health()
 
 
+def test_a_step_that_cannot_be_encoded_is_refused_and_the_executor_goes_on(executor):
+    """Nothing is sent, so no reply is due: the next steps (sync and async) are answered."""
+    from gpu.messages import StepEncodeError
+
+    bad = NewSeq(9, [1, 2, 3], 3, 0, [9], SamplingOptions(top_k=2**64))
+    with pytest.raises(StepEncodeError, match="step 4 cannot be encoded"):
+        executor.execute(StepInput.pack(4, [bad], [9], [1]))
+    with pytest.raises(StepEncodeError):
+        asyncio.run(executor.execute_async(StepInput.pack(5, [bad], [9], [1])))
+    assert list(executor.execute(_step(6, [9], new=[9])).token_ids) == [9003]
+    assert list(asyncio.run(executor.execute_async(_step(7, [9]))).token_ids) == [9004]
+    executor.check_health()
+
+
 def test_event_loop_stays_free_while_a_step_runs(executor):
     async def main():
         ticks = 0
