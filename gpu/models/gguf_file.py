@@ -9,23 +9,21 @@ library's names: ``fields[key].contents()`` and ``tensors[i].name / tensor_type 
 (``data`` as GGUFReader gives it: typed for float/int tensors, raw uint8 rows for quantized ones).
 Type codes and block sizes come from the ``gguf`` package. Files this reader does not handle
 (big-endian, GGUF v1) are opened with ``gguf.GGUFReader`` instead.
+
+Only the metadata is parsed up front, with ``struct`` alone: the server reads a model's config
+before it starts its workers, and importing numpy and gguf there would delay the start. Arrays
+are decoded when asked for, and the tensor table (numpy views of the map) is built on first use.
 """
 from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from gpu.models.errors import ModelLoadError
 
-# GGUF value type codes (gguf.GGUFValueType) -> struct format of one scalar.
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-           12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+# GGUF value type codes (gguf.GGUFValueType) -> struct code of one scalar.
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -36,50 +34,69 @@ class GGUFFormatError(ModelLoadError):
     """The file is not a well-formed GGUF file; the message names the file and the spot."""
 
 
-@dataclass(slots=True)
 class GGUFField:
     """One metadata value. ``value_type`` is the gguf.GGUFValueType code; for an array
-    ``element_type`` is its elements' code and ``length`` their number. A string array (the
-    vocabulary, the merges) is decoded on first use: a worker never reads it."""
+    ``element_type`` is its elements' code and ``length`` their number. Arrays (the vocabulary,
+    the merges, token types) are decoded on first use: a worker never reads them."""
 
-    name: str
-    value_type: int
-    value: Any
-    element_type: int | None = None
-    length: int = 1
-    _strings_at: tuple[Any, int] | None = None  # (cursor, offset) of an undecoded string array
+    __slots__ = ("name", "value_type", "element_type", "length", "_value", "_array_at")
+
+    def __init__(self, name: str, value_type: int, value: Any = None, element_type: int | None = None,
+                 length: int = 1, array_at: tuple["_Cursor", int] | None = None):
+        self.name = name
+        self.value_type = value_type
+        self.element_type = element_type
+        self.length = length
+        self._value = value
+        self._array_at = array_at  # (cursor, offset) of an array not decoded yet
 
     def contents(self) -> Any:
         """The value as plain Python (str, int, float, bool or a list of them), like
         ``gguf.ReaderField.contents()``."""
-        if self._strings_at is not None:
-            cur, offset = self._strings_at
+        if self._array_at is not None:
+            cur, offset = self._array_at
             cur.pos = offset
-            self.value = cur.strings(self.length)
-            self._strings_at = None
-        if isinstance(self.value, np.ndarray):
-            return self.value.tolist()
-        return self.value
+            if self.element_type == _STRING:
+                self._value = cur.strings(self.length)
+            else:
+                self._value = list(cur.scalars(self.element_type, self.length))
+            self._array_at = None
+        return list(self._value) if isinstance(self._value, list) else self._value
 
 
-@dataclass(slots=True)
 class GGUFTensor:
-    name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
-    shape: np.ndarray  # dims fastest first, as stored (uint64)
-    n_elements: int
-    n_bytes: int
-    data_offset: int
-    data: np.ndarray  # read-only view of the memory map
+    """One tensor, with GGUFReader's attribute names."""
+
+    __slots__ = ("name", "tensor_type", "shape", "n_elements", "n_bytes", "data_offset", "data")
+
+    def __init__(self, name, tensor_type, shape, n_elements, n_bytes, data_offset, data):
+        self.name = name
+        self.tensor_type = tensor_type  # gguf.GGMLQuantizationType
+        self.shape = shape  # numpy uint64 dims, fastest first, as stored
+        self.n_elements = n_elements
+        self.n_bytes = n_bytes
+        self.data_offset = data_offset
+        self.data = data  # read-only numpy view of the memory map
 
 
-@dataclass(slots=True)
 class GGUFFile:
-    path: str
-    version: int
-    fields: dict[str, GGUFField]
-    tensors: list[GGUFTensor]
-    alignment: int
+    def __init__(self, path: str, version: int, fields: dict[str, GGUFField],
+                 infos: list[tuple[str, tuple[int, ...], int, int]], data_start: int, alignment: int, buf):
+        self.path = path
+        self.version = version
+        self.fields = fields
+        self.alignment = alignment
+        self.tensor_names = [name for name, _, _, _ in infos]
+        self._infos = infos
+        self._data_start = data_start
+        self._buf = buf
+        self._tensors: list[GGUFTensor] | None = None
+
+    @property
+    def tensors(self) -> list[GGUFTensor]:
+        if self._tensors is None:
+            self._tensors = _build_tensors(self.path, self._infos, self._data_start, self._buf)
+        return self._tensors
 
 
 class _Cursor:
@@ -125,79 +142,60 @@ class _Cursor:
         except struct.error:
             pos = end + 1
         if pos > end:
-            raise GGUFFormatError(f"{self.path}: truncated string array before offset {pos}")
+            raise GGUFFormatError(f"{self.path}: truncated string array before offset {min(pos, end)}")
         self.pos = pos
 
     def strings(self, count: int) -> list[str]:
         """``count`` length-prefixed strings; the hot loop of a vocabulary."""
-        buf, pos, end = self.buf, self.pos, len(self.buf)
+        buf, pos = self.buf, self.pos
         unpack = _U64.unpack_from
         out = [""] * count
         try:
             for i in range(count):
                 (n,) = unpack(buf, pos)
                 pos += 8
-                if pos + n > end:
-                    raise struct.error("string past the end of the file")
                 out[i] = str(buf[pos:pos + n], "utf-8")
                 pos += n
-        except struct.error:
-            raise GGUFFormatError(f"{self.path}: truncated string array near offset {pos}") from None
         except UnicodeDecodeError as e:
             raise GGUFFormatError(f"{self.path}: a string near offset {pos} is not UTF-8: {e}") from None
         self.pos = pos
         return out
 
-    def scalar(self, code: int) -> Any:
+    def scalars(self, code: int, count: int) -> tuple:
         fmt = _SCALAR.get(code)
         if fmt is None:
             raise GGUFFormatError(f"{self.path}: unknown GGUF value type {code} at offset {self.pos}")
-        size = struct.calcsize(fmt)
-        self.need(size)
-        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += size
-        return v
+        layout = struct.Struct(f"<{count}{fmt}")
+        self.need(layout.size)
+        values = layout.unpack_from(self.buf, self.pos)
+        self.pos += layout.size
+        return values
 
     def value(self, name: str) -> GGUFField:
         code = self.u32()
         if code == _STRING:
             return GGUFField(name, code, self.string())
         if code != _ARRAY:
-            return GGUFField(name, code, self.scalar(code))
+            return GGUFField(name, code, self.scalars(code, 1)[0])
         elem = self.u32()
         count = self.u64()
+        start = self.pos
         if elem == _STRING:
-            start = self.pos
             self.skip_strings(count)
-            return GGUFField(name, code, None, elem, count, (_Cursor(self.buf, self.path), start))
-        if elem == _ARRAY:
+        elif elem == _ARRAY:
             raise GGUFFormatError(f"{self.path}: {name}: nested arrays are not supported")
-        dtype = _NUMPY.get(elem)
-        if dtype is None:
+        elif elem in _SCALAR:
+            size = struct.calcsize(_SCALAR[elem]) * count
+            self.need(size)
+            self.pos += size
+        else:
             raise GGUFFormatError(f"{self.path}: {name}: unknown array element type {elem}")
-        nbytes = count * np.dtype(dtype).itemsize
-        self.need(nbytes)
-        arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-        self.pos += nbytes
-        return GGUFField(name, code, arr, elem, count)
-
-
-def _typed_view(data: np.ndarray, ggml_type: int, dims: tuple[int, ...], type_size: int,
-                block_size: int) -> np.ndarray:
-    """The tensor's bytes shaped as GGUFReader shapes them (rows, ...) from fastest-first dims."""
-    from gguf.constants import GGMLQuantizationType as T
-
-    plain = {T.F32: np.float32, T.F16: np.float16, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
-             T.I32: np.int32, T.I64: np.int64}
-    np_dims = tuple(reversed(dims))
-    if ggml_type in plain:
-        return data.view(plain[ggml_type]).reshape(np_dims)
-    # Quantized (and bf16): raw bytes, the fastest dim counted in bytes.
-    return data.reshape(*np_dims[:-1], np_dims[-1] // block_size * type_size)
+        return GGUFField(name, code, None, elem, count, (_Cursor(self.buf, self.path), start))
 
 
 def read_gguf(path: str):
-    """Parse ``path``. Raises GGUFFormatError (a ModelLoadError) naming the file on a bad file."""
+    """Parse ``path``'s metadata and tensor table. Raises GGUFFormatError (a ModelLoadError)
+    naming the file on a bad file."""
     try:
         with open(path, "rb") as f:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -218,41 +216,56 @@ def read_gguf(path: str):
     for _ in range(n_kv):
         key = cur.string()
         fields[key] = cur.value(key)
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     infos = []
+    seen = set()
     for _ in range(n_tensors):
         name = cur.string()
+        if name in seen:
+            raise GGUFFormatError(f"{path}: tensor {name!r} appears twice")
+        seen.add(name)
         n_dims = cur.u32()
         dims = tuple(cur.u64() for _ in range(n_dims))
         raw_type, offset = cur.u32(), cur.u64()
         infos.append((name, dims, raw_type, offset))
     align_field = fields.get("general.alignment")
-    alignment = int(align_field.value) if align_field is not None else DEFAULT_ALIGNMENT
+    alignment = int(align_field.contents()) if align_field is not None else DEFAULT_ALIGNMENT
     if alignment <= 0:
         raise GGUFFormatError(f"{path}: general.alignment {alignment} is not positive")
-    start = -(-cur.pos // alignment) * alignment
+    data_start = -(-cur.pos // alignment) * alignment
+    return GGUFFile(path, version, fields, infos, data_start, alignment, buf)
+
+
+def _build_tensors(path: str, infos, data_start: int, buf) -> list[GGUFTensor]:
+    """numpy views of each tensor's bytes, shaped as GGUFReader shapes them."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    plain = {T.F32: np.float32, T.F16: np.float16, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
+             T.I32: np.int32, T.I64: np.int64}
     tensors = []
-    seen = set()
     for name, dims, raw_type, offset in infos:
-        if name in seen:
-            raise GGUFFormatError(f"{path}: tensor {name!r} appears twice")
-        seen.add(name)
         try:
-            ggml_type = GGMLQuantizationType(raw_type)
+            ggml_type = T(raw_type)
         except ValueError:
             raise GGUFFormatError(f"{path}: tensor {name!r} has unknown type {raw_type}") from None
         block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-        n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        n_elements = 1
+        for d in dims:
+            n_elements *= d
         n_bytes = n_elements * type_size // block_size
-        data_offset = start + offset
+        data_offset = data_start + offset
         if data_offset + n_bytes > len(buf):
             raise GGUFFormatError(f"{path}: tensor {name!r} runs past the end of the file "
                                   "(truncated download?)")
         raw = np.frombuffer(buf, dtype=np.uint8, count=n_bytes, offset=data_offset)
+        np_dims = tuple(reversed(dims))
+        if ggml_type in plain:
+            data = raw.view(plain[ggml_type]).reshape(np_dims)
+        else:  # quantized (and bf16): raw bytes, the fastest dim counted in bytes
+            data = raw.reshape(*np_dims[:-1], np_dims[-1] // block_size * type_size)
         tensors.append(GGUFTensor(name, ggml_type, np.array(dims, dtype=np.uint64), n_elements, n_bytes,
-                                  data_offset, _typed_view(raw, ggml_type, dims, type_size, block_size)))
-    return GGUFFile(path, version, fields, tensors, alignment)
+                                  data_offset, data))
+    return tensors
 
 
 def _library_reader(path: str):
@@ -272,3 +285,9 @@ def array_length(field) -> int | None:
     if field.types and int(field.types[0]) == _ARRAY:
         return len(field.data)
     return None
+
+
+def tensor_names(reader) -> list[str]:
+    """Tensor names of a parsed file (ours: without building the tensor table)."""
+    names = getattr(reader, "tensor_names", None)
+    return list(names) if names is not None else [t.name for t in reader.tensors]

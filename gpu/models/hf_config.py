@@ -83,7 +83,7 @@ def open_gguf(path: str):
 
 def read_gguf_metadata(path: str, reader=None) -> tuple[dict, list[str]]:
     """(scalar and string metadata, tensor names). Large arrays (vocab, merges) are skipped."""
-    from gpu.models.gguf_file import array_length
+    from gpu.models.gguf_file import array_length, tensor_names
 
     if reader is None:
         reader = open_gguf(path)
@@ -93,7 +93,7 @@ def read_gguf_metadata(path: str, reader=None) -> tuple[dict, list[str]]:
         if n is not None and n > 64:
             continue
         meta[key] = field.contents()
-    return meta, [t.name for t in reader.tensors]
+    return meta, tensor_names(reader)
 
 
 def gguf_to_hf_config(path: str, reader=None) -> dict:

@@ -31,6 +31,7 @@ def assert_same_file(path) -> None:
             assert array_length(ours.fields[key]) == array_length(field) == len(want), key
         else:
             assert array_length(ours.fields[key]) is None and array_length(field) is None, key
+    assert ours.tensor_names == [t.name for t in lib.tensors]
     assert len(ours.tensors) == len(lib.tensors)
     for a, b in zip(ours.tensors, lib.tensors):
         assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
@@ -98,7 +99,9 @@ def test_reader_refuses_truncated_file(tmp_path):
         bad = tmp_path / f"cut{cut}.gguf"
         bad.write_bytes(data[:cut])
         with pytest.raises(GGUFFormatError, match=f"cut{cut}.gguf.*truncated"):
-            read_gguf(str(bad)).fields["t.strs"].contents()
+            f = read_gguf(str(bad))
+            f.fields["t.strs"].contents()
+            f.tensors
 
 
 def test_reader_refuses_non_gguf(tmp_path):
