@@ -10,13 +10,17 @@ With ``restart_workers`` (--restart-workers), a worker failure (death, hang, for
 ExecutorError) fails the in-flight requests, and a fresh worker pool and engine core (empty
 scheduler, block manager sized for the new pool) are built off the loop; meanwhile new requests
 get EngineRestartingError (503 + Retry-After) and ``health_status()`` says "restarting".
+Restarts are bounded (``RestartPolicy``): a pool that dies every time it starts is not rebuilt
+for ever; past the limit the engine is dead like one without the flag.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
+from dataclasses import dataclass
 
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
 from engine.output_collector import OutputCollector
@@ -31,6 +35,34 @@ logger = logging.getLogger(__name__)
 
 # How often an idle engine loop checks that its workers are alive.
 IDLE_HEALTH_CHECK_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How often --restart-workers may rebuild the worker pool.
+
+    A pool that fails each time it starts (a model that crashes its workers, a bad device)
+    must not be rebuilt for ever, nor as fast as it dies: at most ``max_restarts`` restarts
+    within ``window_s`` seconds; the first restart in a window is immediate, each further one
+    waits ``backoff_s``, then twice that, ... up to ``max_backoff_s`` (the old pool is reaped
+    first). One more failure within the window leaves the engine dead, with a message that says
+    so. Failures further apart than the window are each a first failure.
+    """
+
+    max_restarts: int = 5
+    window_s: float = 600.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 1:
+            raise ValueError(f"RestartPolicy.max_restarts must be >= 1, got {self.max_restarts}")
+        if self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("RestartPolicy: window_s must be > 0, backoff_s and max_backoff_s >= 0")
+
+    def delay(self, recent: int) -> float:
+        """Seconds to wait before a restart when ``recent`` restarts happened within the window."""
+        return 0.0 if recent == 0 else min(self.max_backoff_s, self.backoff_s * 2 ** (recent - 1))
 
 
 class RequestStream:
@@ -80,8 +112,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, restart_policy: RestartPolicy | None = None):
         self.config = config
+        self.restart_policy = restart_policy or RestartPolicy()
+        self._restart_times: list[float] = []  # monotonic times of restarts within the window
+        self._stop_restart = threading.Event()  # set by shutdown: ends a restart's back-off
         self.parts = None
         self.tokenizer = None
         self._queues: dict[str, OutputCollector] = {}
@@ -147,6 +182,7 @@ class AsyncEngine:
     async def shutdown(self, timeout_s: float = 0.0) -> None:
         """Stop accepting; let in-flight requests finish for up to timeout_s; abort the rest."""
         self._accepting = False
+        self._stop_restart.set()
         deadline = time.monotonic() + timeout_s
         while self._queues and self.is_healthy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -258,11 +294,20 @@ class AsyncEngine:
                 if not self.config.parallel.restart_workers or not self._accepting:
                     self._die(e)
                     return
+                delay = self._next_restart_delay()
+                if delay is None:
+                    p = self.restart_policy
+                    self._die(ExecutorError(
+                        f"{error_summary(str(e))}; the workers failed {len(self._restart_times) + 1} "
+                        f"times within {p.window_s:g} s and --restart-workers allows at most "
+                        f"{p.max_restarts} restarts in that time: not restarting them again; fix the "
+                        "cause (see the log) and restart the server"))
+                    return
                 self._fail_in_flight(EngineDeadError(
                     f"the workers failed and the request was aborted: {error_summary(str(e))} (the server is restarting "
                     "its workers; retry shortly)"))
                 try:
-                    await self._restart_workers(e)
+                    await self._restart_workers(e, delay)
                 except asyncio.CancelledError:
                     raise
                 except BaseException as restart_error:  # noqa: BLE001
@@ -271,6 +316,17 @@ class AsyncEngine:
             except BaseException as e:  # noqa: BLE001 - any failure must reach every request
                 self._die(e)
                 return
+
+    def _next_restart_delay(self) -> float | None:
+        """Back-off before the next restart, or None when the policy allows no more now."""
+        now = time.monotonic()
+        window = self.restart_policy.window_s
+        self._restart_times = [t for t in self._restart_times if now - t < window]
+        if len(self._restart_times) >= self.restart_policy.max_restarts:
+            return None
+        delay = self.restart_policy.delay(len(self._restart_times))
+        self._restart_times.append(now)
+        return delay
 
     def _die(self, e: BaseException) -> None:
         logger.error("engine loop died", exc_info=e)
@@ -290,18 +346,22 @@ class AsyncEngine:
             queue.put_nowait(error)
         self._queues.clear()
 
-    async def _restart_workers(self, cause: ExecutorError) -> None:
+    async def _restart_workers(self, cause: ExecutorError, delay: float = 0.0) -> None:
         """Build a new worker pool and core off the loop; the old pool is reaped first (its
-        memory, on a GPU, must be free before the new workers load the model)."""
+        memory, on a GPU, must be free before the new workers load the model), then the
+        back-off ``delay`` passes (shutdown cuts it short)."""
         self._restarting = True
-        logger.warning("restarting the worker pool (--restart-workers) after: %s", cause)
+        logger.warning("restarting the worker pool (--restart-workers) in %.1f s after: %s", delay, cause)
         old, config, tokenizer = self.parts.executor, self.config, self.tokenizer
+        stop = self._stop_restart
 
         def rebuild():
             from engine.bootstrap import build_engine
 
             t0 = time.monotonic()
             old.shutdown()
+            if stop.wait(max(0.0, delay - (time.monotonic() - t0))):
+                raise EngineDeadError("the server is shutting down; the workers were not restarted")
             parts = build_engine(config, tokenizer=tokenizer)
             logger.info("worker pool restarted in %.1f s", time.monotonic() - t0)
             return parts

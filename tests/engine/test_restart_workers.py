@@ -53,12 +53,12 @@ def builds(monkeypatch):
     return b
 
 
-async def started(restart: bool = True):
+async def started(restart: bool = True, policy=None):
     from engine.async_engine import AsyncEngine
 
     config = make_config(num_blocks=128)
     config.parallel.restart_workers = restart
-    engine = AsyncEngine(config)
+    engine = AsyncEngine(config) if policy is None else AsyncEngine(config, restart_policy=policy)
     await engine.start()
     return engine
 
@@ -214,3 +214,81 @@ async def test_a_worker_traceback_never_reaches_the_client(builds, restart):
     finally:
         builds.gate.set()
         await engine.shutdown()
+
+
+class DyingBuilds(Builds):
+    """Every rebuilt pool dies as soon as the engine uses it (a model that crashes its workers,
+    a broken device); records when each pool was built."""
+
+    def __init__(self):
+        super().__init__()
+        self.times: list[float] = []
+
+    def __call__(self, config, tokenizer=None):
+        import time
+
+        parts = super().__call__(config, tokenizer)
+        self.times.append(time.monotonic())
+        if len(self.parts) > 1:
+            kill_workers(parts.executor)
+        return parts
+
+
+@pytest.fixture
+def dying_builds(monkeypatch):
+    import engine.bootstrap
+
+    b = DyingBuilds()
+    monkeypatch.setattr(engine.bootstrap, "build_engine", b)
+    return b
+
+
+async def test_a_pool_that_always_dies_is_restarted_a_bounded_number_of_times(dying_builds, monkeypatch):
+    import engine.async_engine
+    from engine.async_engine import RestartPolicy
+
+    monkeypatch.setattr(engine.async_engine, "IDLE_HEALTH_CHECK_S", 0.01)  # deaths found at once
+
+    policy = RestartPolicy(max_restarts=3, window_s=60.0, backoff_s=0.1, max_backoff_s=0.15)
+    engine = await started(policy=policy)
+    try:
+        kill_workers(engine.parts.executor)
+        await wait_status(engine, "dead", within=15)  # was rebuilt for ever
+        assert len(dying_builds.parts) == 1 + 3 and engine.num_worker_restarts == 3
+        assert engine.num_deaths == 1
+        with pytest.raises(EngineDeadError, match=r"failed 4 times within 60 s.*at most 3 restarts"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=2), "x")
+        # Back-off: the first restart at once, then 0.1 s, then 0.15 s (the cap) between them.
+        t = dying_builds.times
+        assert t[3] - t[2] >= 0.15 and t[2] - t[1] >= 0.1
+        await asyncio.sleep(0.3)
+        assert len(dying_builds.parts) == 4  # nothing rebuilds a dead engine
+    finally:
+        await engine.shutdown()
+
+
+async def test_restarts_older_than_the_window_do_not_count(builds):
+    from engine.async_engine import RestartPolicy
+
+    engine = await started(policy=RestartPolicy(max_restarts=1, window_s=0.3, backoff_s=5.0))
+    try:
+        for n in (1, 2):  # the second failure comes after the window: no back-off, no limit
+            kill_workers(engine.parts.executor)
+            for _ in range(400):  # the idle health check finds the death within a second
+                if engine.num_worker_restarts == n:
+                    break
+                await asyncio.sleep(0.01)
+            await wait_status(engine, "ok", within=2)  # no 5 s back-off came first
+            assert engine.num_worker_restarts == n
+            await asyncio.sleep(0.4)
+    finally:
+        await engine.shutdown()
+
+
+def test_restart_policy_back_off_doubles_up_to_its_cap():
+    from engine.async_engine import RestartPolicy
+
+    p = RestartPolicy(max_restarts=10, window_s=60, backoff_s=1.0, max_backoff_s=5.0)
+    assert [p.delay(k) for k in range(6)] == [0.0, 1.0, 2.0, 4.0, 5.0, 5.0]
+    with pytest.raises(ValueError, match="max_restarts"):
+        RestartPolicy(max_restarts=0)
