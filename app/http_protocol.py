@@ -16,14 +16,20 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger(__name__)
 
-def _response_408(what: str) -> bytes:
-    text = f"The request {what} did not arrive in time".encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(text), text))
+def _response_408(what: str, seconds: float) -> bytes:
+    """OpenAI's error body, as every other status (and as /openapi.json documents it)."""
+    flag = "--header-timeout" if what == "head" else "--body-timeout"
+    body = orjson.dumps({"error": {
+        "message": f"The request {what} did not arrive within {seconds:g} s ({flag}); the "
+                   "connection is closed.",
+        "type": "invalid_request_error", "param": None, "code": "request_timeout"}})
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
 
 
 class ReadTimeoutProtocol(HttpToolsProtocol):
@@ -61,7 +67,7 @@ class ReadTimeoutProtocol(HttpToolsProtocol):
         else:
             answer = self.cycle is not None and not self.cycle.response_started
         if answer:
-            self.transport.write(_response_408(part))
+            self.transport.write(_response_408(part, delay))
         self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

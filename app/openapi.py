@@ -149,6 +149,7 @@ def _post(summary: str, model_name: str, ok: dict[str, Any], *, generates: bool,
         "404": _error("The `model` field names a model this server does not serve."),
         "413": _error(f"The request body is larger than {max_body_bytes} bytes."),
     }
+    responses["408"] = _timeout_error(body=True)
     if generates:
         responses["503"] = _error("Overloaded (code `overloaded`, with Retry-After) or the engine "
                                   "has stopped (code `engine_dead`).", _RETRY_AFTER)
@@ -158,7 +159,14 @@ def _post(summary: str, model_name: str, ok: dict[str, Any], *, generates: bool,
 
 
 def _get(summary: str, ok: dict[str, Any], **more: dict[str, Any]) -> dict[str, Any]:
-    return {"summary": summary, "responses": {"200": ok, **more}}
+    return {"summary": summary, "responses": {"200": ok, "408": _timeout_error(body=False), **more}}
+
+
+def _timeout_error(*, body: bool) -> dict[str, Any]:
+    """The read timeouts of app/http_protocol.py: answered before any route runs."""
+    what = ("The request head (--header-timeout) or body (--body-timeout) did not arrive in "
+            "time" if body else "The request head did not arrive in time (--header-timeout)")
+    return _error(f"{what}; the connection is closed (code `request_timeout`).")
 
 
 def _fill_bounds(node: Any, bounds: dict[str, int | None]) -> None:

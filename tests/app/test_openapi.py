@@ -61,7 +61,7 @@ async def test_every_status_is_documented_with_the_openai_error_body(api_key):
     for path, item in doc["paths"].items():
         for method, op in item.items():
             statuses = set(op["responses"])
-            expected = {"200"}
+            expected = {"200", "408"}  # 408: --header-timeout (every request), --body-timeout
             if method == "post":
                 expected |= {"400", "404", "413"}
             if path in GENERATE or path == "/health":
@@ -75,6 +75,11 @@ async def test_every_status_is_documented_with_the_openai_error_body(api_key):
                     schema = resp["content"]["application/json"]["schema"]
                     assert ERROR_REF in schema.get("allOf", [schema]), (path, status)
     assert "1234 bytes" in doc["paths"]["/tokenize"]["post"]["responses"]["413"]["description"]
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            timeout = op["responses"]["408"]["description"]
+            assert "--header-timeout" in timeout
+            assert ("--body-timeout" in timeout) == (method == "post"), (path, timeout)
     assert "Retry-After" in doc["paths"]["/v1/completions"]["post"]["responses"]["503"]["headers"]
     assert ("securitySchemes" in doc["components"]) == bool(api_key)
 
@@ -197,3 +202,24 @@ async def test_a_body_the_schema_refuses_is_a_400_even_for_an_unknown_model(clie
     # the body is validated before the model is looked up, so the status follows the schema
     r = await client.post(path, json={**body, "model": "not-served"})
     assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("part", ["head", "body"])
+async def test_the_408_the_server_sends_is_the_documented_error_body(part):
+    """The read-timeout answer (app/http_protocol.py, written on the socket before the app sees
+    a request) is an HTTP response whose body the document's ErrorResponse schema accepts."""
+    from app.http_protocol import _response_408
+
+    doc = await fetch_doc()
+    raw = _response_408(part, 12.0)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "HTTP/1.1 408 Request Timeout"
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    assert headers["content-type"] == "application/json"
+    assert int(headers["content-length"]) == len(body) and headers["connection"] == "close"
+    err = json.loads(body)
+    body_validator(doc, "ErrorResponse").validate(err)
+    flag = "--header-timeout" if part == "head" else "--body-timeout"
+    assert err["error"]["code"] == "request_timeout" and flag in err["error"]["message"]
+    assert "12 s" in err["error"]["message"]
