@@ -9,7 +9,7 @@ from __future__ import annotations
 _TRACEBACK_HEADER = "Traceback (most recent call last)"
 
 
-def error_summary(text: str, limit: int = 500) -> str:
+def error_summary(text: str, limit: int = 1000) -> str:
     """What precedes a traceback, then its final exception ("Type: message"), on one line of at
     most ``limit`` characters. Text without a traceback is only collapsed onto one line and cut.
     """
