@@ -51,6 +51,8 @@ static inline float hsum8(__m256 v) {
 #define XQ_MAX 16383
 /* int32 lane sums stay below 2^31: KCHUNK/16 pair sums of at most 2*127*16383 each */
 #define KCHUNK 4096
+/* bytes ahead of the current weight read to prefetch (measured best of 256/1024/4096) */
+#define QG_PREFETCH 1024
 
 #if QG_AVX2
 static inline float hsum8i(__m256i v) { return hsum8(_mm256_cvtepi32_ps(v)); }
@@ -102,77 +104,49 @@ static inline __m256i w8x16(const int8_t *p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* Integer dot products of rows [n0, n0+nr) of w8 with rows [m0, m0+mr) of xq, into out[mr][nr]
- * (unscaled). */
-static void i8_tile(const int16_t *xq, int64_t Kp, int64_t K, const int8_t *w8, int64_t n0, int nr,
-                    int64_t m0, int mr, float out[2][4]) {
-    int64_t kv = K & ~(int64_t)15;
-    for (int i = 0; i < mr; i++)
-        for (int r = 0; r < nr; r++) out[i][r] = 0.0f;
+/* Integer dot products of one row of w8 with rows [m0, m0+mr) of xq (mr 1 or 2), into out[mr]
+ * (unscaled). One weight row at a time, read front to back, with a software prefetch ahead:
+ * measured on a loaded AVX2 VM, this streams DRAM about 2x faster than interleaving four rows
+ * (the hardware prefetcher alone keeps too few lines in flight for one byte per weight). */
+static void i8_row(const int16_t *xq, int64_t Kp, int64_t K, const int8_t *wr, int64_t m0, int mr, float out[2]) {
+    int64_t kv = K & ~(int64_t)31;
+    const int16_t *x0 = xq + m0 * Kp, *x1 = x0 + Kp;
+    out[0] = out[1] = 0.0f;
     for (int64_t kc = 0; kc < kv; kc += KCHUNK) {
         int64_t ke = kc + KCHUNK < kv ? kc + KCHUNK : kv;
-        if (nr == 4) {
-            const int8_t *w0 = w8 + (n0 + 0) * K, *w1 = w8 + (n0 + 1) * K;
-            const int8_t *w2 = w8 + (n0 + 2) * K, *w3 = w8 + (n0 + 3) * K;
-            const int16_t *x0 = xq + m0 * Kp;
-            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-            if (mr == 2) {
-                const int16_t *x1 = x0 + Kp;
-                __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-                for (int64_t k = kc; k < ke; k += 16) {
-                    __m256i xa = _mm256_loadu_si256((const __m256i *)(x0 + k));
-                    __m256i xb = _mm256_loadu_si256((const __m256i *)(x1 + k));
-                    __m256i v0 = w8x16(w0 + k), v1 = w8x16(w1 + k), v2 = w8x16(w2 + k), v3 = w8x16(w3 + k);
-                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(v0, xa));
-                    b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(v0, xb));
-                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(v1, xa));
-                    b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(v1, xb));
-                    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(v2, xa));
-                    b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(v2, xb));
-                    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(v3, xa));
-                    b3 = _mm256_add_epi32(b3, _mm256_madd_epi16(v3, xb));
-                }
-                out[1][0] += hsum8i(b0); out[1][1] += hsum8i(b1);
-                out[1][2] += hsum8i(b2); out[1][3] += hsum8i(b3);
-            } else {
-                for (int64_t k = kc; k < ke; k += 16) {
-                    __m256i xa = _mm256_loadu_si256((const __m256i *)(x0 + k));
-                    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w8x16(w0 + k), xa));
-                    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w8x16(w1 + k), xa));
-                    a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(w8x16(w2 + k), xa));
-                    a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(w8x16(w3 + k), xa));
-                }
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0;
+        if (mr == 2) {
+            for (int64_t k = kc; k < ke; k += 32) {
+                if (!(k & 63)) _mm_prefetch((const char *)(wr + k + QG_PREFETCH), _MM_HINT_T0);
+                __m256i v0 = w8x16(wr + k), v1 = w8x16(wr + k + 16);
+                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(v0, _mm256_loadu_si256((const __m256i *)(x0 + k))));
+                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(v1, _mm256_loadu_si256((const __m256i *)(x0 + k + 16))));
+                b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(v0, _mm256_loadu_si256((const __m256i *)(x1 + k))));
+                b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(v1, _mm256_loadu_si256((const __m256i *)(x1 + k + 16))));
             }
-            out[0][0] += hsum8i(a0); out[0][1] += hsum8i(a1);
-            out[0][2] += hsum8i(a2); out[0][3] += hsum8i(a3);
+            out[1] += hsum8(_mm256_add_ps(_mm256_cvtepi32_ps(b0), _mm256_cvtepi32_ps(b1)));
         } else {
-            for (int i = 0; i < mr; i++)
-                for (int r = 0; r < nr; r++) {
-                    const int8_t *wr = w8 + (n0 + r) * K;
-                    const int16_t *xr = xq + (m0 + i) * Kp;
-                    __m256i a = _mm256_setzero_si256();
-                    for (int64_t k = kc; k < ke; k += 16)
-                        a = _mm256_add_epi32(a, _mm256_madd_epi16(w8x16(wr + k),
-                                                                  _mm256_loadu_si256((const __m256i *)(xr + k))));
-                    out[i][r] += hsum8i(a);
-                }
+            for (int64_t k = kc; k < ke; k += 32) {
+                if (!(k & 63)) _mm_prefetch((const char *)(wr + k + QG_PREFETCH), _MM_HINT_T0);
+                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w8x16(wr + k), _mm256_loadu_si256((const __m256i *)(x0 + k))));
+                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w8x16(wr + k + 16),
+                                                            _mm256_loadu_si256((const __m256i *)(x0 + k + 16))));
+            }
         }
+        out[0] += hsum8(_mm256_add_ps(_mm256_cvtepi32_ps(a0), _mm256_cvtepi32_ps(a1)));
     }
-    for (int i = 0; i < mr; i++) /* the K tail, fewer than 16 values */
-        for (int r = 0; r < nr; r++) {
-            const int8_t *wr = w8 + (n0 + r) * K;
-            const int16_t *xr = xq + (m0 + i) * Kp;
-            int32_t s = 0;
-            for (int64_t k = kv; k < K; k++) s += (int32_t)xr[k] * wr[k];
-            out[i][r] += (float)s;
-        }
+    for (int i = 0; i < mr; i++) { /* the K tail, fewer than 32 values */
+        const int16_t *xr = xq + (m0 + i) * Kp;
+        int32_t s = 0;
+        for (int64_t k = kv; k < K; k++) s += (int32_t)xr[k] * wr[k];
+        out[i] += (float)s;
+    }
 }
 #endif
 
 /* Returns 0, or -1 when the activation scratch cannot be allocated. */
 int qg_int8_mm(const float *x, int64_t M, int64_t K, const int8_t *w8, const float *scale,
                const float *bias, float *y, int64_t N, int nthreads) {
-    int64_t nblocks = (N + 3) / 4;
     if (nthreads < 1) nthreads = 1;
 #if QG_AVX2
     int64_t Kp = (K + 15) & ~(int64_t)15;
@@ -185,16 +159,14 @@ int qg_int8_mm(const float *x, int64_t M, int64_t K, const int8_t *w8, const flo
     }
     quantize_rows(x, M, K, Kp, xq, xs);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
-    for (int64_t b = 0; b < nblocks; b++) {
-        int64_t n0 = b * 4;
-        int nr = (int)(N - n0 < 4 ? N - n0 : 4);
-        float out[2][4];
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wr = w8 + n * K;
+        float out[2];
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
             int mr = (int)(M - m0 < 2 ? M - m0 : 2);
-            i8_tile(xq, Kp, K, w8, n0, nr, m0, mr, out);
+            i8_row(xq, Kp, K, wr, m0, mr, out);
             for (int i = 0; i < mr; i++)
-                for (int r = 0; r < nr; r++)
-                    y[(m0 + i) * N + n0 + r] = out[i][r] * xs[m0 + i] * scale[n0 + r] + (bias ? bias[n0 + r] : 0.0f);
+                y[(m0 + i) * N + n] = out[i] * xs[m0 + i] * scale[n] + (bias ? bias[n] : 0.0f);
         }
     }
     free(xq);
@@ -210,7 +182,6 @@ int qg_int8_mm(const float *x, int64_t M, int64_t K, const int8_t *w8, const flo
             y[i * N + n] = s * scale[n] + (bias ? bias[n] : 0.0f);
         }
     }
-    (void)nblocks;
 #endif
     return 0;
 }
@@ -292,6 +263,7 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const fl
             __m256 a0 = _mm256_setzero_ps(), a1 = a0;
             for (int64_t g = 0; g < G; g++) {
                 __m256i lo, hi;
+                if (!(g & 3)) _mm_prefetch((const char *)(wr + g * 16 + QG_PREFETCH), _MM_HINT_T0);
                 q4_unpack16(wr + g * 16, &lo, &hi);
                 __m256 dg = _mm256_set1_ps(dr[g]);
                 a0 = _mm256_fmadd_ps(dg, q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
@@ -311,6 +283,7 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const fl
             int64_t g = 0;
             for (; g + 2 <= G; g += 2) { /* two groups in flight: hides the FMA latency */
                 __m256i lo, hi, lo2, hi2;
+                if (!(g & 3)) _mm_prefetch((const char *)(wr + g * 16 + QG_PREFETCH), _MM_HINT_T0);
                 q4_unpack16(wr + g * 16, &lo, &hi);
                 q4_unpack16(wr + g * 16 + 16, &lo2, &hi2);
                 a0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[g]), q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
