@@ -6,12 +6,24 @@ window twice: ``ids[prefix_offset:read_offset]`` (already emitted) and ``ids[pre
 the difference is the new text. If the new text ends in U+FFFD the last token(s) are an
 incomplete UTF-8 sequence: nothing is emitted until a later token completes it.
 
+Where the tokenizer offers one (``Tokenizer.decode_stream``), tokenizers' ``DecodeStream`` runs
+exactly this window algorithm in Rust, one call per token instead of two decodes through Python;
+the window offsets are still kept here (integers only) so ``flush`` and a fall-back stay exact.
+DecodeStream refuses a decode that does not extend the previous text ("Invalid prefix", seen
+with some byte-fallback tokenizers): that request then continues on the Python path, which
+answers such a token as it always did. Text is the same either way
+(tests/engine/test_detokenizer_stream.py compares both over random token sequences).
+
 Stop strings: the decoded text is searched (across token boundaries) after each token. Text that
 could still turn into a stop string (a suffix that is a proper prefix of one) is held back until
 decided; once a stop string matched, the text is cut before it (or after it with
 ``include_stop_str_in_output``) and nothing after it is ever released.
 """
 from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
 
 # Prompt tokens kept as decoding context (leading-space handling of SentencePiece tokenizers).
 PROMPT_CONTEXT_TOKENS = 5
@@ -20,7 +32,8 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True):
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 use_decode_stream: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
@@ -30,10 +43,17 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._prefix_text: str | None = None
-        self.text = ""  # decoded output text (cut at a matched stop string)
-        self._releasable = 0  # text[:_releasable] may be handed out
-        self._taken = 0  # text[:_taken] was handed out
+        # The output text in pieces (``text`` joins them): ``+=`` on an attribute copies the
+        # whole text at every token, quadratic in the output length.
+        self._pieces: list[str] = []
+        self._length = 0
+        self._tail = ""  # the text's last max_stop_len - 1 characters (where a stop match starts)
+        self._unreleased = ""  # text held back: it could still begin a stop string
+        self._delta: list[str] = []  # released, not yet taken
         self.stopped = False  # a stop string matched: no more text, ever
+        opener = getattr(tokenizer, "decode_stream", None) if use_decode_stream else None
+        # step(token_id) -> new text or None (Rust), or None: decode on the Python path.
+        self._stream = opener(self._ids, skip_special_tokens) if opener is not None else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -43,73 +63,129 @@ class IncrementalDetokenizer:
         if self.stopped:
             return None
         self._ids.append(token_id)
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
-        if len(full) <= len(self._prefix_text) or full.endswith(REPLACEMENT_CHAR):
-            return None  # nothing new yet (an incomplete character or a skipped special token)
-        piece = full[len(self._prefix_text):]
+        piece = None
+        if self._stream is not None:
+            try:
+                piece = self._stream(token_id)
+            except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+                logger.debug("DecodeStream refused token %d (%s); this request decodes in Python "
+                             "from here on", token_id, e)
+                self._stream = None
+            else:
+                if piece is None:
+                    return None  # nothing new yet (an incomplete character or a skipped special token)
+        if self._stream is None:
+            piece = self._python_step()
+            if piece is None:
+                return None
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_text = None
         return self._append_text(piece, check_stop)
 
-    def _append_text(self, piece: str, check_stop: bool) -> str | None:
-        old_len = len(self.text)
-        self.text += piece
-        if not self.stop:
-            self._releasable = len(self.text)
+    def _python_step(self) -> str | None:
+        """The new text of the window ids[prefix_offset:] past ids[prefix_offset:read_offset]."""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(self._prefix_text) or full.endswith(REPLACEMENT_CHAR):
             return None
+        return full[len(self._prefix_text):]
+
+    def _append_text(self, piece: str, check_stop: bool) -> str | None:
+        old_len = self._length
+        self._pieces.append(piece)
+        self._length += len(piece)
+        if not self.stop:
+            self._delta.append(piece)
+            return None
+        # Only the end of the text matters for stop strings: a new match ends in the new piece,
+        # so it starts at most max_stop_len - 1 characters before it.
+        back = self._tail
+        window = back + piece
+        base = old_len - len(back)  # text position of window[0]
+        self._tail = window[-(self._max_stop_len - 1):] if self._max_stop_len > 1 else ""
+        unreleased = self._unreleased + piece  # text[releasable:], where a stop match must start
         if check_stop:
-            # A new match must end in the new piece: start far enough back to catch one that
-            # began in earlier text.
-            start = max(0, old_len - self._max_stop_len + 1)
             best: tuple[int, str] | None = None
             for s in self.stop:
-                idx = self.text.find(s, start)
+                idx = window.find(s)
                 if idx != -1 and (best is None or idx < best[0]):
                     best = (idx, s)
             if best is not None:
                 idx, s = best
-                self.text = self.text[:idx + len(s) if self.include_stop else idx]
-                self._releasable = len(self.text)
+                self._cut_to(base + idx + (len(s) if self.include_stop else 0), unreleased)
                 self.stopped = True
                 return s
-        self._releasable = len(self.text) - self._held_back()
+        held = self._held_back(window)
+        self._delta.append(unreleased[:len(unreleased) - held])
+        self._unreleased = unreleased[len(unreleased) - held:]
         return None
 
-    def _held_back(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        if self.include_stop:
+    def _held_back(self, end: str) -> int:
+        """Length of the longest suffix of the text (``end`` is its last characters, at least
+        max_stop_len - 1 of them or all) that is a proper prefix of a stop string."""
+        if self.include_stop or not end:
             return 0  # the stop string itself is output, so nothing needs hiding
-        text = self.text
+        last = end[-1]
         best = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
+            # Only prefixes s[:k] ending in the text's last character can match: visit those
+            # k, longest first (usually none, so no slicing at all).
+            pos = s.rfind(last, 0, min(len(s) - 1, len(end)))
+            while pos >= best:
+                if end.endswith(s[:pos + 1]):
+                    best = pos + 1
                     break
+                pos = s.rfind(last, 0, pos)
         return best
+
+    def _cut_to(self, cut: int, unreleased: str) -> None:
+        """End the text at ``cut`` and release it all. The cut is normally in the unreleased
+        text; it is earlier only when stop checks were off (min_tokens) while a stop string was
+        released: then text already released but not taken is cut too, as before."""
+        released = self._length - len(unreleased)
+        if cut >= released:
+            self._delta.append(unreleased[:cut - released])
+        else:
+            pending = "".join(self._delta)
+            taken = released - len(pending)
+            self._delta = [pending[:max(0, cut - taken)]]
+        self._pieces = ["".join(self._pieces)[:cut]]
+        self._length = cut
+        self._unreleased = ""
+
+    @property
+    def text(self) -> str:
+        """The output text so far (cut at a matched stop string), released or not."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def flush(self) -> None:
         """The sequence ended without a stop string: release everything, including an
         incomplete trailing character (as the tokenizer's own decode would show it)."""
         if self.stopped:
             return
+        rest = ""
         if self._read_offset < len(self._ids):
             if self._prefix_text is None:
                 self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
             full = self._decode(self._ids[self._prefix_offset:])
             if len(full) > len(self._prefix_text):
-                self.text += full[len(self._prefix_text):]
+                rest = full[len(self._prefix_text):]
             self._prefix_offset = self._read_offset = len(self._ids)
             self._prefix_text = None
-        self._releasable = len(self.text)
+        if rest:
+            self._pieces.append(rest)
+            self._length += len(rest)
+        self._delta.append(self._unreleased + rest)
+        self._unreleased = ""
 
     def take_delta(self) -> str:
         """Text released since the previous call."""
-        if self._taken >= self._releasable:
+        if not self._delta:
             return ""
-        out = self.text[self._taken:self._releasable]
-        self._taken = self._releasable
+        out = "".join(self._delta) if len(self._delta) > 1 else self._delta[0]
+        self._delta = []
         return out

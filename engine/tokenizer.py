@@ -25,6 +25,18 @@ from tokenizers.models import BPE
 logger = logging.getLogger(__name__)
 
 
+def _decode_stream_with_prefill() -> bool:
+    """tokenizers >= 0.22: ``decoders.DecodeStream(ids=..., skip_special_tokens=...)``."""
+    try:
+        decoders.DecodeStream(ids=[], skip_special_tokens=True)
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+_HAS_DECODE_STREAM = _decode_stream_with_prefill()
+
+
 class TokenizerError(ValueError):
     """The model's tokenizer cannot be built; the message says which file and why."""
 
@@ -279,6 +291,19 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, context_ids: list[int], skip_special_tokens: bool = True):
+        """``step(token_id) -> str | None``: tokenizers' incremental decoder (Rust) primed with
+        ``context_ids``, for engine/detokenizer.py. None where it cannot reproduce our
+        incremental decoding: a tokenizers without ``DecodeStream(ids=...)`` (before 0.22), or a
+        context whose text ends mid-character (DecodeStream would then start from an empty
+        prefix and repeat the context's text)."""
+        if not _HAS_DECODE_STREAM:
+            return None
+        if context_ids and self.decode(context_ids, skip_special_tokens).endswith("\ufffd"):
+            return None
+        stream = decoders.DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        return functools.partial(stream.step, self._tok)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self._tok.id_to_token(i) for i in ids]
