@@ -20,7 +20,6 @@ import signal
 import socket
 
 from app.engine_args import add_engine_args, engine_config_from_args
-from app.http_protocol import with_read_timeouts
 from app.listen import ListenError, bind_socket
 
 logger = logging.getLogger("pagedserve.serve")
@@ -57,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -68,19 +65,15 @@ def run(args: argparse.Namespace) -> int:
         return 1
     with sock:
         config = engine_config_from_args(args, default_executor=DEFAULT_EXECUTOR)
-        uv_config = uvicorn.Config(
-            "app.server:build_app",  # replaced below; uvicorn only needs a placeholder until load()
-            host=args.host, port=sock.getsockname()[1], loop="uvloop",
-            http=with_read_timeouts(args.header_timeout, args.body_timeout),
-            lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout,
-            log_level=args.log_level, access_log=args.log_level == "debug",
-        )
-        runner = asyncio.Runner(loop_factory=uv_config.get_loop_factory())
+        # uvicorn's loop="uvloop", without importing uvicorn before the workers are started.
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
         with runner:
-            return runner.run(_serve(args, config, uv_config, sock))
+            return runner.run(_serve(args, config, sock))
 
 
-async def _serve(args: argparse.Namespace, config, uv_config, sock: socket.socket) -> int:
+async def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
     from engine.async_engine import AsyncEngine
 
     # The engine starts first: its worker spends seconds importing torch and loading weights,
@@ -92,11 +85,19 @@ async def _serve(args: argparse.Namespace, config, uv_config, sock: socket.socke
         import uvicorn
         from sse_starlette.sse import AppStatus
 
+        from app.http_protocol import with_read_timeouts
         from app.server import build_app
 
         # In-flight streams must run to completion on shutdown (up to --shutdown-timeout), not be
         # cut the moment the signal arrives.
         AppStatus.disable_automatic_graceful_drain()
+        uv_config = uvicorn.Config(
+            "app.server:build_app",  # replaced below; uvicorn only needs a placeholder until load()
+            host=args.host, port=sock.getsockname()[1], loop="uvloop",
+            http=with_read_timeouts(args.header_timeout, args.body_timeout),
+            lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout,
+            log_level=args.log_level, access_log=args.log_level == "debug",
+        )
     except BaseException:
         await asyncio.gather(starting, return_exceptions=True)
         await engine.shutdown()
