@@ -55,7 +55,6 @@ static inline float hsum8(__m256 v) {
 #define QG_PREFETCH 1024
 
 #if QG_AVX2
-static inline float hsum8i(__m256i v) { return hsum8(_mm256_cvtepi32_ps(v)); }
 
 /* xq[M][Kp] (zero padded to Kp, a multiple of 16) and xs[M]. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t Kp, int16_t *xq, float *xs) {

@@ -103,3 +103,19 @@ def test_unknown_mode_and_non_cpu_device_are_refused():
         quantize_model(model, "int3")
     with pytest.raises(ModelLoadError, match="CPU only"):
         quantize_model(model, "int8", device="cuda")
+
+
+def test_bf16_activations_come_back_in_bf16():
+    """A bf16 model (AVX-512 bf16 machines) hands bf16 activations to the quantized layers."""
+    from gpu.models.quantization import QuantizedWeight
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=gen)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    for mode in ("int8", "int4"):
+        q = QuantizedWeight.from_float(w.to(torch.bfloat16), mode, bias)
+        y = q.linear(x)
+        ref = x.float() @ q.dequantize().t() + bias.float()
+        assert y.dtype == torch.bfloat16 and y.shape == (5, 48)
+        assert torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2)
