@@ -21,9 +21,14 @@ import socket
 
 from app.engine_args import add_engine_args, engine_config_from_args
 from app.listen import ListenError, bind_socket
+from gpu.config import ConfigError
+from gpu.error_text import error_summary
+from gpu.executor import ExecutorError
+from gpu.models.errors import ModelLoadError
 
 logger = logging.getLogger("pagedserve.serve")
 
+STARTUP_ERRORS = (ConfigError, ModelLoadError, ExecutorError)
 DEFAULT_EXECUTOR = "mp"  # model compute in worker processes: the event loop stays free
 
 
@@ -69,8 +74,14 @@ def run(args: argparse.Namespace) -> int:
         import uvloop
 
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-        with runner:
-            return runner.run(_serve(args, config, sock))
+        try:
+            with runner:
+                return runner.run(_serve(args, config, sock))
+        except STARTUP_ERRORS as e:
+            # What the user asked for cannot be served (no such model, a bad config, workers
+            # that fail to load it): one line that says so, not a traceback.
+            logger.error("cannot start: %s", error_summary(str(e)))
+            return 1
 
 
 async def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
