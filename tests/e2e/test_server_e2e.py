@@ -336,7 +336,7 @@ def test_sigterm_timeout_aborts_and_still_exits_0():
     s = ServerProcess(shutdown_timeout=1)
     try:
         body = {"model": "tiny", "prompt": "Go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-        got_done = False
+        events: list[str] = []
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             for line in lines:
@@ -345,13 +345,18 @@ def test_sigterm_timeout_aborts_and_still_exits_0():
             s.proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
             try:
-                for line in lines:
-                    got_done = got_done or line == "data: [DONE]"
+                events += [line[6:] for line in lines if line.startswith("data: ")]
             except httpx.HTTPError:
                 pass
         assert s.proc.wait(30) == 0, s.output()
         assert time.monotonic() - t0 < 15
-        assert not got_done
+        # Cut short, not finished: no chunk has a finish_reason; if anything follows the tokens it
+        # is the shutdown's error event and then [DONE] (a stream that fails ends with [DONE]).
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks if "choices" in c)
+        errors = [c for c in chunks if "error" in c]
+        if errors:
+            assert errors[0]["error"]["code"] == "engine_dead" and events[-1] == "[DONE]", events[-3:]
         assert "timeout graceful shutdown exceeded" in s.output()
         assert "shutdown complete" in s.output()
     finally:
