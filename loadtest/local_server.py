@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 
 # A tiny random-weight Llama (starts in seconds, a step takes milliseconds) over the default
-# model's tokenizer, so requests carry real text.
+# model's tokenizer, so requests carry real text. The one definition: tests/tiny.py re-exports it.
+# Embeddings are untied: a tied random model mostly repeats its last input token, which would let
+# greedy-equality tests pass even with broken attention.
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -53,15 +55,17 @@ def tiny_args(max_model_len: int = 2048, num_blocks: int = 256, config: dict | N
 
 
 class LocalServer:
-    """``pagedserve serve *args --port <free>``; its log goes to a temporary file."""
+    """``pagedserve serve *args --port <free>``; its log goes to a temporary file named
+    ``<log_prefix><port>-*.log``. The e2e tests' ServerProcess extends it."""
 
-    def __init__(self, args: list[str], *, ready_timeout: float = 120.0) -> None:
+    def __init__(self, args: list[str], *, ready_timeout: float = 120.0,
+                 log_prefix: str = "pagedserve-soak-") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "app.cli", "serve", *args, "--host", "127.0.0.1",
                "--port", str(self.port)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDSERVE_API_KEY": ""}
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"pagedserve-soak-{self.port}-",
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{log_prefix}{self.port}-",
                                                suffix=".log", delete=False)
         logger.info("starting %s (log %s)", " ".join(cmd), self.log.name)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log,

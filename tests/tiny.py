@@ -1,16 +1,10 @@
 """A tiny random Llama with the default model's tokenizer: fast engine tests with real text.
 
-Embeddings are untied: a tied random model mostly repeats its last input token, which would let
-greedy-equality tests pass even with broken attention."""
+The config lives in loadtest.local_server (the package cannot import tests/); see the comment
+there on why its embeddings are untied."""
 from __future__ import annotations
 
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}
+from loadtest.local_server import TINY_CONFIG  # noqa: F401  (one definition, in the package)
 
 
 def tiny_llm(**options):

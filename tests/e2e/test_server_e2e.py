@@ -6,31 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.local_server import LocalServer, free_port, tiny_args  # noqa: F401  (free_port: re-exported)
 from tests.tiny import TINY_CONFIG
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = TINY_CONFIG
 MAX_MODEL_LEN = 2048
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_path() -> str:
@@ -39,47 +29,16 @@ def model_path() -> str:
     return default_model_path()
 
 
-class ServerProcess:
+class ServerProcess(LocalServer):
+    """The tiny model served as "tiny" with ``--shutdown-timeout``; ``extra`` serve flags go last."""
+
     def __init__(self, *extra: str, shutdown_timeout: float = 20.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "app.cli", "serve", "--model", model_path(),
-               "--load-format", "dummy", "--hf-config", json.dumps(TINY), "--dtype", "float32",
-               "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", "256",
-               "--served-model-name", "tiny", "--port", str(self.port),
-               "--shutdown-timeout", str(shutdown_timeout), *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDSERVE_API_KEY": ""}
-        self.log = open(f"/tmp/pagedserve-e2e-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.wait_ready(60)
+        super().__init__([*tiny_args(MAX_MODEL_LEN), "--served-model-name", "tiny",
+                          "--shutdown-timeout", str(shutdown_timeout), *extra],
+                         ready_timeout=60, log_prefix="pagedserve-e2e-")
 
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text()
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    def stop(self, timeout: float = 30.0) -> int:
+        return super().stop(timeout)
 
 
 @pytest.fixture(scope="module")
