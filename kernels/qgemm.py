@@ -59,8 +59,12 @@ def _cache_dir() -> Path:
 
 
 def _compile(cc: str, flags: list[str], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError as e:
+        raise QuantKernelError(f"cannot write the quantized kernel's build cache {out.parent}: {e} "
+                               "(set PAGEDSERVE_KERNEL_CACHE to a writable directory)") from None
     os.close(fd)
     cmd = [cc, *flags, str(_SOURCE), "-o", tmp]
     try:

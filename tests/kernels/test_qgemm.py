@@ -140,3 +140,15 @@ def test_the_portable_scalar_build_is_right_too(tmp_path):
     env = {**os.environ, "PAGEDSERVE_QGEMM_ISA": "scalar", "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(blocker / "cache"))
+    qgemm.library.cache_clear()
+    try:
+        with pytest.raises(qgemm.QuantKernelError, match="PAGEDSERVE_KERNEL_CACHE"):
+            qgemm.library()
+    finally:
+        qgemm.library.cache_clear()
