@@ -38,7 +38,8 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 
-from gpu.shm_ring import NAME_PREFIX, RingClosed, RingError, RingPeerDied, RingTimeout, _PassFd
+from gpu.shm_ring import NAME_PREFIX, RingClosed, RingError, RingPeerDied, _PassFd
+from gpu.transport_end import TransportEnd
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,10 @@ def _close_fds(fds: list[int]) -> None:
     fds.clear()
 
 
-class PipeChannel:
+class PipeChannel(TransportEnd):
     """One end of a pipe channel: the writer or reader ``i``. Create with ``create`` or ``attach``."""
+
+    _kind = "channel"
 
     def __init__(self, spec: PipeSpec, *, role: int | str, owned_fds: list[int],
                  peer_fds: Sequence[int] = (), alive: Callable[[], bool] | None = None):
@@ -179,25 +182,9 @@ class PipeChannel:
     def is_closed(self) -> bool:
         return not self._finalizer.alive or self._marked_closed or self._closed_seen
 
-    def _ensure_open(self) -> None:
-        if not self._finalizer.alive:
-            raise RingClosed(f"this end of channel {self.name} is closed")
-
     def close(self) -> None:
         """Close the fds this end owns. Safe to call twice."""
         self._finalizer()
-
-    def __enter__(self) -> "PipeChannel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _check_peers(self, readable: list[int]) -> None:
-        if any(fd in self.peer_fds for fd in readable):
-            raise RingPeerDied(f"a process at the other end of channel {self.name} exited")
-        if self.alive is not None and not self.alive():
-            raise RingPeerDied(f"a process at the other end of channel {self.name} is gone")
 
     # ---------------------------------------------------------------- writer
 
@@ -235,13 +222,9 @@ class PipeChannel:
         while True:
             if self._marked_closed:
                 raise RingClosed(f"channel {self.name} was closed while the writer waited for room")
-            slice_s = _WAIT_SLICE_S
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RingTimeout(f"no room in channel {self.name}: a reader is not consuming")
-                slice_s = min(slice_s, left)
-            readable, writable, _ = select.select(self.peer_fds, [fd], [], slice_s)
+            readable, writable = self._select_slice(
+                [], [fd], deadline, _WAIT_SLICE_S,
+                f"no room in channel {self.name}: a reader is not consuming")
             if writable:
                 return
             self._check_peers(readable)
@@ -323,13 +306,8 @@ class PipeChannel:
                 return
             if self._closed_seen or self._marked_closed:
                 raise RingClosed(f"channel {self.name} is closed")
-            slice_s = _WAIT_SLICE_S
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RingTimeout(f"no message on channel {self.name} in time")
-                slice_s = min(slice_s, left)
-            readable, _, _ = select.select([fd, *self.peer_fds], [], [], slice_s)
+            readable, _ = self._select_slice([fd], [], deadline, _WAIT_SLICE_S,
+                                             f"no message on channel {self.name} in time")
             if fd in readable:
                 return
             self._check_peers(readable)

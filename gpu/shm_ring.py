@@ -42,13 +42,16 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import select
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from multiprocessing.reduction import DupFd
+
+from gpu.ring_errors import (  # noqa: F401  (re-exported: callers import them from here)
+    RingClosed, RingError, RingPeerDied, RingTimeout, RingUnsupported)
+from gpu.transport_end import TransportEnd
 
 logger = logging.getLogger(__name__)
 
@@ -60,26 +63,6 @@ _SLOT_HEADER = 16
 _W_MAGIC, _W_SLOTS, _W_SLOT_SIZE, _W_READERS, _W_CLOSED, _W_WRITER_WAITING = range(6)
 _WRITER_RECHECK_S = 0.002  # the writer's sleep slice while the ring is full
 _READER_SLICE_S = 0.1  # the reader's sleep slice (checks the liveness callback between)
-
-
-class RingError(RuntimeError):
-    """Base class of ring failures."""
-
-
-class RingClosed(RingError):
-    """The ring was closed (shut down) and holds no more messages."""
-
-
-class RingPeerDied(RingError):
-    """A process on the other side of the ring is gone."""
-
-
-class RingTimeout(RingError, TimeoutError):
-    """A send or receive did not complete in time."""
-
-
-class RingUnsupported(RingError):
-    """This CPU does not keep stores in order, which the ring's publication relies on."""
 
 
 # platform.machine() of CPUs with x86's total store order (the only ones the ring trusts).
@@ -182,8 +165,10 @@ def _cleanup(shm: shared_memory.SharedMemory | None, unlink: bool, fds: list[int
     fds.clear()
 
 
-class ShmRing:
+class ShmRing(TransportEnd):
     """One end of a ring: the writer or reader ``i``. Create with ``create`` or ``attach``."""
+
+    _kind = "ring"
 
     def __init__(self, shm: shared_memory.SharedMemory, spec: RingSpec, *, owner: bool,
                  role: int | str | None, owned_fds: list[int],
@@ -313,25 +298,9 @@ class ShmRing:
         """This end was closed (or finalized at exit), or the ring was marked closed."""
         return not self._finalizer.alive or self._u64[_W_CLOSED] == 1
 
-    def _ensure_open(self) -> None:
-        if not self._finalizer.alive:
-            raise RingClosed(f"this end of ring {self.name} is closed")
-
     def close(self) -> None:
         """Drop the mapping; the owner also unlinks the segment. Safe to call twice."""
         self._finalizer()
-
-    def __enter__(self) -> "ShmRing":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _check_peers(self, readable: list[int]) -> None:
-        if any(fd in self.peer_fds for fd in readable):
-            raise RingPeerDied(f"a process at the other end of ring {self.name} exited")
-        if self.alive is not None and not self.alive():
-            raise RingPeerDied(f"a process at the other end of ring {self.name} is gone")
 
     # ---------------------------------------------------------------- writer
 
@@ -392,14 +361,13 @@ class ShmRing:
             if self._room(w):
                 u64[_W_WRITER_WAITING] = 0
                 return
-            slice_s = _WRITER_RECHECK_S
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    u64[_W_WRITER_WAITING] = 0
-                    raise RingTimeout(f"no room in ring {self.name}: a reader is not consuming")
-                slice_s = min(slice_s, left)
-            readable, _, _ = select.select([self._space_fd, *self.peer_fds], [], [], slice_s)
+            try:
+                readable, _ = self._select_slice(
+                    [self._space_fd], [], deadline, _WRITER_RECHECK_S,
+                    f"no room in ring {self.name}: a reader is not consuming")
+            except RingTimeout:
+                u64[_W_WRITER_WAITING] = 0
+                raise
             if self._space_fd in readable:
                 try:
                     os.read(self._space_fd, 8)
@@ -481,13 +449,8 @@ class ShmRing:
                 return
             if self._u64[_W_CLOSED]:
                 raise RingClosed(f"ring {self.name} is closed")
-            slice_s = _READER_SLICE_S
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RingTimeout(f"no message on ring {self.name} in time")
-                slice_s = min(slice_s, left)
-            readable, _, _ = select.select([fd, *self.peer_fds], [], [], slice_s)
+            readable, _ = self._select_slice([fd], [], deadline, _READER_SLICE_S,
+                                             f"no message on ring {self.name} in time")
             if fd in readable:
                 try:
                     os.read(fd, 8)

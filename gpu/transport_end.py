@@ -1,0 +1,52 @@
+"""What one end of a step transport (ShmRing, PipeChannel) does the same way in both: refuse
+use after close, act as a context manager, and block in select() over its own fds plus the
+peers' sentinel fds in short slices up to a deadline, re-checking the ``alive`` callback in
+between. One copy keeps the two transports' death and timeout behaviour identical."""
+from __future__ import annotations
+
+import select
+import time
+from collections.abc import Callable, Sequence
+from typing import Self
+
+from gpu.ring_errors import RingClosed, RingPeerDied, RingTimeout
+
+
+class TransportEnd:
+    """Base of ShmRing and PipeChannel. Subclasses set ``_kind`` (the word in error messages),
+    ``peer_fds``, ``alive``, a ``name`` and a ``_finalizer`` that closes the end."""
+
+    _kind = "transport"
+    name: str
+    peer_fds: list[int]
+    alive: Callable[[], bool] | None
+
+    def _ensure_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RingClosed(f"this end of {self._kind} {self.name} is closed")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_peers(self, readable: list[int]) -> None:
+        """RingPeerDied if a peer's sentinel fired or the ``alive`` callback says no."""
+        if any(fd in self.peer_fds for fd in readable):
+            raise RingPeerDied(f"a process at the other end of {self._kind} {self.name} exited")
+        if self.alive is not None and not self.alive():
+            raise RingPeerDied(f"a process at the other end of {self._kind} {self.name} is gone")
+
+    def _select_slice(self, read_fds: Sequence[int], write_fds: Sequence[int],
+                      deadline: float | None, slice_s: float,
+                      timeout_message: str) -> tuple[list[int], list[int]]:
+        """One bounded select over ``read_fds`` + the peers' fds and ``write_fds``: at most
+        ``slice_s``, less near the monotonic ``deadline``; RingTimeout once it has passed."""
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RingTimeout(timeout_message)
+            slice_s = min(slice_s, left)
+        readable, writable, _ = select.select([*read_fds, *self.peer_fds], write_fds, [], slice_s)
+        return readable, writable
