@@ -32,43 +32,52 @@ def _scales(blocks: np.ndarray, count: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[:, :2 * count]).view(np.float16).astype(np.float32)
 
 
-def dequantize_q4_0(data: np.ndarray) -> np.ndarray:
-    blocks, shape = _blocks(data, 18)
+def _dequantize_chunked(data: np.ndarray, type_size: int, fill) -> np.ndarray:
+    """The loop all three fast types share: ``fill(blocks, out)`` on cache-sized chunks of
+    ``type_size``-byte blocks, each writing its 32 float32 values per block into ``out``."""
+    blocks, shape = _blocks(data, type_size)
     out = np.empty((blocks.shape[0], _BLOCK), np.float32)
     for s in range(0, blocks.shape[0], CHUNK_BLOCKS):
-        b, o = blocks[s:s + CHUNK_BLOCKS], out[s:s + CHUNK_BLOCKS]
-        d = _scales(b, 1)
-        qs = b[:, 2:]
-        np.bitwise_and(qs, 0x0F, out=o[:, :16], casting="unsafe")
-        np.right_shift(qs, 4, out=o[:, 16:], casting="unsafe")
-        o -= 8.0  # exact on small integers: the library's int8 (q - 8)
-        o *= d
+        fill(blocks[s:s + CHUNK_BLOCKS], out[s:s + CHUNK_BLOCKS])
     return out.reshape(shape)
+
+
+def _unpack_nibbles(qs: np.ndarray, o: np.ndarray) -> None:
+    """Low nibbles to the first 16 values of each block, high nibbles to the last 16."""
+    np.bitwise_and(qs, 0x0F, out=o[:, :16], casting="unsafe")
+    np.right_shift(qs, 4, out=o[:, 16:], casting="unsafe")
+
+
+def _fill_q4_0(b: np.ndarray, o: np.ndarray) -> None:
+    d = _scales(b, 1)
+    _unpack_nibbles(b[:, 2:], o)
+    o -= 8.0  # exact on small integers: the library's int8 (q - 8)
+    o *= d
+
+
+def _fill_q4_1(b: np.ndarray, o: np.ndarray) -> None:
+    dm = _scales(b, 2)
+    _unpack_nibbles(b[:, 4:], o)
+    o *= dm[:, 0:1]
+    o += dm[:, 1:2]
+
+
+def _fill_q8_0(b: np.ndarray, o: np.ndarray) -> None:
+    d = _scales(b, 1)
+    o[...] = b[:, 2:].view(np.int8)
+    o *= d
+
+
+def dequantize_q4_0(data: np.ndarray) -> np.ndarray:
+    return _dequantize_chunked(data, 18, _fill_q4_0)
 
 
 def dequantize_q4_1(data: np.ndarray) -> np.ndarray:
-    blocks, shape = _blocks(data, 20)
-    out = np.empty((blocks.shape[0], _BLOCK), np.float32)
-    for s in range(0, blocks.shape[0], CHUNK_BLOCKS):
-        b, o = blocks[s:s + CHUNK_BLOCKS], out[s:s + CHUNK_BLOCKS]
-        dm = _scales(b, 2)
-        qs = b[:, 4:]
-        np.bitwise_and(qs, 0x0F, out=o[:, :16], casting="unsafe")
-        np.right_shift(qs, 4, out=o[:, 16:], casting="unsafe")
-        o *= dm[:, 0:1]
-        o += dm[:, 1:2]
-    return out.reshape(shape)
+    return _dequantize_chunked(data, 20, _fill_q4_1)
 
 
 def dequantize_q8_0(data: np.ndarray) -> np.ndarray:
-    blocks, shape = _blocks(data, 34)
-    out = np.empty((blocks.shape[0], _BLOCK), np.float32)
-    for s in range(0, blocks.shape[0], CHUNK_BLOCKS):
-        b, o = blocks[s:s + CHUNK_BLOCKS], out[s:s + CHUNK_BLOCKS]
-        d = _scales(b, 1)
-        o[...] = b[:, 2:].view(np.int8)
-        o *= d
-    return out.reshape(shape)
+    return _dequantize_chunked(data, 34, _fill_q8_0)
 
 
 def dequantize(data: np.ndarray, qtype) -> np.ndarray:
