@@ -33,6 +33,6 @@ class APIKeyMiddleware:
         if hmac.compare_digest(given, self._expected):
             await self.app(scope, receive, send)
             return
-        from app.server import error_response
+        from app.responses import error_response
 
         await error_response(APIError.unauthorized())(scope, receive, send)

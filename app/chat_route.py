@@ -1,0 +1,115 @@
+"""POST /v1/chat/completions: messages through the chat template to one prompt, choices, and the
+chat ``logprobs`` shape (content entries with bytes), full or streamed (role delta first)."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.errors import APIError
+from app.fanout import Choice, ClientDisconnected, end_unfinished
+from app.protocol import ChatCompletionRequest, parse
+from app.responses import ORJSONResponse
+from app.streaming import sse_response
+
+
+class ChatRoute:
+    """Mixin of OpenAIServer (with RouteBase and ChoiceFanOut); ``chat_prompt`` also serves
+    /tokenize with messages."""
+
+    async def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                          continue_final_message: bool) -> tuple[str, list[int]]:
+        from jinja2 import TemplateError
+
+        try:
+            text = await self.engine.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message)
+        except (TemplateError, ValueError) as e:
+            raise APIError.bad_request(f"the chat template could not render these messages: {e}",
+                                       param="messages") from None
+        ids = await self.engine.encode(text, add_special_tokens=False)
+        return text, list(ids)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse(ChatCompletionRequest, await self.read_json(request))
+        req.check_supported()
+        messages = req.template_messages()
+        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        text, ids = await self.chat_prompt(messages, req.add_generation_prompt,
+                                           req.continue_final_message)
+        requested = req.requested_max_tokens()
+        try:
+            max_tokens = self.max_tokens_for(len(ids), requested, None)
+        except APIError as e:
+            if req.max_completion_tokens is not None and e.param == "max_tokens":
+                e.param = "max_completion_tokens"
+            if e.param == "prompt":
+                e.param = "messages"
+            raise
+        kw = req.sampling_kwargs()
+        top = req.top_logprobs or 0
+        if req.logprobs:
+            kw["logprobs"] = top
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        choices = self.make_choices(request_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
+        created = int(time.time())
+        streams = await self.start(choices, req.priority, req.cache_salt)
+        if req.stream:
+            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top), streams,
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()))
+        body = await self.until_disconnect(
+            request, self.chat_full(req, choices, streams, request_id, created, top), streams, choices)
+        return ORJSONResponse(body)
+
+    def chat_logprobs(self, entries: list, k: int) -> dict[str, list]:
+        content = []
+        for tid, lp, top in entries:
+            s = self.token_text(tid)
+            content.append({
+                "token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [{"token": (ts := self.token_text(t)), "logprob": v,
+                                  "bytes": list(ts.encode("utf-8"))} for t, v in top[:k]],
+            })
+        return {"content": content}
+
+    async def chat_full(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
+                        request_id: str, created: int, top: int) -> dict[str, Any]:
+        async for c, comp, new_ids in self.run(choices, streams):
+            if req.logprobs:
+                c.logprobs.extend(self.new_logprobs(comp, new_ids))
+        out = []
+        for c in choices:
+            out.append({"index": c.index,
+                        "message": {"role": "assistant", "content": "".join(c.text)},
+                        "logprobs": self.chat_logprobs(c.logprobs, top) if req.logprobs else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": request_id, "object": "chat.completion", "created": created,
+                "model": self.model_name, "choices": out, "usage": self.usage(choices),
+                "system_fingerprint": None}
+
+    async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
+                          request_id: str, created: int, top: int) -> AsyncIterator[dict[str, Any]]:
+        usage_field = {"usage": None} if req.include_usage else {}
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.model_name}
+        for c in choices:
+            yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **usage_field}
+        async for c, comp, new_ids in self.run(choices, streams):
+            text = comp.text
+            logprobs = None
+            if req.logprobs:
+                logprobs = self.chat_logprobs(self.new_logprobs(comp, new_ids), top)
+            if not text and c.finish_reason is None and not (logprobs and logprobs["content"]):
+                continue
+            choice: dict[str, Any] = {"index": c.index, "delta": {"content": text} if text else {},
+                                      "logprobs": logprobs, "finish_reason": c.finish_reason}
+            if c.finish_reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            yield {**head, "choices": [choice], **usage_field}
+        if req.include_usage:
+            yield {**head, "choices": [], "usage": self.usage(choices)}

@@ -1,0 +1,155 @@
+"""POST /v1/completions: prompts (text, texts, ids, lists of ids) to choices, echo, and the
+legacy ``logprobs`` shape (tokens, token_logprobs, top_logprobs, text_offset), full or streamed."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.errors import APIError
+from app.fanout import Choice, ClientDisconnected, end_unfinished, normalize_logprob
+from app.protocol import CompletionRequest, parse
+from app.responses import ORJSONResponse
+from app.streaming import sse_response
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class CompletionsRoute:
+    """Mixin of OpenAIServer (with RouteBase and ChoiceFanOut)."""
+
+    async def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            texts = [prompt]
+        elif isinstance(prompt[0], str):
+            texts = list(prompt)
+        elif isinstance(prompt[0], int):
+            return [(None, self.check_ids(list(prompt), "prompt"))]
+        else:
+            return [(None, self.check_ids(list(p), "prompt")) for p in prompt]
+        ids = await asyncio.gather(*(self.engine.encode(t) for t in texts))
+        for i, t in enumerate(ids):
+            if not t:
+                raise APIError.bad_request("the prompt is empty", param="prompt")
+        return list(zip(texts, [list(t) for t in ids]))
+
+    async def completions(self, request: Request) -> Response:
+        req = parse(CompletionRequest, await self.read_json(request))
+        req.check_supported()
+        prompts = await self.completion_prompts(req)
+        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        max_tokens = [self.max_tokens_for(len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+                      for _, ids in prompts]
+        kw = req.sampling_kwargs()
+        if req.logprobs is not None:
+            kw["logprobs"] = req.logprobs
+            if req.echo:
+                kw["prompt_logprobs"] = req.logprobs
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        choices = self.make_choices(request_id, prompts, req.n, kw, max_tokens, req.seed)
+        if req.echo:
+            await self.fill_prompt_texts(choices)
+        created = int(time.time())
+        # Submitted before the response starts, so a refusal (overloaded, dead) is a real status.
+        streams = await self.start(choices, req.priority, req.cache_salt)
+        if req.stream:
+            return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams,
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()))
+        body = await self.until_disconnect(
+            request, self.completion_full(req, choices, streams, request_id, created), streams, choices)
+        return ORJSONResponse(body)
+
+    async def fill_prompt_texts(self, choices: list[Choice]) -> None:
+        for c in choices:
+            if c.prompt_text is None:
+                c.prompt_text = await self.decode(c.prompt_ids)
+
+    def completion_logprobs(self, c: Choice, entries: list, with_prompt: bool,
+                            k: int) -> dict[str, list]:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        offset = c.text_offset
+        if with_prompt:
+            prompt_lps = list(c.prompt_logprobs or [])
+            for pos, tid in enumerate(c.prompt_ids):
+                entry = prompt_lps[pos] if pos < len(prompt_lps) else None
+                s = self.token_text(tid)
+                tokens.append(s)
+                offsets.append(offset)
+                offset += len(s)
+                if entry is None:
+                    token_logprobs.append(None)
+                    top_logprobs.append(None)
+                else:
+                    _, lp, top = normalize_logprob(entry, tid)
+                    token_logprobs.append(lp)
+                    top_logprobs.append(self.top_dict(tid, lp, top, k))
+        for tid, lp, top in entries:
+            s = self.token_text(tid)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            token_logprobs.append(lp)
+            top_logprobs.append(self.top_dict(tid, lp, top, k))
+        c.text_offset = offset
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def top_dict(self, tid: int, lp: float, top: list[tuple[int, float]], k: int) -> dict[str, float]:
+        # As OpenAI/vLLM: the k most likely tokens, plus the sampled one.
+        out = {self.token_text(t): v for t, v in top[:k]}
+        out.setdefault(self.token_text(tid), lp)
+        return out
+
+    async def completion_full(self, req: CompletionRequest, choices: list[Choice], streams: list[Any],
+                              request_id: str, created: int) -> dict[str, Any]:
+        async for c, comp, new_ids in self.run(choices, streams):
+            if req.logprobs is not None:
+                c.logprobs.extend(self.new_logprobs(comp, new_ids))
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            logprobs = None
+            if req.echo:
+                text = (c.prompt_text or "") + text
+            if req.logprobs is not None:
+                logprobs = self.completion_logprobs(c, c.logprobs, req.echo, req.logprobs)
+            out.append({"index": c.index, "text": text, "logprobs": logprobs,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": out, "usage": self.usage(choices),
+                "system_fingerprint": None}
+
+    async def completion_stream(self, req: CompletionRequest, choices: list[Choice],
+                                streams: list[Any], request_id: str, created: int) -> AsyncIterator[dict[str, Any]]:
+        usage_field = {"usage": None} if req.include_usage else {}
+        echoed: set[int] = set()
+        async for c, comp, new_ids in self.run(choices, streams):
+            text = comp.text
+            with_prompt = False
+            if req.echo and c.index not in echoed:
+                echoed.add(c.index)
+                text = (c.prompt_text or "") + text
+                with_prompt = True
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self.completion_logprobs(c, self.new_logprobs(comp, new_ids), with_prompt,
+                                                    req.logprobs)
+            if not text and not new_ids and c.finish_reason is None:
+                continue
+            yield {"id": request_id, "object": "text_completion", "created": created,
+                   "model": self.model_name,
+                   "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                   **usage_field}
+        if req.include_usage:
+            yield {"id": request_id, "object": "text_completion", "created": created,
+                   "model": self.model_name, "choices": [], "usage": self.usage(choices)}

@@ -1,0 +1,187 @@
+"""One engine request per choice, and the plumbing every generating route shares.
+
+A request with several prompts or ``n > 1`` fans out to one engine request per choice (choice
+index = prompt_idx * n + i); their delta streams are merged and each choice's text, tokens,
+logprobs, finish reason and metrics are kept up to date. However a request ends (finished,
+failed, client gone) every choice is counted once in the metrics: ``end_unfinished``.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from app.errors import APIError
+from app.metrics import RequestTracker
+from app.streaming import close_all, merge_async_iterators
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streaming response was ready."""
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request = one choice of the response."""
+
+    index: int
+    prompt_idx: int
+    sample_idx: int
+    request_id: str
+    prompt_ids: list[int]
+    prompt_text: str | None
+    params: Any
+    tracker: RequestTracker
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_offset: int = 0  # completions logprobs: characters emitted so far (streaming)
+    started: bool = False
+
+
+class ChoiceFanOut:
+    """Mixin of OpenAIServer (needs ``engine``, ``metrics``, ``_sampling_params_cls``): build the
+    choices of a request, submit them, drive their streams, count usage."""
+
+    def build_params(self, kwargs: dict[str, Any]) -> Any:
+        return self._sampling_params_cls(**kwargs)
+
+    def make_choices(self, request_id: str, prompts: list[tuple[str | None, list[int]]], n: int,
+                     base_kwargs: dict[str, Any], max_tokens: list[int], seed: int | None) -> list[Choice]:
+        choices = []
+        for p, (text, ids) in enumerate(prompts):
+            for i in range(n):
+                kw = dict(base_kwargs)
+                kw["n"] = 1
+                kw["max_tokens"] = max_tokens[p]
+                if seed is not None:
+                    # Choice i is seeded seed + i, as the engine seeds sequence i of an n > 1
+                    # request: distinct choices, reproducible run to run.
+                    kw["seed"] = (seed + i) % 2**63 if seed >= 0 else seed
+                choices.append(Choice(index=p * n + i, prompt_idx=p, sample_idx=i,
+                                      request_id=f"{request_id}-{p}-{i}", prompt_ids=ids,
+                                      prompt_text=text, params=self.build_params(kw),
+                                      tracker=self.metrics.tracker()))
+        return choices
+
+    async def start(self, choices: list[Choice], priority: int, cache_salt: str | None = None) -> list[Any]:
+        """Submit every choice to the engine; if one is refused, abort those already started."""
+        streams: list[Any] = []
+        try:
+            for c in choices:
+                streams.append(self.engine.generate(c.prompt_ids, c.params, c.request_id,
+                                                    prompt=c.prompt_text, priority=priority,
+                                                    cache_salt=cache_salt))
+        except BaseException as e:
+            await close_all(streams)
+            self.metrics.refused(e)
+            raise
+        return streams
+
+    async def run(self, choices: list[Choice], streams: list[Any]) -> AsyncIterator[tuple[Choice, Any, list[int]]]:
+        """Drive the engine streams; yield (choice, completion delta, new token ids) and keep the
+        accumulated state and metrics of each choice up to date. However it ends (finished,
+        failed, client gone), every choice is counted once in the metrics."""
+        try:
+            async for k, out in merge_async_iterators(streams):
+                c = choices[k]
+                comp = out.outputs[0]
+                if comp.finish_reason == "error":
+                    c.tracker.finish("error", "engine_error")
+                    raise APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
+                                   "server_error", None, "engine_error")
+                new_ids = list(comp.token_ids)
+                if not c.started:
+                    c.started = True
+                    if c.sample_idx == 0:
+                        self.metrics.prompt_tokens.inc(len(c.prompt_ids))
+                    if getattr(out, "prompt_logprobs", None) is not None:
+                        c.prompt_logprobs = out.prompt_logprobs
+                c.tracker.on_output(out, len(new_ids), getattr(comp, "token_times", None))
+                if new_ids:
+                    self.metrics.generation_tokens.inc(len(new_ids))
+                c.text.append(comp.text)
+                c.token_ids.extend(new_ids)
+                if comp.finish_reason is not None or out.finished:
+                    c.finish_reason = comp.finish_reason or "stop"
+                    c.stop_reason = comp.stop_reason
+                    c.tracker.finish(c.finish_reason)
+                yield c, comp, new_ids
+        except BaseException as e:
+            end_unfinished(choices, e)
+            raise
+
+    def new_logprobs(self, comp: Any, new_ids: list[int]) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """Normalize the engine's per-token logprobs to (token id, logprob, top [(id, logprob)])."""
+        raw = getattr(comp, "logprobs", None)
+        if not raw:
+            return []
+        return [normalize_logprob(entry, tid) for entry, tid in zip(raw, new_ids)]
+
+    @staticmethod
+    def usage(choices: list[Choice]) -> dict[str, int]:
+        prompt = sum(len(c.prompt_ids) for c in choices if c.sample_idx == 0)
+        completion = sum(len(c.token_ids) for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    async def until_disconnect(self, request: Request, coro: Any, streams: list[Any],
+                               choices: list[Choice] = ()) -> Any:
+        """Run a non-streaming generation; if the client goes away first, cancel it and close the
+        engine streams (→ abort)."""
+        task = asyncio.ensure_future(coro)
+
+        async def watch() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                watcher.cancel()
+                await close_all(streams)  # the task may have been cancelled before it started
+                end_unfinished(choices, ClientDisconnected())
+                raise ClientDisconnected()
+            watcher.cancel()
+        return task.result()
+
+
+def end_unfinished(choices: Sequence[Choice], exc: BaseException) -> None:
+    """Count the choices that had not finished when their request ended: the client went away
+    (abort) or the request failed (error, by cause)."""
+    from engine.errors import EngineDeadError
+
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit, ClientDisconnected)):
+        reason, cause = "abort", ""
+    elif isinstance(exc, EngineDeadError) or getattr(exc, "code", None) == "engine_dead":
+        reason, cause = "error", "engine_dead"
+    elif getattr(exc, "code", None) == "engine_error":
+        reason, cause = "error", "engine_error"
+    else:
+        reason, cause = "error", "internal_error"
+    for c in choices:
+        if not c.tracker.done:
+            c.tracker.finish(reason, cause)
+
+
+def normalize_logprob(entry: Any, token_id: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """One position's logprobs from the engine → (sampled id, its logprob, top [(id, logprob)] best
+    first). Accepts vLLM's ``{token_id: Logprob | float}`` and the worker's SampledLogprobs form."""
+    if isinstance(entry, dict):
+        pairs = [(int(tid), float(getattr(v, "logprob", v))) for tid, v in entry.items()]
+        ranked = sorted(pairs, key=lambda p: -p[1])
+        chosen = dict(pairs).get(token_id)
+        return token_id, (chosen if chosen is not None else float("nan")), ranked
+    return token_id, float(entry.logprob), [(int(t), float(v)) for t, v in entry.top]

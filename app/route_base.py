@@ -1,0 +1,97 @@
+"""State and request checks every route of OpenAIServer shares: the body reader with its size
+limit, the model-name check, context-length arithmetic, token-id range checks and token text."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+
+from app.errors import APIError
+from app.metrics import ServerMetrics
+
+
+class RouteBase:
+    """Base of OpenAIServer: the engine, the served name, the metrics, and the checks above."""
+
+    def __init__(self, engine: Any, served_model_name: str, max_body_bytes: int,
+                 metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+        self.created = int(time.time())
+        self._token_text_cache: dict[int, str] = {}
+        from engine.sampling_params import SamplingParams
+
+        self._sampling_params_cls = SamplingParams
+
+    async def read_json(self, request: Request) -> Any:
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                if int(length) > limit:
+                    raise APIError.too_large(limit)
+            except ValueError:
+                raise APIError.bad_request("invalid Content-Length header") from None
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError.too_large(limit)
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        if not body:
+            raise APIError.bad_request("the request body is empty; send a JSON object")
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise APIError.bad_request(f"the request body is not valid JSON: {e}") from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError.model_not_found(model)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text_cache) < 500_000:
+                self._token_text_cache[token_id] = text
+        return text
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None) -> int:
+        ctx = self.engine.max_model_len
+        if prompt_len >= ctx:
+            raise APIError.bad_request(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt has "
+                f"{prompt_len} tokens, which leaves no room for the completion. Please shorten the "
+                "prompt.", param="prompt", code="context_length_exceeded")
+        room = ctx - prompt_len
+        if requested is not None:
+            if requested > room:
+                raise APIError.bad_request(
+                    f"This model's maximum context length is {ctx} tokens. However, you requested "
+                    f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for "
+                    "the completion). Please reduce the prompt or the completion length.",
+                    param="max_tokens", code="context_length_exceeded")
+            return requested
+        return room if default is None else min(default, room)
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        vocab = getattr(self.engine.tokenizer, "vocab_size", None)
+        for t in ids:
+            if t < 0 or (vocab is not None and t >= vocab):
+                raise APIError.bad_request(f"token id {t} is out of range: ids must be in [0, {vocab})"
+                                           if vocab is not None else f"token id {t} is negative",
+                                           param=param)
+        return ids
+
+    async def decode(self, ids: list[int]) -> str:
+        decode = getattr(self.engine, "decode", None)  # off the loop when the engine offers it
+        if decode is not None:
+            return await decode(ids, skip_special_tokens=False)
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
