@@ -28,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-GROUP = 32  # int4: values per (scale, min) pair, as in GGUF Q4_1
+GROUP = 32  # int4: values per fp16 (scale, min) pair, as in GGUF Q4_1
 FUSED_MAX_M = 16  # above this many rows, dequantize blocks of W and use the BLAS matmul
 _DEQUANT_ROWS = 2048  # rows of W widened at a time on the large-M path (bounded scratch)
 _SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
@@ -90,6 +90,8 @@ def library() -> ctypes.CDLL:
     simd = {"avx2", "fma"} <= cpu and os.environ.get("PAGEDSERVE_QGEMM_ISA") != "scalar"  # override: tests
     if simd:
         flags += ["-mavx2", "-mfma"]
+        if "f16c" in cpu:  # every AVX2 CPU so far has it: int4's fp16 scales in one instruction
+            flags.append("-mf16c")
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join(flags).encode() + cc_path.encode()).hexdigest()[:16]
     path = _cache_dir() / f"qgemm-{key}.so"
@@ -137,25 +139,28 @@ def dequantize_int8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit in groups of 32 along K (scale and min per group, like GGUF Q4_1):
-    (w4 [N, K/2] uint8, d [N, K/32] fp32, m [N, K/32] fp32). K must be a multiple of 32."""
+    """Asymmetric 4-bit in groups of 32 along K, an fp16 scale and minimum per group (GGUF Q4_1):
+    (w4 [N, K/2] uint8, d [N, K/32] fp16, m [N, K/32] fp16). K must be a multiple of 32."""
     n, k = w.shape
     if k % GROUP:
         raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {k}")
     g = w.detach().float().reshape(n, k // GROUP, GROUP)
     lo, hi = g.amin(dim=2), g.amax(dim=2)
-    d = (hi - lo) / 15.0
+    d16, m16 = ((hi - lo) / 15.0).half(), lo.half()
+    if not (torch.isfinite(d16).all() and torch.isfinite(m16).all()):
+        raise ValueError("int4: a weight group's range does not fit the fp16 scale (|w| > 65504)")
+    d, m = d16.float(), m16.float()  # the codes are chosen against the scale as stored
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.clamp(torch.round((g - lo[..., None]) * inv[..., None]), 0, 15).to(torch.uint8)
+    q = torch.clamp(torch.round((g - m[..., None]) * inv[..., None]), 0, 15).to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)  # byte j: value j (low nibble), value j+16 (high)
-    return packed.reshape(n, k // 2).contiguous(), d.contiguous(), lo.contiguous()
+    return packed.reshape(n, k // 2).contiguous(), d16.contiguous(), m16.contiguous()
 
 
 def dequantize_int4(w4: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     n, half = w4.shape
     p = w4.reshape(n, half // 16, 16)
     q = torch.cat([p & 0x0F, p >> 4], dim=2).float()
-    return (q * d[..., None] + m[..., None]).reshape(n, half * 2)
+    return (q * d.float()[..., None] + m.float()[..., None]).reshape(n, half * 2)
 
 
 # ------------------------------------------------------------------ matmuls
@@ -176,6 +181,9 @@ class PackedLinear:
                 raise ValueError("packed weights must be contiguous CPU tensors")
         self.mode, self.tensors, self.bias = mode, tensors, bias
         self._bp = None if bias is None else bias.data_ptr()
+        expected = {"int8": (torch.int8, torch.float32), "int4": (torch.uint8, torch.float16, torch.float16)}
+        if mode in expected and tuple(t.dtype for t in tensors) != expected[mode]:
+            raise ValueError(f"{mode} packed weights must be {expected[mode]}, got {tuple(t.dtype for t in tensors)}")
         if mode == "int8":
             w8, scale = tensors
             self.n, self.k = w8.shape

@@ -8,7 +8,7 @@
  *
  * Layouts (row n = output channel, contiguous along K):
  *   int8: w8[N][K] int8, scale[N] fp32; W[n][k] = scale[n] * w8[n][k]            (symmetric)
- *   int4: w4[N][K/2] uint8, d[N][K/32], m[N][K/32] fp32; per group g of 32 values,
+ *   int4: w4[N][K/2] uint8, d[N][K/32], m[N][K/32] fp16; per group g of 32 values,
  *         byte j of the group holds value j in its low nibble and value j+16 in its high
  *         nibble (the order of GGUF Q4_1 blocks); W[n][32g+i] = d[n][g] * q + m[n][g], q 0..15.
  *
@@ -23,8 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 #define QG_AVX2 1
 #else
 #define QG_AVX2 0
@@ -199,6 +201,23 @@ void qg_int8_dequant(const int8_t *w8, const float *scale, int64_t K, int64_t n0
 
 /* ---------------------------------------------------------------- int4 ---------------- */
 
+/* IEEE half to float without F16C (one group's scale or minimum per 32 weights: cheap enough).
+ * Shifting the 15 exponent+mantissa bits into float position and scaling by 2^112 rebiases the
+ * exponent and handles subnormals; inf/NaN get the all-ones exponent back. */
+static inline float h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);  /* one vcvtph2ps: the bit trick below costs int4 ~40 % on AVX2 */
+#else
+    union { uint32_t u; float f; } v;
+    uint32_t em = h & 0x7fffu;
+    v.u = em << 13;
+    v.f *= 0x1p112f;
+    if (em >= 0x7c00u) v.u |= 0x7f800000u;
+    v.u |= (uint32_t)(h & 0x8000u) << 16;
+    return v.f;
+#endif
+}
+
 /* sum_k x[k] * q[k] over one group, q the raw 0..15 codes (scalar build and reference). */
 static inline float q4_group_dot_scalar(const float *xg, const uint8_t *p) {
     float s = 0.0f;
@@ -227,7 +246,7 @@ static inline __m256 q4_group_dot(__m256i lo, __m256i hi, const int16_t *xg) {
 #endif
 
 /* Returns 0, or -1 when the scratch for the activations cannot be allocated. */
-int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const float *d, const float *mn,
+int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const uint16_t *d, const uint16_t *mn,
                const float *bias, float *y, int64_t N, int nthreads) {
     int64_t G = K / QG_GROUP;
     /* per x row and group: the plain sum of x, which the group minimum multiplies */
@@ -254,7 +273,7 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const fl
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wr = w4 + n * (K / 2);
-        const float *dr = d + n * G, *mr = mn + n * G;
+        const uint16_t *dr = d + n * G, *mr = mn + n * G;
         int64_t i = 0;
 #if QG_AVX2
         for (; i + 2 <= M; i += 2) {
@@ -264,14 +283,14 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const fl
                 __m256i lo, hi;
                 if (!(g & 3)) _mm_prefetch((const char *)(wr + g * 16 + QG_PREFETCH), _MM_HINT_T0);
                 q4_unpack16(wr + g * 16, &lo, &hi);
-                __m256 dg = _mm256_set1_ps(dr[g]);
+                __m256 dg = _mm256_set1_ps(h2f(dr[g]));
                 a0 = _mm256_fmadd_ps(dg, q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
                 a1 = _mm256_fmadd_ps(dg, q4_group_dot(lo, hi, x1 + g * QG_GROUP), a1);
             }
             float m0 = 0.0f, m1 = 0.0f;
             for (int64_t g = 0; g < G; g++) {
-                m0 += mr[g] * xsum[i * G + g];
-                m1 += mr[g] * xsum[(i + 1) * G + g];
+                m0 += h2f(mr[g]) * xsum[i * G + g];
+                m1 += h2f(mr[g]) * xsum[(i + 1) * G + g];
             }
             y[i * N + n] = hsum8(a0) * xs[i] + m0 + (bias ? bias[n] : 0.0f);
             y[(i + 1) * N + n] = hsum8(a1) * xs[i + 1] + m1 + (bias ? bias[n] : 0.0f);
@@ -285,16 +304,16 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const fl
                 if (!(g & 3)) _mm_prefetch((const char *)(wr + g * 16 + QG_PREFETCH), _MM_HINT_T0);
                 q4_unpack16(wr + g * 16, &lo, &hi);
                 q4_unpack16(wr + g * 16 + 16, &lo2, &hi2);
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[g]), q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
-                a1 = _mm256_fmadd_ps(_mm256_set1_ps(dr[g + 1]), q4_group_dot(lo2, hi2, x0 + (g + 1) * QG_GROUP), a1);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(dr[g])), q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(dr[g + 1])), q4_group_dot(lo2, hi2, x0 + (g + 1) * QG_GROUP), a1);
             }
             for (; g < G; g++) {
                 __m256i lo, hi;
                 q4_unpack16(wr + g * 16, &lo, &hi);
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(dr[g]), q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(dr[g])), q4_group_dot(lo, hi, x0 + g * QG_GROUP), a0);
             }
             float m0 = 0.0f;
-            for (g = 0; g < G; g++) m0 += mr[g] * xsum[i * G + g];
+            for (g = 0; g < G; g++) m0 += h2f(mr[g]) * xsum[i * G + g];
             y[i * N + n] = hsum8(_mm256_add_ps(a0, a1)) * xs[i] + m0 + (bias ? bias[n] : 0.0f);
         }
 #else
@@ -302,7 +321,7 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const fl
             const float *x0 = x + i * K;
             float s = 0.0f;
             for (int64_t g = 0; g < G; g++)
-                s += dr[g] * q4_group_dot_scalar(x0 + g * QG_GROUP, wr + g * 16) + mr[g] * xsum[i * G + g];
+                s += h2f(dr[g]) * q4_group_dot_scalar(x0 + g * QG_GROUP, wr + g * 16) + h2f(mr[g]) * xsum[i * G + g];
             y[i * N + n] = s + (bias ? bias[n] : 0.0f);
         }
 #endif
@@ -315,7 +334,7 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const fl
     return 0;
 }
 
-void qg_int4_dequant(const uint8_t *w4, const float *d, const float *mn, int64_t K, int64_t n0, int64_t n1,
+void qg_int4_dequant(const uint8_t *w4, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t n0, int64_t n1,
                      float *out, int nthreads) {
     int64_t G = K / QG_GROUP;
     if (nthreads < 1) nthreads = 1;
@@ -324,7 +343,7 @@ void qg_int4_dequant(const uint8_t *w4, const float *d, const float *mn, int64_t
         const uint8_t *wr = w4 + n * (K / 2);
         float *o = out + (n - n0) * K;
         for (int64_t g = 0; g < G; g++) {
-            float dg = d[n * G + g], mg = mn[n * G + g];
+            float dg = h2f(d[n * G + g]), mg = h2f(mn[n * G + g]);
             const uint8_t *p = wr + g * 16;
             for (int j = 0; j < 16; j++) {
                 o[g * QG_GROUP + j] = dg * (float)(p[j] & 0x0F) + mg;
