@@ -1,0 +1,145 @@
+"""Logits processing before the draw (steps 2-4 of gpu.sampler's order): logit_bias, min_tokens
+blocking, the repetition / frequency / presence penalties, and the repair of rows with
+non-finite values. Kept apart from the draw so each can be read and tested on its own."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from gpu.messages import SamplingOptions
+from gpu.sampling_host import on_device
+
+logger = logging.getLogger(__name__)
+
+
+def num_generated(token_ids: list[list[int]], num_prompt_tokens: list[int], i: int) -> int:
+    return len(token_ids[i]) - num_prompt_tokens[i]
+
+
+def process_logits(
+    logits: Tensor,
+    options: list[SamplingOptions],
+    token_ids: list[list[int]],
+    num_prompt_tokens: list[int],
+) -> Tensor:
+    """Apply logit_bias, min_tokens blocking and the three penalties, in place; returns logits.
+
+    Token ids outside the vocabulary in ``logit_bias`` are ignored here (the engine validates
+    them against the tokenizer); failing the worker step would fail every request in it.
+    """
+    batch, vocab = logits.shape
+    bias_rows: list[int] = []
+    bias_cols: list[int] = []
+    bias_vals: list[float] = []
+    block_rows: list[int] = []
+    block_cols: list[int] = []
+    penalty_rows: list[int] = []
+    for i, opt in enumerate(options):
+        if opt.logit_bias:
+            for tok, bias in opt.logit_bias.items():
+                tok = int(tok)
+                if 0 <= tok < vocab:
+                    bias_rows.append(i)
+                    bias_cols.append(tok)
+                    bias_vals.append(float(bias))
+        if (
+            opt.min_tokens > 0
+            and opt.min_tokens_blocked_ids
+            and num_generated(token_ids, num_prompt_tokens, i) < opt.min_tokens
+        ):
+            for tok in opt.min_tokens_blocked_ids:
+                if 0 <= tok < vocab:
+                    block_rows.append(i)
+                    block_cols.append(tok)
+        if (
+            opt.repetition_penalty != 1.0
+            or opt.frequency_penalty != 0.0
+            or opt.presence_penalty != 0.0
+        ):
+            penalty_rows.append(i)
+    if bias_rows:
+        logits.index_put_(
+            (on_device(logits, bias_rows), on_device(logits, bias_cols)),
+            on_device(logits, bias_vals, logits.dtype),
+            accumulate=True,
+        )
+    if block_rows:
+        logits[on_device(logits, block_rows), on_device(logits, block_cols)] = float("-inf")
+    if penalty_rows:
+        _apply_penalties(logits, penalty_rows, options, token_ids, num_prompt_tokens)
+    return logits
+
+
+def _apply_penalties(
+    logits: Tensor,
+    rows: list[int],
+    options: list[SamplingOptions],
+    token_ids: list[list[int]],
+    num_prompt_tokens: list[int],
+) -> None:
+    """Penalties touch only tokens a row has seen, so work on those (row, token) pairs alone.
+
+    Same values as the dense vLLM formulas, O(number of tokens) instead of O(rows * vocab).
+    """
+    vocab = logits.shape[1]
+    rep = on_device(logits, [options[i].repetition_penalty for i in range(len(options))])
+    freq = on_device(logits, [options[i].frequency_penalty for i in range(len(options))])
+    pres = on_device(logits, [options[i].presence_penalty for i in range(len(options))])
+
+    # One flat tensor of every penalised row's tokens; each token knows its row and position.
+    lens = on_device(logits, [len(token_ids[i]) for i in rows])
+    flat = on_device(logits, [t for i in rows for t in token_ids[i]], torch.long)
+    row_t = on_device(logits, rows)
+    row_of = torch.repeat_interleave(row_t, lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(flat.shape[0], device=logits.device) - torch.repeat_interleave(starts, lens)
+    n_prompt = torch.repeat_interleave(on_device(logits, [num_prompt_tokens[i] for i in rows]), lens)
+    valid = (flat >= 0) & (flat < vocab)
+    is_gen = pos >= n_prompt
+    keys_all = row_of * vocab + flat
+    uniq_gen, gen_counts = torch.unique(keys_all[valid & is_gen], return_counts=True)
+    in_prompt = valid & ~is_gen & (rep[row_of] != 1.0)
+    if bool(in_prompt.any()):
+        keys = torch.unique(torch.cat([uniq_gen, keys_all[in_prompt]]))
+    else:
+        keys = uniq_gen
+    if keys.numel() == 0:
+        return
+    counts = torch.zeros(keys.shape[0], dtype=logits.dtype, device=logits.device)
+    counts[torch.searchsorted(keys, uniq_gen)] = gen_counts.to(logits.dtype)
+
+    key_rows = keys // vocab
+    key_cols = keys % vocab
+    vals = logits[key_rows, key_cols]
+    # Every key was seen in the prompt or the output of its row: the repetition penalty applies.
+    r = rep[key_rows].to(logits.dtype)
+    vals = torch.where(vals > 0, vals / r, vals * r)
+    vals = vals - freq[key_rows].to(logits.dtype) * counts
+    vals = vals - pres[key_rows].to(logits.dtype) * (counts > 0).to(logits.dtype)
+    logits[key_rows, key_cols] = vals
+
+
+def repair_non_finite(logits: Tensor, row_max: Tensor) -> None:
+    """Make rows with +inf or NaN logits, or no finite one, drawable; in place.
+
+    A +inf or NaN logit (a +inf logit_bias from the offline API, a penalty overflow, a broken
+    model) made the draws index out of range, and a failed step fails every request in the
+    batch, so one row's values must never fail the others. Per bad row: if it has +inf
+    entries, those are its only candidates (equally likely); NaN counts as -inf; a row left
+    with no candidate at all (all -inf or NaN) is treated as all-equal logits: greedy picks
+    token 0, a random row draws uniformly by its seed. Finite rows are not touched.
+    """
+    bad = (~torch.isfinite(row_max)).nonzero().squeeze(1)
+    rows = logits[bad]
+    pos_inf = rows == float("inf")
+    has_pos = pos_inf.any(dim=-1, keepdim=True)
+    rows = torch.where(
+        has_pos,
+        torch.where(pos_inf, 0.0, float("-inf")),
+        rows.masked_fill(rows.isnan(), float("-inf")),
+    )
+    none_left = (rows == float("-inf")).all(dim=-1, keepdim=True)
+    logits[bad] = rows.masked_fill(none_left, 0.0)
+    logger.debug("%d sampler rows had non-finite logits", bad.numel())

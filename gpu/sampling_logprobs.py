@@ -1,0 +1,54 @@
+"""Logprobs for the API: the sampled token's logprob and the row's top-k, for generated tokens
+and for prompt tokens (``compute_prompt_logprobs``), read back in the step's one host copy."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gpu.messages import SampledLogprobs
+from gpu.sampling_host import fetch_to_host
+
+
+def logprob_entries(
+    logprobs: Tensor, chosen: Tensor, ks: list[int], also: Tensor | None = None
+) -> tuple[list[int], list[SampledLogprobs]]:
+    """Logprob of each row's chosen token and its top-k, read back in one copy together with
+    ``also`` (the step's token ids; returned as the first value, [] without it)."""
+    rows, vocab = logprobs.shape
+    picked = logprobs.gather(1, chosen.long().unsqueeze(1)).squeeze(1)
+    k_max = min(max(ks, default=0), vocab)
+    ints = [also] if also is not None else []
+    floats = [picked]
+    if k_max > 0:
+        tv, ti = logprobs.topk(k_max, dim=-1)
+        ints.append(ti)
+        floats.append(tv)
+    host_ints, host_floats = fetch_to_host(ints, floats)
+    token_list = host_ints[0] if also is not None else []
+    top_ids = host_ints[-1] if k_max > 0 else []
+    top_vals = host_floats[1] if k_max > 0 else []
+    entries = []
+    for r, k in enumerate(ks):
+        at = r * k_max
+        top = list(zip(top_ids[at:at + k], top_vals[at:at + k])) if k > 0 else []
+        entries.append(SampledLogprobs(logprob=host_floats[0][r], top=top))
+    return token_list, entries
+
+
+def compute_prompt_logprobs(
+    logits: Tensor, next_token_ids: Tensor | list[int], k: int
+) -> list[SampledLogprobs]:
+    """Logprob of each actual next prompt token under the raw logits, plus the top-k there.
+
+    ``logits[i]`` is the model output at prompt position p; ``next_token_ids[i]`` is the token at
+    position p + 1.
+    """
+    if logits.shape[0] == 0:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.as_tensor(next_token_ids, dtype=torch.long, device=logits.device)
+    if chosen.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"compute_prompt_logprobs got {logits.shape[0]} logit rows but {chosen.shape[0]} token ids"
+        )
+    return logprob_entries(logprobs, chosen, [max(k, 0)] * logits.shape[0])[1]
