@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from gpu.shm_ring import NAME_PREFIX, RingClosed, RingError, RingPeerDied, _PassFd
-from gpu.transport_end import TransportEnd
+from gpu.transport_end import TransportEnd, close_fds
 
 logger = logging.getLogger(__name__)
 
@@ -73,15 +73,6 @@ class PipeSpec:
         return f"PipeSpec({self.name!r}, readers={self.num_readers})"
 
 
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
-
-
 class PipeChannel(TransportEnd):
     """One end of a pipe channel: the writer or reader ``i``. Create with ``create`` or ``attach``."""
 
@@ -106,7 +97,7 @@ class PipeChannel(TransportEnd):
         self._marked_closed = False
         self._broken: str | None = None  # writer: why sends are refused (a torn frame)
         self._owned = owned_fds
-        self._finalizer = weakref.finalize(self, _close_fds, owned_fds)
+        self._finalizer = weakref.finalize(self, close_fds, owned_fds)
 
     # ---------------------------------------------------------------- construction
 
@@ -126,7 +117,7 @@ class PipeChannel(TransportEnd):
                 read_fds.append(_PassFd(r))
                 write_fds.append(_PassFd(w))
         except BaseException:
-            _close_fds(fds)
+            close_fds(fds)
             raise
         spec = PipeSpec(NAME_PREFIX + "pipe-" + uuid.uuid4().hex, num_slots, slot_size, num_readers,
                         read_fds, write_fds)
@@ -146,7 +137,7 @@ class PipeChannel(TransportEnd):
             keep = {spec._read_fds[role].fd}
         else:
             raise ValueError(f"role must be 'writer' or a reader index < {spec.num_readers}")
-        _close_fds([p.fd for p in received if p.fd not in keep])
+        close_fds([p.fd for p in received if p.fd not in keep])
         owned = [p.fd for p in received if p.fd in keep]
         return cls(spec, role=role, owned_fds=owned, **kwargs)
 

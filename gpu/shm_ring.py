@@ -51,7 +51,7 @@ from multiprocessing.reduction import DupFd
 
 from gpu.ring_errors import (  # noqa: F401  (re-exported: callers import them from here)
     RingClosed, RingError, RingPeerDied, RingTimeout, RingUnsupported)
-from gpu.transport_end import TransportEnd
+from gpu.transport_end import TransportEnd, close_fds
 
 logger = logging.getLogger(__name__)
 
@@ -157,12 +157,7 @@ def _cleanup(shm: shared_memory.SharedMemory | None, unlink: bool, fds: list[int
                 shm.unlink()
             except FileNotFoundError:
                 pass
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
+    close_fds(fds)
 
 
 class ShmRing(TransportEnd):

@@ -1,15 +1,27 @@
-"""What one end of a step transport (ShmRing, PipeChannel) does the same way in both: refuse
-use after close, act as a context manager, and block in select() over its own fds plus the
-peers' sentinel fds in short slices up to a deadline, re-checking the ``alive`` callback in
-between. One copy keeps the two transports' death and timeout behaviour identical."""
+"""What one end of a step transport (ShmRing, PipeChannel) does the same way in both: close its
+fds, refuse use after close, act as a context manager, and block in select() over its own fds
+plus the peers' sentinel fds in short slices up to a deadline, re-checking the ``alive``
+callback in between. One copy keeps the two transports' death and timeout behaviour identical."""
 from __future__ import annotations
 
+import os
 import select
 import time
 from collections.abc import Callable, Sequence
 from typing import Self
 
 from gpu.ring_errors import RingClosed, RingPeerDied, RingTimeout
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close every fd in ``fds`` (one already closed is skipped) and empty the list, so that a
+    second call (a finalizer after an explicit close) does nothing."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 class TransportEnd:
