@@ -388,8 +388,12 @@ class AsyncEngine:
                 reply_time = None
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), IDLE_HEALTH_CHECK_S)
-                except asyncio.TimeoutError:
+                    # Not wait_for: on Python 3.11 it returns the inner result when a cancel
+                    # arrives in the tick the wake-up does (shutdown aborts, then cancels), and
+                    # the loop would run on; asyncio.timeout lets that cancel through.
+                    async with asyncio.timeout(IDLE_HEALTH_CHECK_S):
+                        await self._wake.wait()
+                except TimeoutError:
                     await executor.check_health_async()
                 continue
             if reply_time is not None:
