@@ -107,8 +107,9 @@ class RequestStream:
 
     def __del__(self):
         if not self._done and self._engine._queues.get(self.request_id) is self._queue:
-            # Dropped without being closed: make sure the request does not run on unseen.
-            self._engine._pending_aborts.append(self.request_id)
+            # Dropped without being closed: make sure the request does not run on unseen, and
+            # that its queue goes too (the engine loop does both; nothing may await here).
+            self._engine._pending_aborts.append((self.request_id, self._queue))
 
 
 class AsyncEngine:
@@ -120,7 +121,7 @@ class AsyncEngine:
         self.parts = None
         self.tokenizer = None
         self._queues: dict[str, OutputCollector] = {}
-        self._pending_aborts: list[str] = []
+        self._pending_aborts: list[tuple[str, OutputCollector]] = []  # streams dropped unclosed
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
@@ -382,7 +383,10 @@ class AsyncEngine:
         reply_time = None  # when the previous step's output arrived (None after an idle wait)
         while True:
             while self._pending_aborts:
-                core.abort_request(self._pending_aborts.pop())
+                request_id, queue = self._pending_aborts.pop()
+                if self._queues.get(request_id) is queue:  # else already ended (or the id reused)
+                    del self._queues[request_id]
+                    core.abort_request(request_id)
             scheduled = core.schedule() if core.has_unfinished() else None
             if scheduled is None:
                 reply_time = None
