@@ -137,7 +137,10 @@ class MultiprocExecutor(Executor):
         self._lock_loop = None
         self._sentinels: list[int] = []
         self._startup_timeout = startup_timeout or DEFAULT_STARTUP_TIMEOUT_S
-        self._step_timeout = config.parallel.step_timeout_s or None
+        step_timeout = config.parallel.step_timeout_s
+        if step_timeout is not None and not step_timeout >= 0:  # also NaN
+            raise ExecutorError(f"--step-timeout must be >= 0 seconds (0 = no limit), got {step_timeout}")
+        self._step_timeout = step_timeout or None
         self._steps_sent = 0
         try:
             self._start(runner_factory, self._startup_timeout, num_threads)
