@@ -83,10 +83,6 @@ def check_memory_ordering() -> None:
             f"CPU needs. Use the pipe transport (the default here; PAGEDSERVE_STEP_TRANSPORT=pipe)")
 
 
-def _rebuild_fd(dup) -> int:
-    return dup.detach()
-
-
 class _PassFd:
     """An fd that travels to a spawned child by multiprocessing's fd passing."""
 
