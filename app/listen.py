@@ -21,12 +21,15 @@ class ListenError(OSError):
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind (without listening) a TCP socket on host:port. Raises ListenError with a one-line
     message when the address is busy, unknown or not allowed."""
+    # As uvicorn chose: IPv6 for a host with a colon, IPv4 for every other (the resolver's first
+    # answer for "localhost" is often ::1, which would leave 127.0.0.1 unserved).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ListenError(f"cannot listen on {host}:{port}: unknown host ({e.strerror}); "
                           "check --host") from None
-    family, kind, proto, _, address = infos[0]
+    _, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
         # As uvicorn: a port left in TIME_WAIT by a previous run is reusable at once; a port
