@@ -6,6 +6,9 @@ the many Linux hosts whose /etc/hosts lists ``::1 localhost`` (glibc sorts ::1 f
 from __future__ import annotations
 
 import socket
+from pathlib import Path
+
+import pytest
 
 from app.listen import bind_socket
 
@@ -34,3 +37,20 @@ def test_a_host_name_binds_ipv4_as_uvicorn_did(monkeypatch):
 def test_an_ipv6_literal_still_binds_ipv6():
     with bind_socket("::1", 0) as sock:
         assert sock.family == socket.AF_INET6 and sock.getsockname()[0] == "::1"
+
+
+def _system_dual_stack() -> bool:
+    try:
+        return Path("/proc/sys/net/ipv6/bindv6only").read_text().strip() == "0"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _system_dual_stack(), reason="this host's IPv6 sockets are IPv6-only by default")
+def test_the_ipv6_wildcard_serves_ipv4_too_as_uvicorn_did():
+    """`--host ::` is how a server listens on every interface of a dual-stack host (uvicorn and
+    vLLM leave IPV6_V6ONLY at the system default, 0 on Linux); setting it to 1 refused IPv4."""
+    with bind_socket("::", 0) as sock:
+        sock.listen()
+        with socket.create_connection(("127.0.0.1", sock.getsockname()[1]), timeout=5):
+            pass
