@@ -34,9 +34,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         # As uvicorn: a port left in TIME_WAIT by a previous run is reusable at once; a port
         # another process listens on still fails below.
+        # IPV6_V6ONLY is left at the system default (dual stack on Linux), as uvicorn and vLLM
+        # leave it: `--host ::` serves IPv4 clients too.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(address)
     except OSError as e:
         sock.close()
