@@ -56,9 +56,25 @@ class ReadTimeoutProtocol(HttpToolsProtocol):
             self._read_timer.cancel()
             self._read_timer = None
 
+    def _held_by_server(self, part: str) -> bool:
+        """The server, not the client, holds this request up: reading is paused (flow control,
+        or a pipelined request queued behind a response in progress), or an earlier response on
+        the connection is still being sent, which a 408 or a close would cut."""
+        if self.flow is not None and self.flow.read_paused:
+            return True
+        cycle = self.cycle  # for a head: the previous request's; for a body: this request's
+        if cycle is None:
+            return False
+        if part == "head":
+            return not cycle.response_complete
+        return any(queued is cycle for queued, _ in self.pipeline)
+
     def _timed_out(self, part: str, delay: float) -> None:
         self._read_timer = None
         if self.transport.is_closing():
+            return
+        if self._held_by_server(part):
+            self._arm(part)  # the clock starts again; the request is timed once it is its turn
             return
         logger.info("closing a connection from %s: no complete request %s in %.0f s",
                     self.client, part, delay)
