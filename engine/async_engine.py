@@ -20,11 +20,12 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
 from engine.output_collector import OutputCollector
 from engine.outputs import RequestOutput
+from engine.request_stream import RequestStream
+from engine.restart_policy import RestartPolicy
 from engine.sampling_params import SamplingParams
 from gpu.config import EngineConfig
 from gpu.error_text import error_summary
@@ -35,81 +36,6 @@ logger = logging.getLogger(__name__)
 
 # How often an idle engine loop checks that its workers are alive.
 IDLE_HEALTH_CHECK_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class RestartPolicy:
-    """How often --restart-workers may rebuild the worker pool.
-
-    A pool that fails each time it starts (a model that crashes its workers, a bad device)
-    must not be rebuilt for ever, nor as fast as it dies: at most ``max_restarts`` restarts
-    within ``window_s`` seconds; the first restart in a window is immediate, each further one
-    waits ``backoff_s``, then twice that, ... up to ``max_backoff_s`` (the old pool is reaped
-    first). One more failure within the window leaves the engine dead, with a message that says
-    so. Failures further apart than the window are each a first failure.
-    """
-
-    max_restarts: int = 5
-    window_s: float = 600.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.max_restarts < 1:
-            raise ValueError(f"RestartPolicy.max_restarts must be >= 1, got {self.max_restarts}")
-        if self.window_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < 0:
-            raise ValueError("RestartPolicy: window_s must be > 0, backoff_s and max_backoff_s >= 0")
-
-    def delay(self, recent: int) -> float:
-        """Seconds to wait before a restart when ``recent`` restarts happened within the window."""
-        return 0.0 if recent == 0 else min(self.max_backoff_s, self.backoff_s * 2 ** (recent - 1))
-
-
-class RequestStream:
-    """Async iterator of one request's RequestOutput deltas; closing it early aborts the request.
-
-    A consumer that lags gets the deltas produced meanwhile merged into one (OutputCollector):
-    memory per request stays bounded however slowly the client reads."""
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, queue: OutputCollector):
-        self._engine = engine
-        self.request_id = request_id
-        self._queue = queue
-        self._done = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if isinstance(item, BaseException):
-            self._finish()
-            raise item
-        if item.finished:
-            self._finish()
-        return item
-
-    def _finish(self) -> None:
-        self._done = True
-        self._engine._queues.pop(self.request_id, None)
-
-    async def aclose(self) -> None:
-        """Stop listening; aborts the request if it has not finished (client went away)."""
-        if not self._done:
-            self._finish()
-            self._engine._abort_now(self.request_id)
-
-    def __del__(self):
-        if not self._done and self._engine._queues.get(self.request_id) is self._queue:
-            # Dropped without being closed: make sure the request does not run on unseen, and
-            # that its queue goes too (the engine loop does both; nothing may await here).
-            self._engine._pending_aborts.append((self.request_id, self._queue))
 
 
 class AsyncEngine:
