@@ -14,9 +14,9 @@ fails the executor the same way, and so does, with tensor parallelism, a step th
 rank 0 alone (the ranks' collectives are out of step); with one rank a step error only fails
 that step's requests.
 
-Everything the executor owns (processes, rings, pipes) sits in ``_Resources``, released by
-``shutdown()``, by the garbage collector or at interpreter exit; the rings' creator is this
-process, so its resource tracker also unlinks them if this process is killed, and the workers
+Everything the executor owns (processes, rings, pipes) sits in a ``WorkerGroup``
+(gpu/worker_group.py), released by ``shutdown()``, by the garbage collector or at interpreter
+exit; the rings' creator is this process, so its resource tracker also unlinks them if this process is killed, and the workers
 exit when they see this process's sentinel close.
 """
 from __future__ import annotations
@@ -26,21 +26,21 @@ import collections
 import logging
 import multiprocessing
 import os
-import signal
 import socket
 import threading
 import time
 import weakref
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
 import msgspec
 
 from gpu.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
 from gpu.messages import STEP_OUTPUT_DECODER, StepEncodeError, StepInput, StepOutput
-from gpu.shm_ring import RingError, RingPeerDied, RingTimeout, ShmRing
+from gpu.shm_ring import RingPeerDied, RingTimeout
 from gpu.transport import create_channel
-from gpu.worker import SHUTDOWN_MESSAGE, WorkerArgs, encode_step, worker_main
+from gpu.worker import WorkerArgs, encode_step, worker_main
+from gpu.worker_group import WorkerGroup, describe_exit
 
 logger = logging.getLogger(__name__)
 
@@ -58,67 +58,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _describe_exit(proc: multiprocessing.process.BaseProcess) -> str:
-    code = proc.exitcode
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-class _Resources:
-    """What the executor owns; ``close`` is the finalizer (never references the executor).
-
-    ``close`` may take seconds (joins, terminate, kill) and runs on a reaper thread after a
-    failure; the lock makes a second caller (shutdown, the finalizer) wait for the first."""
-
-    def __init__(self):
-        self.procs: list[multiprocessing.process.BaseProcess] = []
-        self.conns: list[Connection] = []
-        self.step_ring: ShmRing | None = None
-        self.reply_ring: ShmRing | None = None
-        self.closed = False
-        self._lock = threading.Lock()
-
-    def close(self, graceful: bool = True, join_timeout: float = 5.0) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            self._close(graceful, join_timeout)
-
-    def _close(self, graceful: bool, join_timeout: float) -> None:
-        alive = [p for p in self.procs if p.exitcode is None]
-        if self.step_ring is not None and alive and graceful:
-            try:
-                self.step_ring.send(SHUTDOWN_MESSAGE, timeout=0.5)
-            except (RingError, OSError, ValueError):
-                pass
-        if self.step_ring is not None:
-            self.step_ring.mark_closed()  # wakes workers blocked on the ring
-        deadline = time.monotonic() + (join_timeout if graceful else 0.0)
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.exitcode is None:
-                p.terminate()
-        for p in self.procs:
-            p.join(2.0)
-            if p.exitcode is None:
-                p.kill()
-                p.join(2.0)
-        for ring in (self.step_ring, self.reply_ring):
-            if ring is not None:
-                ring.close()
-        for c in self.conns:
-            c.close()
-        logger.debug("executor resources released")
-
-
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, *, runner_factory: str | None = None,
                  startup_timeout: float | None = None, num_threads: int | None = None):
@@ -127,7 +66,7 @@ class MultiprocExecutor(Executor):
         self.world_size = config.parallel.tensor_parallel_size
         if self.world_size < 1:
             raise ExecutorError("tensor_parallel_size must be >= 1")
-        self._res = _Resources()
+        self._res = WorkerGroup()
         self._error: ExecutorError | None = None
         # Ids of sent steps whose caller gave up (cancelled, interrupted), in send order: their
         # replies still come and are dropped by id.
@@ -198,7 +137,7 @@ class MultiprocExecutor(Executor):
                     except (EOFError, OSError):
                         proc.join(1.0)
                         raise ExecutorError(
-                            f"worker {rank} {_describe_exit(proc)} while starting, without reporting why; "
+                            f"worker {rank} {describe_exit(proc)} while starting, without reporting why; "
                             "see its output above (out of memory? a script that starts the engine "
                             "needs an `if __name__ == '__main__':` guard, workers are spawned)") from None
                     if kind == "error":
@@ -216,7 +155,7 @@ class MultiprocExecutor(Executor):
         for rank, proc in enumerate(self._res.procs):
             if proc.exitcode is None:
                 continue
-            text = f"worker {rank} (pid {proc.pid}) {_describe_exit(proc)}"
+            text = f"worker {rank} (pid {proc.pid}) {describe_exit(proc)}"
             conn = self._res.conns[rank]
             try:
                 if conn.poll(0):
