@@ -38,8 +38,8 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 
-from gpu.shm_ring import NAME_PREFIX, RingClosed, RingError, RingPeerDied, _PassFd
-from gpu.transport_end import TransportEnd, close_fds
+from gpu.shm_ring import NAME_PREFIX, RingClosed, RingError, RingPeerDied
+from gpu.transport_end import PassFd, TransportEnd, close_fds
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class PipeSpec:
     __slots__ = ("name", "num_slots", "slot_size", "num_readers", "_read_fds", "_write_fds")
 
     def __init__(self, name: str, num_slots: int, slot_size: int, num_readers: int,
-                 read_fds: list[_PassFd], write_fds: list[_PassFd]):
+                 read_fds: list[PassFd], write_fds: list[PassFd]):
         self.name = name
         self.num_slots = num_slots
         self.slot_size = slot_size
@@ -114,8 +114,8 @@ class PipeChannel(TransportEnd):
                 r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
                 fds += [r, w]
                 _size_pipe(w, num_slots * slot_size)
-                read_fds.append(_PassFd(r))
-                write_fds.append(_PassFd(w))
+                read_fds.append(PassFd(r))
+                write_fds.append(PassFd(w))
         except BaseException:
             close_fds(fds)
             raise

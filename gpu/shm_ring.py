@@ -47,11 +47,10 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker, shared_memory
-from multiprocessing.reduction import DupFd
 
 from gpu.ring_errors import (  # noqa: F401  (re-exported: callers import them from here)
     RingClosed, RingError, RingPeerDied, RingTimeout, RingUnsupported)
-from gpu.transport_end import TransportEnd, close_fds
+from gpu.transport_end import PassFd, TransportEnd, close_fds
 
 logger = logging.getLogger(__name__)
 
@@ -83,30 +82,13 @@ def check_memory_ordering() -> None:
             f"CPU needs. Use the pipe transport (the default here; PAGEDSERVE_STEP_TRANSPORT=pipe)")
 
 
-class _PassFd:
-    """An fd that travels to a spawned child by multiprocessing's fd passing."""
-
-    __slots__ = ("fd", "received")
-
-    def __init__(self, fd: int, received: bool = False):
-        self.fd = fd
-        self.received = received  # True in the process that got a duplicate: it must close it
-
-    def __reduce__(self):
-        return _rebuild_pass_fd, (DupFd(self.fd),)
-
-
-def _rebuild_pass_fd(dup) -> "_PassFd":
-    return _PassFd(dup.detach(), received=True)
-
-
 class RingSpec:
     """Everything another process needs to attach: name, geometry and the wake-up fds."""
 
     __slots__ = ("name", "num_slots", "slot_size", "num_readers", "_data_fds", "_space_fd")
 
     def __init__(self, name: str, num_slots: int, slot_size: int, num_readers: int,
-                 data_fds: list[_PassFd], space_fd: _PassFd):
+                 data_fds: list[PassFd], space_fd: PassFd):
         self.name = name
         self.num_slots = num_slots
         self.slot_size = slot_size
@@ -220,7 +202,7 @@ class ShmRing(TransportEnd):
         u64[_W_MAGIC] = _MAGIC
         u64.release()
         spec = RingSpec(name, num_slots, slot_size, num_readers,
-                        [_PassFd(fd) for fd in fds[:num_readers]], _PassFd(fds[num_readers]))
+                        [PassFd(fd) for fd in fds[:num_readers]], PassFd(fds[num_readers]))
         return cls(shm, spec, owner=True, role=role, owned_fds=fds, **kwargs)
 
     @classmethod

@@ -1,13 +1,14 @@
-"""What one end of a step transport (ShmRing, PipeChannel) does the same way in both: close its
-fds, refuse use after close, act as a context manager, and block in select() over its own fds
-plus the peers' sentinel fds in short slices up to a deadline, re-checking the ``alive``
-callback in between. One copy keeps the two transports' death and timeout behaviour identical."""
+"""What one end of a step transport (ShmRing, PipeChannel) does the same way in both: pass its
+fds to a spawned worker (PassFd), close them, refuse use after close, act as a context manager,
+and block in select() over its own fds plus the peers' sentinel fds in short slices up to a
+deadline, re-checking the ``alive`` callback in between. One copy keeps the two transports' death and timeout behaviour identical."""
 from __future__ import annotations
 
 import os
 import select
 import time
 from collections.abc import Callable, Sequence
+from multiprocessing.reduction import DupFd
 from typing import Self
 
 from gpu.ring_errors import RingClosed, RingPeerDied, RingTimeout
@@ -22,6 +23,23 @@ def close_fds(fds: list[int]) -> None:
         except OSError:
             pass
     fds.clear()
+
+
+class PassFd:
+    """An fd that travels to a spawned child by multiprocessing's fd passing."""
+
+    __slots__ = ("fd", "received")
+
+    def __init__(self, fd: int, received: bool = False):
+        self.fd = fd
+        self.received = received  # True in the process that got a duplicate: it must close it
+
+    def __reduce__(self):
+        return _rebuild_pass_fd, (DupFd(self.fd),)
+
+
+def _rebuild_pass_fd(dup) -> "PassFd":
+    return PassFd(dup.detach(), received=True)
 
 
 class TransportEnd:
