@@ -15,19 +15,34 @@ from app.fanout import Choice, ClientDisconnected, end_unfinished
 from app.protocol import ChatCompletionRequest, parse
 from app.responses import ORJSONResponse
 from app.streaming import sse_response
+from app.tools import output as tool_output
+from app.tools import prompt as tool_prompt
+from app.tools.plan import ToolConfig, ToolPlan, build_plan, keeps_special_tokens, structured_outputs_for
 
 
 class ChatRoute:
     """Mixin of OpenAIServer (with RouteBase and ChoiceFanOut); ``chat_prompt`` also serves
     /tokenize with messages."""
 
+    tool_config = ToolConfig()  # the server's tool flags (build_app sets them)
+
+    def template_messages(self, messages: list[Any], tools: list[dict] | None = None) -> tuple[list[dict], list[dict] | None]:
+        """The conversation and the ``tools`` variable for the chat template: tools and tool-call
+        turns natively when the template knows tools, else written out (app/tools/prompt.py)."""
+        native = tool_prompt.template_knows_tools(getattr(self.engine.tokenizer, "chat_template", None))
+        out = tool_prompt.template_messages(messages, native)
+        if tools and not native:
+            return tool_prompt.with_default_tool_prompt(out, tools), None
+        return out, tools or None
+
     async def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                          continue_final_message: bool) -> tuple[str, list[int]]:
+                          continue_final_message: bool, tools: list[dict] | None = None) -> tuple[str, list[int]]:
         from jinja2 import TemplateError
 
+        extra = {"tools": tools} if tools else {}  # engines without tool support take no tools
         try:
             text = await self.engine.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message)
+                                                 continue_final_message=continue_final_message, **extra)
         except (TemplateError, ValueError) as e:
             raise APIError.bad_request(f"the chat template could not render these messages: {e}",
                                        param="messages") from None
@@ -37,10 +52,11 @@ class ChatRoute:
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self.read_json(request))
         req.check_supported()
-        messages = req.template_messages()
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        plan = build_plan(req, self.tool_config, getattr(self.engine.tokenizer, "chat_template", None))
+        messages, tools = self.template_messages(req.messages, plan.tools)
         text, ids = await self.chat_prompt(messages, req.add_generation_prompt,
-                                           req.continue_final_message)
+                                           req.continue_final_message, tools)
         requested = req.requested_max_tokens()
         try:
             max_tokens = self.max_tokens_for(len(ids), requested, None)
@@ -51,6 +67,10 @@ class ChatRoute:
                 e.param = "messages"
             raise
         kw = req.sampling_kwargs()
+        if plan.schema is not None:
+            kw["structured_outputs"] = structured_outputs_for(plan)
+        if keeps_special_tokens(plan, self.engine.tokenizer):
+            kw["skip_special_tokens"] = False
         top = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = top
@@ -59,10 +79,10 @@ class ChatRoute:
         created = int(time.time())
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
-            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top), streams,
+            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top, plan), streams,
                                 on_close=lambda: end_unfinished(choices, ClientDisconnected()))
         body = await self.until_disconnect(
-            request, self.chat_full(req, choices, streams, request_id, created, top), streams, choices)
+            request, self.chat_full(req, choices, streams, request_id, created, top, plan), streams, choices)
         return ORJSONResponse(body)
 
     def chat_logprobs(self, entries: list, k: int) -> dict[str, list]:
@@ -77,22 +97,26 @@ class ChatRoute:
         return {"content": content}
 
     async def chat_full(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
-                        request_id: str, created: int, top: int) -> dict[str, Any]:
+                        request_id: str, created: int, top: int, plan: ToolPlan = ToolPlan()) -> dict[str, Any]:
         async for c, comp, new_ids in self.run(choices, streams):
             if req.logprobs:
                 c.logprobs.extend(self.new_logprobs(comp, new_ids))
         out = []
         for c in choices:
-            out.append({"index": c.index,
-                        "message": {"role": "assistant", "content": "".join(c.text)},
+            message, finish = {"role": "assistant", "content": "".join(c.text)}, c.finish_reason
+            if plan.active:
+                message, finish = tool_output.full_message(plan, message["content"], finish)
+            out.append({"index": c.index, "message": message,
                         "logprobs": self.chat_logprobs(c.logprobs, top) if req.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": self.model_name, "choices": out, "usage": self.usage(choices),
                 "system_fingerprint": None}
 
     async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
-                          request_id: str, created: int, top: int) -> AsyncIterator[dict[str, Any]]:
+                          request_id: str, created: int, top: int,
+                          plan: ToolPlan = ToolPlan()) -> AsyncIterator[dict[str, Any]]:
+        tool_deltas = {c.index: tool_output.ToolDeltas(plan) for c in choices} if plan.active else None
         usage_field = {"usage": None} if req.include_usage else {}
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
@@ -104,10 +128,13 @@ class ChatRoute:
             logprobs = None
             if req.logprobs:
                 logprobs = self.chat_logprobs(self.new_logprobs(comp, new_ids), top)
-            if not text and c.finish_reason is None and not (logprobs and logprobs["content"]):
+            delta, finish = ({"content": text} if text else {}), c.finish_reason
+            if tool_deltas is not None:
+                delta, finish = tool_deltas[c.index].delta(text, finish)
+            if not delta and finish is None and not (logprobs and logprobs["content"]):
                 continue
-            choice: dict[str, Any] = {"index": c.index, "delta": {"content": text} if text else {},
-                                      "logprobs": logprobs, "finish_reason": c.finish_reason}
+            choice: dict[str, Any] = {"index": c.index, "delta": delta,
+                                      "logprobs": logprobs, "finish_reason": finish}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             yield {**head, "choices": [choice], **usage_field}

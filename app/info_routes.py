@@ -39,8 +39,7 @@ class InfoRoutes:
         req.check()
         messages = None
         if req.messages is not None:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
+            messages, _ = self.template_messages(req.messages)
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         if messages is not None:
             if req.continue_final_message and req.add_generation_prompt:

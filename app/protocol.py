@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from app.errors import APIError
+from app.tools.models import ToolCall, ToolChoice, ToolDefinition
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's bound on n
@@ -248,7 +249,7 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     def text(self) -> str:
@@ -266,10 +267,10 @@ class ChatMessage(OpenAIModel):
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
-    """What chat completions and /tokenize refuse alike in a conversation."""
+    """What chat completions and /tokenize refuse alike in a conversation (content parts that
+    are not text: ``ChatMessage.text``)."""
     for message in messages:
-        if message.tool_calls:
-            raise APIError.unsupported("messages", "tool_calls in messages are not supported")
+        message.text()
 
 
 class ResponseFormat(OpenAIModel):
@@ -286,19 +287,17 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
-    tool_choice: Any = Field(default=None, json_schema_extra=_NONE_OR_NULL)
+    tools: list[ToolDefinition] | None = None  # app/tools/plan.py says what they mean
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
     function_call: Any = Field(default=None, json_schema_extra=_NONE_OR_NULL)
     response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         self.check_common()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise APIError.unsupported(name, f"{name} are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise APIError.unsupported("tool_choice", "tool_choice is not supported")
+        if self.functions:
+            raise APIError.unsupported("functions", "functions are not supported (use tools)")
         if self.function_call not in (None, "none"):
             raise APIError.unsupported("function_call", "function_call is not supported")
         if self.response_format is not None and self.response_format.type != "text":

@@ -65,11 +65,15 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None) -> Starlette:
-    """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``)."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
+              tool_config: Any = None) -> Starlette:
+    """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
+    ``tool_config``: app.tools.plan.ToolConfig (--enable-auto-tool-choice, --tool-call-parser)."""
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine, name)
     s = OpenAIServer(engine, name, max_body_bytes, metrics)
+    if tool_config is not None:
+        s.tool_config = tool_config
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat_completions), methods=["POST"]),

@@ -104,14 +104,17 @@ class FakeAsyncEngine:
         self.reject: str | None = None
         self.stats_value = FakeStats()
         self.chat_calls: list[tuple] = []
+        self.chat_tools: list = []  # the tools variable of each render_chat
         self.num_blocks = 64
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens)
 
-    async def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False) -> str:
+    async def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False,
+                          tools=None) -> str:
         self.chat_calls.append((messages, add_generation_prompt, continue_final_message))
-        if any(m["role"] == "tool" for m in messages):
+        self.chat_tools.append(tools)
+        if tools is None and any(m["role"] == "tool" for m in messages):  # a template without tools
             raise ValueError("tool messages are not in this template")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         if continue_final_message:

@@ -146,6 +146,12 @@ CHAT_BODIES = [
     {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
     {"messages": CHAT, "tools": []}, {"messages": CHAT, "tools": [{"type": "function"}]},
     {"messages": CHAT, "tool_choice": "none"}, {"messages": CHAT, "tool_choice": "auto"},
+    {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+     "tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": False},
+    {"messages": CHAT, "tools": [{"type": "function", "function": {"name": ""}}]},
+    {"messages": CHAT, "tool_choice": {"type": "function"}}, {"messages": CHAT, "tool_choice": "any"},
+    {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
     {"messages": CHAT, "function_call": None}, {"messages": CHAT, "functions": [{}]},
     {"messages": CHAT, "response_format": {"type": "text"}}, {"messages": CHAT, "response_format": {}},
     {"messages": CHAT, "response_format": {"type": "json_object"}},

@@ -59,6 +59,8 @@ SEMANTIC_400_PARAMS = {
     "continue_final_message",  # not with add_generation_prompt; last message from the assistant
     "messages",  # the chat template refuses this conversation
     "min_tokens",  # <= max_tokens
+    "tool_choice",  # needs tools; "auto" needs --enable-auto-tool-choice; a named function in tools
+    "tools",  # their parameters' $defs must agree; the grammar engine must accept the schemas
 }
 SEMANTIC_400_CODES = {"context_length_exceeded"}
 
