@@ -37,16 +37,16 @@ class InfoRoutes:
     async def tokenize(self, request: Request) -> Response:
         req = parse(TokenizeRequest, await self.read_json(request))
         req.check()
-        messages = None
+        messages = tools = None
         if req.messages is not None:
-            messages, _ = self.template_messages(req.messages)
+            messages, tools = self.template_messages(req.messages, [t.as_dict() for t in req.tools or []])
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         if messages is not None:
             if req.continue_final_message and req.add_generation_prompt:
                 raise APIError.bad_request("continue_final_message and add_generation_prompt cannot "
                                            "both be true", param="continue_final_message")
             _, ids = await self.chat_prompt(messages, req.add_generation_prompt,
-                                            req.continue_final_message)
+                                            req.continue_final_message, tools)
         else:
             ids = list(await self.engine.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return ORJSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len,

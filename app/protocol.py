@@ -338,6 +338,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered with messages, as for chat (vLLM)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
