@@ -54,8 +54,8 @@ class SeqConstraint:
             self.terminated = True
         return ok
 
-    def fill(self, mask: np.ndarray, row: int, output_ids: list[int]) -> None:
-        """Write this sequence's row of the step's bitmask; ``output_ids`` = tokens generated so far."""
+    def fill(self, mask: np.ndarray, row: int, token_ids: list[int], num_prompt: int) -> None:
+        """Write this sequence's row of the step's bitmask (``token_ids``: prompt + generated)."""
         if self.matcher is not None:
             self.matcher.fill(mask, row)
             if self.allowed is not None:
@@ -68,7 +68,8 @@ class SeqConstraint:
             words = mask.view(np.uint32)
             for seq in self.bad_words:
                 prefix = len(seq) - 1
-                if prefix == 0 or (len(output_ids) >= prefix and output_ids[-prefix:] == seq[:-1]):
+                if prefix == 0 or (len(token_ids) - num_prompt >= prefix
+                                   and token_ids[-prefix:] == seq[:-1]):
                     t = seq[-1]
                     if t < words.shape[1] * 32:
                         words[row, t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))

@@ -12,7 +12,6 @@ import concurrent.futures
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 
@@ -101,12 +100,11 @@ class StructuredOutputManager:
 
     # ---- each step --------------------------------------------------------------------------
 
-    def step_masks(self, rows: list[int], constraints: list[SeqConstraint],
-                   outputs: list[list[int]]) -> bytes:
-        """The packed int32 bitmask of the given rows (one per constrained sampling sequence)."""
-        mask = np.empty((len(rows), self.words), dtype=np.int32)
-        for r, (c, out) in enumerate(zip(constraints, outputs)):
-            c.fill(mask, r, out)
+    def step_masks(self, constraints: list[SeqConstraint], seqs: list) -> bytes:
+        """The packed int32 bitmask of constrained sampling sequences (one row each)."""
+        mask = np.empty((len(constraints), self.words), dtype=np.int32)
+        for r, (c, seq) in enumerate(zip(constraints, seqs)):
+            c.fill(mask, r, seq.token_ids, seq.num_prompt_tokens)
         return mask.tobytes()
 
     def shutdown(self) -> None:
@@ -114,10 +112,3 @@ class StructuredOutputManager:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def waiting_futures(futures: list[concurrent.futures.Future], timeout: float) -> None:
-    """Block until one of ``futures`` is done (offline engine: nothing else to run meanwhile)."""
-    if futures:
-        concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
-
-
-OnReady = Callable[[], None]
