@@ -248,6 +248,15 @@ class AsyncEngine:
         self._wake.set()
         return RequestStream(self, request_id, queue)
 
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """Refuse, before ``generate``, a structured-output spec or token constraint the grammar
+        engine cannot honour (RequestRejectedError with the library's reason: HTTP 400). Runs off
+        the loop: the first check of a spec parses it (and the first ever imports xgrammar)."""
+        if self.parts is None or not params.has_token_constraint:
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self.core.check_constraint, params)
+
     async def abort(self, request_id: str) -> None:
         queue = self._queues.pop(request_id, None)
         self._abort_now(request_id)
@@ -380,10 +389,17 @@ class AsyncEngine:
 
     async def _step_loop(self, core, executor) -> None:
         reply_time = None  # when the previous step's output arrived (None after an idle wait)
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        # A grammar compiled in its thread wakes the loop (set() runs on the loop, after any clear()).
+        core.constraints.on_ready = lambda: loop.call_soon_threadsafe(wake.set)
         while True:
             while self._pending_aborts:
                 core.abort_request(self._pending_aborts.pop())
             scheduled = core.schedule() if core.has_unfinished() else None
+            ready = core.take_outputs()  # requests whose grammar failed to compile
+            if ready:
+                self._deliver(ready)
             if scheduled is None:
                 reply_time = None
                 self._wake.clear()
