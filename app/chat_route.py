@@ -15,6 +15,7 @@ from app.fanout import Choice, ClientDisconnected, end_unfinished
 from app.protocol import ChatCompletionRequest, parse
 from app.responses import ORJSONResponse
 from app.streaming import sse_response
+from app.structured_args import check_constraint
 
 
 class ChatRoute:
@@ -57,6 +58,7 @@ class ChatRoute:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = self.make_choices(request_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
         created = int(time.time())
+        await check_constraint(self.engine, choices[0].params, req.constraint_param())
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
             return sse_response(self.chat_stream(req, choices, streams, request_id, created, top), streams,
