@@ -18,6 +18,7 @@ from app.streaming import sse_response
 from app.tools import output as tool_output
 from app.tools import prompt as tool_prompt
 from app.tools.plan import ToolConfig, ToolPlan, build_plan, keeps_special_tokens, structured_outputs_for
+from app.structured_args import check_constraint
 
 
 class ChatRoute:
@@ -77,6 +78,8 @@ class ChatRoute:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         choices = self.make_choices(request_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
         created = int(time.time())
+        await check_constraint(self.engine, choices[0].params,
+                               "tools" if plan.schema is not None else req.constraint_param())
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
             return sse_response(self.chat_stream(req, choices, streams, request_id, created, top, plan), streams,

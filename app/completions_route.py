@@ -16,6 +16,7 @@ from app.fanout import Choice, ClientDisconnected, end_unfinished, normalize_log
 from app.protocol import CompletionRequest, parse
 from app.responses import ORJSONResponse
 from app.streaming import sse_response
+from app.structured_args import check_constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -57,6 +58,7 @@ class CompletionsRoute:
             await self.fill_prompt_texts(choices)
         created = int(time.time())
         # Submitted before the response starts, so a refusal (overloaded, dead) is a real status.
+        await check_constraint(self.engine, choices[0].params, req.constraint_param())
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
             return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams,

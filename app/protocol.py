@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from app.errors import APIError
 from app.tools.models import ToolCall, ToolChoice, ToolDefinition
+from app.structured_args import StructuredFields
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's bound on n
@@ -82,8 +83,9 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIModel):
-    """Fields shared by completions and chat completions."""
+class SamplingFields(StructuredFields, OpenAIModel):
+    """Fields shared by completions and chat completions (the output constraints:
+    app/structured_args.py)."""
 
     model: str | None = None
     n: Int = Field(default=1, ge=1, le=MAX_N)
@@ -175,6 +177,7 @@ class SamplingFields(OpenAIModel):
         kw["min_tokens"] = self.min_tokens
         kw["include_stop_str_in_output"] = self.include_stop_str_in_output
         kw["skip_special_tokens"] = self.skip_special_tokens
+        kw.update(self.constraint_kwargs())
         return kw
 
     @property
@@ -273,12 +276,6 @@ def check_messages(messages: list[ChatMessage]) -> None:
         message.text()
 
 
-class ResponseFormat(OpenAIModel):
-    model_config = ConfigDict(json_schema_extra=_only_text_type)
-
-    type: str = "text"
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: MaxTokens | None = None
@@ -292,7 +289,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
     function_call: Any = Field(default=None, json_schema_extra=_NONE_OR_NULL)
-    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         self.check_common()
@@ -300,10 +296,6 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError.unsupported("functions", "functions are not supported (use tools)")
         if self.function_call not in (None, "none"):
             raise APIError.unsupported("function_call", "function_call is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError.unsupported("response_format",
-                                       f"response_format type {self.response_format.type!r} is not "
-                                       "supported (only 'text')")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true",
                                        param="top_logprobs")

@@ -202,3 +202,20 @@ def test_bad_words(llm):
     for c in llm.generate([PROMPT], banned, use_tqdm=False)[0].outputs:
         assert pairs(c.token_ids) == 0 and one[0] not in c.token_ids
         assert two[0] in c.token_ids  # the first token alone is still allowed
+
+
+def test_multiprocess_executor_gives_the_inprocess_outputs(llm):
+    """The bitmask travels to worker processes in the StepInput: same seeded tokens as in-process."""
+    ps = [SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=80,
+                         structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+          SamplingParams(n=2, temperature=1.0, seed=22, max_tokens=20, ignore_eos=True,
+                         allowed_token_ids=[300, 301, 9000], bad_words=["hello"])]
+    ref = [[c.token_ids for c in o.outputs] for o in llm.generate([PROMPT, PROMPT], ps, use_tqdm=False)]
+    mp = tiny_llm(executor="mp")
+    try:
+        outs = mp.generate([PROMPT, PROMPT], ps, use_tqdm=False)
+    finally:
+        mp.shutdown()
+    assert [[c.token_ids for c in o.outputs] for o in outs] == ref
+    for c in outs[0].outputs:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
