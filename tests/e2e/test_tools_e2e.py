@@ -174,3 +174,15 @@ def _regex_escape(s: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+@needs_so
+def test_a_tool_schema_the_grammar_engine_refuses_is_a_400_on_tools(server, client):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strng"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=USER, tools=[bad], tool_choice="required",
+                                       max_tokens=5)
+    assert e.value.body["param"] == "tools", e.value.body
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)  # still serving
+    assert r.choices[0].finish_reason == "length"
