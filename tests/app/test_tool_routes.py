@@ -221,3 +221,19 @@ async def test_required_cannot_be_combined_with_another_constraint():
         "messages": USER, "tools": [WEATHER], "tool_choice": "required",
         "response_format": {"type": "json_object"}})
     assert_openai_error(r, 400, "response_format")
+
+
+async def test_each_choice_parses_its_own_calls_streamed():
+    _, _, client = make(CALL_TEXT)
+    stream = await client.chat.completions.create(model="fake-model", messages=USER, tools=[WEATHER], n=2,
+                                                  stream=True)
+    content, ids, finish = {0: "", 1: ""}, {0: [], 1: []}, {}
+    async for chunk in stream:
+        for ch in chunk.choices:
+            content[ch.index] += ch.delta.content or ""
+            ids[ch.index] += [tc.id for tc in ch.delta.tool_calls or [] if tc.id]
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert content == {0: "Let me check.\n", 1: "[1] Let me check.\n"}
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1]
