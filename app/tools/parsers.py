@@ -8,6 +8,8 @@ A non-streamed answer is the sum of the same deltas (``parse_whole``), so the tw
   templates): calls are ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text
   outside them is content. Text that may be the start of ``<tool_call>`` is held back until it
   is clear; whitespace between and after calls is dropped.
+- ``Llama3JsonToolParser`` (``--tool-call-parser llama3_json``; Llama 3.1/3.2): a reply of
+  ``{"name": ..., "parameters": {...}}`` objects, optionally after ``<|python_tag|>``.
 - ``RequiredCallsParser``: ``tool_choice: "required"``, output constrained to
   ``[{"name": ..., "parameters": {...}}, ...]`` (vLLM's form).
 - ``NamedCallParser``: ``tool_choice`` naming a function, output constrained to its arguments.
@@ -189,7 +191,78 @@ class NamedCallParser:
         return out
 
 
-AUTO_PARSERS = {"hermes": HermesToolParser}
+class Llama3JsonToolParser:
+    """Llama 3.1/3.2 JSON tool calls (``--tool-call-parser llama3_json``): a reply that is
+    ``{"name": ..., "parameters": {...}}`` objects (optionally after ``<|python_tag|>``, separated
+    by ``;``) is calls; any other reply is content."""
+
+    name = "llama3_json"
+    python_tag = "<|python_tag|>"
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.calls: list[_Call] = []
+        self.failed = False
+        self._mode = "start"  # start | calls | content
+        self._head = ""
+        self._tracker: CallTracker | None = None
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._mode == "start":
+            self._head += text
+            head = self._head.lstrip()
+            if head.startswith(self.python_tag):
+                head = head[len(self.python_tag):].lstrip()
+            elif self.python_tag.startswith(head):
+                return out  # may still become the tag
+            if not head:
+                return out
+            if head[0] != "{":
+                self._mode = "content"
+                out.content = self._head
+                return out
+            self._mode, text = "calls", head
+        if self._mode == "content" or self.failed:
+            out.content += text
+            return out
+        for i, ch in enumerate(text):
+            if self._tracker is None or self._tracker.done:
+                if ch in " \t\n\r;":
+                    continue
+                if ch != "{":
+                    self._fail(out, text[i:])
+                    return out
+                if self._tracker is not None:
+                    self._tracker.drain(out.calls)
+                self._tracker = CallTracker(self.calls, arg_keys=("parameters", "arguments"),
+                                            max_calls=self.max_calls)
+            try:
+                self._tracker.feed_char(ch)
+            except JsonScanError:
+                self._fail(out, text[i + 1:])
+                return out
+        self._tracker.drain(out.calls)
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._mode == "start":
+            out.content = self._head
+        elif self._mode == "calls" and not self.failed and not self._tracker.done:
+            self._fail(out, "")
+        return out
+
+    def _fail(self, out: ParsedDelta, rest: str) -> None:
+        self.failed = True
+        if self._tracker is not None:
+            self._tracker.drain(out.calls)
+            for c in self._tracker.mine:
+                c.finished = True
+        out.content += rest
+
+
+AUTO_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 
 def parse_whole(parser, text: str) -> tuple[str, list[dict]]:

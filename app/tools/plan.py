@@ -19,7 +19,7 @@ from app.tools.parsers import AUTO_PARSERS, HermesToolParser, NamedCallParser, R
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # Markers in a chat template that name the tool-call format its model was trained on.
-_TEMPLATE_FAMILIES = (("<tool_call>", "hermes"),)
+_TEMPLATE_FAMILIES = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
 DEFAULT_PARSER = "hermes"  # also the format of the default tool prompt (app/tools/prompt.py)
 
 

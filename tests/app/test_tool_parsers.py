@@ -175,3 +175,36 @@ class _Null:
     def value_start(self, pos): pass
     def value_end(self, pos): pass
     def call_end(self, pos): pass
+
+
+LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"tz": "CET"}}'
+
+
+@pytest.mark.parametrize("split", ["chars", "random", "whole"])
+def test_llama3_json_calls(split):
+    from app.tools.parsers import Llama3JsonToolParser
+
+    pieces = {"chars": chars(LLAMA), "random": random_pieces(LLAMA, 3), "whole": [LLAMA]}[split]
+    content, calls, _ = stream(Llama3JsonToolParser(), pieces)
+    assert content == "" and calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                                       {"name": "get_time", "arguments": '{"tz": "CET"}'}]
+    assert whole(Llama3JsonToolParser(), LLAMA.replace("<|python_tag|>", "")) == ("", calls)
+
+
+def test_llama3_json_plain_reply_and_broken_call():
+    from app.tools.parsers import Llama3JsonToolParser
+
+    assert stream(Llama3JsonToolParser(), chars("It is {warm}."))[:2] == ("It is {warm}.", [])
+    assert stream(Llama3JsonToolParser(), ["<|py"])[:2] == ("<|py", [])
+    parser = Llama3JsonToolParser()
+    parse_whole(parser, '{"name": "f", "parameters": {"a": }}')
+    assert parser.failed
+
+
+def test_parser_is_chosen_by_the_chat_template():
+    from app.tools.plan import ToolConfig
+
+    assert ToolConfig().parser_name("... <tool_call> ...") == "hermes"
+    assert ToolConfig().parser_name("... <|python_tag|> ...") == "llama3_json"
+    assert ToolConfig().parser_name(None) == "hermes"  # the default tool prompt's format
+    assert ToolConfig(tool_call_parser="llama3_json").parser_name("<tool_call>") == "llama3_json"
