@@ -47,7 +47,7 @@ class ParsedDelta:
 
 
 @dataclass(slots=True)
-class _Call:
+class TrackedCall:
     index: int
     name: str | None = None
     name_start: int | None = None
@@ -65,7 +65,7 @@ class CallTracker:
     """Call objects found by one scanner; ``drain`` releases what is known. ``calls`` is shared
     across trackers of one response, so indices run on from call to call."""
 
-    def __init__(self, calls: list[_Call], call_depth: int = 1,
+    def __init__(self, calls: list[TrackedCall], call_depth: int = 1,
                  arg_keys: tuple[str, ...] = ("arguments", "parameters"),
                  max_calls: int | None = None) -> None:
         self.calls = calls
@@ -73,8 +73,8 @@ class CallTracker:
         self.max_calls = max_calls
         self.text = ""
         self.scanner = JsonScanner(self, call_depth)
-        self._cur: _Call | None = None
-        self.mine: list[_Call] = []
+        self._cur: TrackedCall | None = None
+        self.mine: list[TrackedCall] = []
 
     # ---- feeding ---------------------------------------------------------------------------
 
@@ -93,7 +93,7 @@ class CallTracker:
     # ---- scanner events --------------------------------------------------------------------
 
     def call_start(self, pos: int) -> None:
-        self._cur = _Call(index=len(self.calls))
+        self._cur = TrackedCall(index=len(self.calls))
         self.calls.append(self._cur)
         self.mine.append(self._cur)
 
@@ -135,7 +135,7 @@ class CallTracker:
         return any(c.header_sent for c in self.mine)
 
 
-def release(c: _Call, text: str, out: list[CallDelta], max_calls: int | None) -> None:
+def release(c: TrackedCall, text: str, out: list[CallDelta], max_calls: int | None) -> None:
     """Release call ``c``'s header and newly read arguments (from its tracker's ``text``)."""
     if max_calls is not None and c.index >= max_calls:
         c.finished = c.ended  # parsed, never sent (parallel_tool_calls: false)

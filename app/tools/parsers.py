@@ -16,7 +16,7 @@ A non-streamed answer is the sum of the same deltas (``parse_whole``), so the tw
 """
 from __future__ import annotations
 
-from app.tools.calls import CallDelta, CallTracker, ParsedDelta, _Call, new_call_id
+from app.tools.calls import CallDelta, CallTracker, ParsedDelta, TrackedCall, new_call_id
 from app.tools.json_scan import JsonScanError
 
 _OUTSIDE, _INSIDE, _AFTER = range(3)
@@ -37,7 +37,7 @@ class HermesToolParser:
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
-        self.calls: list[_Call] = []
+        self.calls: list[TrackedCall] = []
         self.failed = False
         self._state = _OUTSIDE
         self._pending = ""  # outside text not released (may start the start tag)
@@ -140,7 +140,7 @@ class RequiredCallsParser:
     name = "required"
 
     def __init__(self, max_calls: int | None = None) -> None:
-        self.calls: list[_Call] = []
+        self.calls: list[TrackedCall] = []
         self.failed = False
         self._tracker = CallTracker(self.calls, call_depth=2, arg_keys=("parameters", "arguments"),
                                     max_calls=max_calls)
@@ -201,7 +201,7 @@ class Llama3JsonToolParser:
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
-        self.calls: list[_Call] = []
+        self.calls: list[TrackedCall] = []
         self.failed = False
         self._mode = "start"  # start | calls | content
         self._head = ""
