@@ -311,15 +311,6 @@ class ChatCompletionRequest(SamplingFields):
         # max_completion_tokens replaces the deprecated max_tokens; take it when both are given.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        out = []
-        for m in self.messages:
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name:
-                msg["name"] = m.name
-            out.append(msg)
-        return out
-
 
 class TokenizeRequest(OpenAIModel):
     # Exactly one of prompt / messages (check() enforces it; the schema says it).
