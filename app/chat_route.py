@@ -60,7 +60,8 @@ class ChatRoute:
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
             return sse_response(self.chat_stream(req, choices, streams, request_id, created, top), streams,
-                                on_close=lambda: end_unfinished(choices, ClientDisconnected()))
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()),
+                                ping_interval=self.sse_ping_interval)
         body = await self.until_disconnect(
             request, self.chat_full(req, choices, streams, request_id, created, top), streams, choices)
         return ORJSONResponse(body)
@@ -96,10 +97,14 @@ class ChatRoute:
         usage_field = {"usage": None} if req.include_usage else {}
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
-        for c in choices:
-            yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], **usage_field}
+        # Each choice's role chunk goes out with its first output, not before the engine has
+        # produced anything (benchmark clients time TTFT at the first chunk with choices).
+        role_sent: set[int] = set()
         async for c, comp, new_ids in self.run(choices, streams):
+            if c.index not in role_sent:
+                role_sent.add(c.index)
+                yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}], **usage_field}
             text = comp.text
             logprobs = None
             if req.logprobs:

@@ -60,7 +60,8 @@ class CompletionsRoute:
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
             return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams,
-                                on_close=lambda: end_unfinished(choices, ClientDisconnected()))
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()),
+                                ping_interval=self.sse_ping_interval)
         body = await self.until_disconnect(
             request, self.completion_full(req, choices, streams, request_id, created), streams, choices)
         return ORJSONResponse(body)

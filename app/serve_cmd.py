@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--body-timeout", type=float, default=60.0,
                    help="seconds a request body may take to arrive after its headers; later it gets "
                         "408 and the connection is closed")
+    g.add_argument("--sse-ping-interval", type=float, default=0.0,
+                   help="seconds between ': ping' comments on streams, for proxies that cut idle "
+                        "connections; 0 (default) = none, as OpenAI and vLLM (`vllm bench serve` "
+                        "loses events after a comment)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="allow a request's own chat_template (a Jinja template the server renders); "
+                        "without it such requests get 400, as in vLLM")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -116,7 +123,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
     await starting
     try:
         app = build_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, sse_ping_interval=args.sse_ping_interval,
+                        trust_request_chat_template=args.trust_request_chat_template)
         uv_config.app = app
         num_blocks = engine.num_blocks
         block_size = config.cache.block_size

@@ -65,11 +65,16 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None) -> Starlette:
-    """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``)."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
+              sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False) -> Starlette:
+    """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
+    ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
+    ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400)."""
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine, name)
     s = OpenAIServer(engine, name, max_body_bytes, metrics)
+    s.sse_ping_interval = sse_ping_interval
+    s.trust_request_chat_template = trust_request_chat_template
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat_completions), methods=["POST"]),

@@ -64,6 +64,8 @@ class FakeStream:
         if self.closed or self.pos >= len(self.outputs):
             raise StopAsyncIteration
         try:
+            if self.pos == 0 and self.engine.first_output_gate is not None:
+                await self.engine.first_output_gate.wait()  # the engine has not produced yet
             if self.engine.delay:
                 await asyncio.sleep(self.engine.delay)
             else:
@@ -98,6 +100,7 @@ class FakeAsyncEngine:
         self.aborted: list[str] = []
         self.running: set[str] = set()
         self.delay = 0.0
+        self.first_output_gate: asyncio.Event | None = None
         self.fail_after: int | None = None
         self.overloaded = False
         self.dead = False
