@@ -3,7 +3,6 @@ chat ``logprobs`` shape (content entries with bytes), full or streamed (role del
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +12,7 @@ from starlette.responses import Response
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished
 from app.protocol import ChatCompletionRequest, parse
+from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
 from app.streaming import sse_response
 
@@ -54,8 +54,8 @@ class ChatRoute:
         top = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = top
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = self.make_choices(request_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
+        request_id, engine_id = response_and_engine_ids(request, "chatcmpl", req.request_id)
+        choices = self.make_choices(engine_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
         created = int(time.time())
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:

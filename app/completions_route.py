@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +13,7 @@ from starlette.responses import Response
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished, normalize_logprob
 from app.protocol import CompletionRequest, parse
+from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
 from app.streaming import sse_response
 
@@ -51,8 +51,8 @@ class CompletionsRoute:
             kw["logprobs"] = req.logprobs
             if req.echo:
                 kw["prompt_logprobs"] = req.logprobs
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        choices = self.make_choices(request_id, prompts, req.n, kw, max_tokens, req.seed)
+        request_id, engine_id = response_and_engine_ids(request, "cmpl", req.request_id)
+        choices = self.make_choices(engine_id, prompts, req.n, kw, max_tokens, req.seed)
         if req.echo:
             await self.fill_prompt_texts(choices)
         created = int(time.time())

@@ -2,6 +2,7 @@
 the OpenAPI document."""
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +29,20 @@ class InfoRoutes:
     """Mixin of OpenAIServer (with RouteBase and ChatRoute)."""
 
     async def models(self, request: Request) -> Response:
+        """vLLM's model card: ``root`` is the model the name serves, ``permission`` the fixed
+        OpenAI-era permission object vLLM still sends."""
+        config = getattr(self.engine, "config", None)
+        root = getattr(getattr(config, "model", None), "model", None) or self.model_name
         return ORJSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "pagedserve", "root": self.model_name, "parent": None,
+            "owned_by": "pagedserve", "root": root, "parent": None,
             "max_model_len": self.engine.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                "created": self.created, "allow_create_engine": False, "allow_sampling": True,
+                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
+            }],
         }]})
 
     async def tokenize(self, request: Request) -> Response:
@@ -77,15 +88,16 @@ class InfoRoutes:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def openapi_route(engine: Any, name: str, api_key: str | None,
-                   max_body_bytes: int) -> Callable[[Request], Any]:
+def openapi_route(engine: Any, name: str, api_key: str | None, max_body_bytes: int,
+                  trust_request_chat_template: bool = False) -> Callable[[Request], Any]:
     """GET /openapi.json: the document is built once, from what this server enforces."""
     from app.openapi import build_openapi
 
     body = orjson.dumps(build_openapi(
         served_model_name=name, max_model_len=engine.max_model_len,
         vocab_size=getattr(engine.tokenizer, "vocab_size", None), api_key=bool(api_key),
-        max_body_bytes=max_body_bytes, version=server_version()))
+        max_body_bytes=max_body_bytes, version=server_version(),
+        trust_request_chat_template=trust_request_chat_template))
 
     async def openapi(request: Request) -> Response:
         return Response(body, media_type="application/json")

@@ -27,6 +27,7 @@ from app.fanout import (  # noqa: F401  (re-exported)
     Choice, ChoiceFanOut, ClientDisconnected, end_unfinished, normalize_logprob)
 from app.info_routes import InfoRoutes, openapi_route
 from app.metrics import HTTPErrorCounter, ServerMetrics
+from app.request_id import RequestIdMiddleware
 from app.responses import ORJSONResponse, error_response  # noqa: F401  (re-exported)
 from app.route_base import RouteBase
 
@@ -82,15 +83,18 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
         Route("/tokenize", _wrap(s.tokenize), methods=["POST"]),
         Route("/detokenize", _wrap(s.detokenize), methods=["POST"]),
         Route("/health", _wrap(s.health), methods=["GET"]),
+        Route("/ping", _wrap(s.health), methods=["GET", "POST"]),  # vLLM's (SageMaker) liveness
         Route("/version", _wrap(s.version), methods=["GET"]),
         Route("/metrics", _wrap(s.metrics_route), methods=["GET"]),
-        Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes), methods=["GET"]),
+        Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes,
+                                                      trust_request_chat_template), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(HTTPErrorCounter, metrics=metrics)  # outermost: sees 401s too
+    app.add_middleware(HTTPErrorCounter, metrics=metrics)  # sees 401s too
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries X-Request-Id
     app.state.metrics = metrics
     app.state.server = s
     return app

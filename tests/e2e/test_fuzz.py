@@ -119,7 +119,7 @@ OPERATIONS = [
     ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
     ("POST", "/tokenize", True), ("POST", "/detokenize", True),
     ("GET", "/v1/models", False), ("GET", "/health", False), ("GET", "/version", False),
-    ("GET", "/metrics", False),
+    ("GET", "/metrics", False), ("GET", "/ping", False), ("POST", "/ping", False),
 ]
 CASES = [(m, p, mode) for m, p, body in OPERATIONS
          for mode in (("positive", "negative") if body else ("positive",))]
