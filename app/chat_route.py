@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished
+from app.prompt_options import chat_echo_text, chat_template_options, truncate_prompt
 from app.protocol import ChatCompletionRequest, parse
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
@@ -22,16 +23,22 @@ class ChatRoute:
     /tokenize with messages."""
 
     async def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                          continue_final_message: bool) -> tuple[str, list[int]]:
+                          continue_final_message: bool, add_special_tokens: bool = False,
+                          template_options: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """``template_options`` (app/prompt_options.py) may override the two flags, as vLLM's
+        chat_template_kwargs do."""
         from jinja2 import TemplateError
 
+        template_options = dict(template_options or {})
+        template_options.setdefault("add_generation_prompt", add_generation_prompt)
+        template_options.setdefault("continue_final_message", continue_final_message)
         try:
-            text = await self.engine.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message)
+            text = await self.engine.render_chat(messages, **template_options)
         except (TemplateError, ValueError) as e:
+            param = "chat_template" if "chat_template" in template_options else "messages"
             raise APIError.bad_request(f"the chat template could not render these messages: {e}",
-                                       param="messages") from None
-        ids = await self.engine.encode(text, add_special_tokens=False)
+                                       param=param) from None
+        ids = await self.engine.encode(text, add_special_tokens=add_special_tokens)
         return text, list(ids)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -39,8 +46,11 @@ class ChatRoute:
         req.check_supported()
         messages = req.template_messages()
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
-        text, ids = await self.chat_prompt(messages, req.add_generation_prompt,
-                                           req.continue_final_message)
+        text, ids = await self.chat_prompt(
+            messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
+            chat_template_options(req, self.trust_request_chat_template))
+        if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
+            text, ids = None, truncate_prompt(ids, req.truncate_prompt_tokens)
         requested = req.requested_max_tokens()
         try:
             max_tokens = self.max_tokens_for(len(ids), requested, None)
@@ -54,6 +64,8 @@ class ChatRoute:
         top = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = top
+        if req.prompt_logprobs is not None:
+            kw["prompt_logprobs"] = req.prompt_logprobs
         request_id, engine_id = response_and_engine_ids(request, "chatcmpl", req.request_id)
         choices = self.make_choices(engine_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
         created = int(time.time())
@@ -66,14 +78,13 @@ class ChatRoute:
             request, self.chat_full(req, choices, streams, request_id, created, top), streams, choices)
         return ORJSONResponse(body)
 
-    def chat_logprobs(self, entries: list, k: int) -> dict[str, list]:
+    def chat_logprobs(self, entries: list, k: int, as_ids: bool | None = False) -> dict[str, list]:
         content = []
         for tid, lp, top in entries:
-            s = self.token_text(tid)
             content.append({
-                "token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
-                "top_logprobs": [{"token": (ts := self.token_text(t)), "logprob": v,
-                                  "bytes": list(ts.encode("utf-8"))} for t, v in top[:k]],
+                "token": self.logprob_token(tid, as_ids), "logprob": lp, "bytes": self.token_bytes(tid),
+                "top_logprobs": [{"token": self.logprob_token(t, as_ids), "logprob": v,
+                                  "bytes": self.token_bytes(t)} for t, v in top[:k]],
             })
         return {"content": content}
 
@@ -83,14 +94,20 @@ class ChatRoute:
             if req.logprobs:
                 c.logprobs.extend(self.new_logprobs(comp, new_ids))
         out = []
+        echo = chat_echo_text(req)
+        as_ids = req.return_tokens_as_token_ids
         for c in choices:
             out.append({"index": c.index,
-                        "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": self.chat_logprobs(c.logprobs, top) if req.logprobs else None,
+                        "message": {"role": "assistant", "content": echo + "".join(c.text)},
+                        "logprobs": self.chat_logprobs(c.logprobs, top, as_ids) if req.logprobs else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:  # one prompt: vLLM puts them beside the choices
+            prompt_logprobs = self.prompt_logprobs_body(choices[0].prompt_logprobs, choices[0].prompt_ids,
+                                                        req.prompt_logprobs, as_ids)
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": self.model_name, "choices": out, "usage": self.usage(choices),
-                "system_fingerprint": None}
+                "system_fingerprint": None, "prompt_logprobs": prompt_logprobs}
 
     async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
                           request_id: str, created: int, top: int) -> AsyncIterator[dict[str, Any]]:
@@ -100,15 +117,20 @@ class ChatRoute:
         # Each choice's role chunk goes out with its first output, not before the engine has
         # produced anything (benchmark clients time TTFT at the first chunk with choices).
         role_sent: set[int] = set()
+        echo = chat_echo_text(req)
         async for c, comp, new_ids in self.run(choices, streams):
             if c.index not in role_sent:
                 role_sent.add(c.index)
                 yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}], **usage_field}
+                if echo:
+                    yield {**head, "choices": [{"index": c.index, "delta": {"content": echo},
+                                                "logprobs": None, "finish_reason": None}], **usage_field}
             text = comp.text
             logprobs = None
             if req.logprobs:
-                logprobs = self.chat_logprobs(self.new_logprobs(comp, new_ids), top)
+                logprobs = self.chat_logprobs(self.new_logprobs(comp, new_ids), top,
+                                              req.return_tokens_as_token_ids)
             if not text and c.finish_reason is None and not (logprobs and logprobs["content"]):
                 continue
             choice: dict[str, Any] = {"index": c.index, "delta": {"content": text} if text else {},

@@ -26,6 +26,7 @@ from app.errors import APIError, to_api_error
 from app.fanout import (  # noqa: F401  (re-exported)
     Choice, ChoiceFanOut, ClientDisconnected, end_unfinished, normalize_logprob)
 from app.info_routes import InfoRoutes, openapi_route
+from app.logprob_format import LogprobFormat
 from app.metrics import HTTPErrorCounter, ServerMetrics
 from app.request_id import RequestIdMiddleware
 from app.responses import ORJSONResponse, error_response  # noqa: F401  (re-exported)
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-class OpenAIServer(RouteBase, ChoiceFanOut, CompletionsRoute, ChatRoute, InfoRoutes):
+class OpenAIServer(RouteBase, ChoiceFanOut, LogprobFormat, CompletionsRoute, ChatRoute, InfoRoutes):
     """Every route's handler for one engine (``app.state.server``)."""
 
 

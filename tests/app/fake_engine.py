@@ -28,6 +28,9 @@ class FakeTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self.decode([i]) for i in ids]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])  # a token is a byte: 0xE2 alone is part of a character
+
 
 @dataclass
 class FakeStats:
@@ -107,13 +110,18 @@ class FakeAsyncEngine:
         self.reject: str | None = None
         self.stats_value = FakeStats()
         self.chat_calls: list[tuple] = []
+        self.template_kwargs: list[dict] = []
+        self.encode_calls: list[tuple[str, bool]] = []
         self.num_blocks = 64
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encode_calls.append((text, add_special_tokens))
         return self.tokenizer.encode(text, add_special_tokens)
 
-    async def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False) -> str:
+    async def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False,
+                          **template_kwargs) -> str:
         self.chat_calls.append((messages, add_generation_prompt, continue_final_message))
+        self.template_kwargs.append(template_kwargs)
         if any(m["role"] == "tool" for m in messages):
             raise ValueError("tool messages are not in this template")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)

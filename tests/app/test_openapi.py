@@ -136,6 +136,9 @@ COMPLETION_BODIES = [
     {"prompt": "x", "cache_salt": ""}, {"prompt": "x", "cache_salt": "tenant"},
     {"prompt": "x", "logprobs": 21}, {"prompt": "x", "unknown": [1]},
     {"prompt": "x", "repetition_penalty": 5e-324}, {"prompt": "x", "repetition_penalty": 1.2},
+    {"prompt": "x", "prompt_embeds": "AAAA"}, {"prompt": "x", "prompt_embeds": None},
+    {"prompt": "x", "add_special_tokens": False}, {"prompt": "x", "use_beam_search": True},
+    {"prompt": "x", "truncate_prompt_tokens": 2}, {"prompt": "x", "return_tokens_as_token_ids": True},
 ]
 CHAT_BODIES = [
     {"messages": CHAT}, {"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
@@ -151,6 +154,17 @@ CHAT_BODIES = [
     {"messages": CHAT, "response_format": {"type": "json_object"}},
     {"messages": CHAT, "logprobs": True, "top_logprobs": 20}, {"messages": CHAT, "top_logprobs": 21},
     {"messages": CHAT, "max_completion_tokens": 0}, {"messages": CHAT, "max_tokens": 1},
+    # vLLM's extras and OpenAI's other fields (app/extra_fields.py)
+    {"messages": CHAT, "use_beam_search": True}, {"messages": CHAT, "use_beam_search": False},
+    {"messages": CHAT, "logits_processors": ["a"]}, {"messages": CHAT, "logits_processors": []},
+    {"messages": CHAT, "chat_template_kwargs": {"messages": 1}},
+    {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}},
+    {"messages": CHAT, "truncate_prompt_tokens": 0}, {"messages": CHAT, "truncate_prompt_tokens": 5},
+    {"messages": CHAT, "prompt_logprobs": 21}, {"messages": CHAT, "prompt_logprobs": 2},
+    {"messages": CHAT, "modalities": ["audio"]}, {"messages": CHAT, "modalities": ["text"]},
+    {"messages": CHAT, "vllm_xargs": {"a": 1}}, {"messages": CHAT, "kv_transfer_params": {}},
+    {"messages": CHAT, "audio": {}}, {"messages": CHAT, "echo": True, "documents": [{"a": "b"}]},
+    {"messages": CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
 ]
 
 
