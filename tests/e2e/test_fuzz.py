@@ -59,6 +59,7 @@ SEMANTIC_400_PARAMS = {
     "continue_final_message",  # not with add_generation_prompt; last message from the assistant
     "messages",  # the chat template refuses this conversation
     "min_tokens",  # <= max_tokens
+    "prompt_logprobs",  # not with stream: true
 }
 SEMANTIC_400_CODES = {"context_length_exceeded"}
 
