@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished
-from app.prompt_options import chat_echo_text, chat_template_options, truncate_prompt
+from app.prompt_options import check_truncate, chat_echo_text, chat_template_options, truncate_prompt
 from app.protocol import ChatCompletionRequest, parse
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
@@ -44,13 +44,16 @@ class ChatRoute:
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self.read_json(request))
         req.check_supported()
+        check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
+        options = chat_template_options(req, self.trust_request_chat_template)
         messages = req.template_messages()
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         text, ids = await self.chat_prompt(
             messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
-            chat_template_options(req, self.trust_request_chat_template))
-        if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
-            text, ids = None, truncate_prompt(ids, req.truncate_prompt_tokens)
+            options)
+        kept = truncate_prompt(ids, req.truncate_prompt_tokens)
+        if len(kept) < len(ids):
+            text, ids = None, kept
         requested = req.requested_max_tokens()
         try:
             max_tokens = self.max_tokens_for(len(ids), requested, None)

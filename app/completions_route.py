@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished, normalize_logprob
-from app.prompt_options import truncate_prompt
+from app.prompt_options import check_truncate, truncate_prompt
 from app.protocol import CompletionRequest, parse
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
@@ -44,6 +44,7 @@ class CompletionsRoute:
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self.read_json(request))
         req.check_supported()
+        check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
         prompts = await self.completion_prompts(req)
         if req.truncate_prompt_tokens is not None:  # echo then shows what the model read
             prompts = [(text if len(ids) <= req.truncate_prompt_tokens else None,

@@ -28,11 +28,17 @@ def chat_template_options(req: Any, trusted: bool) -> dict[str, Any]:
     return options
 
 
+def check_truncate(keep: int | None, max_model_len: int) -> None:
+    """``truncate_prompt_tokens`` leaves room for one generated token, as the schema says."""
+    if keep is not None and keep >= max_model_len:
+        raise APIError.bad_request(
+            f"truncate_prompt_tokens must be below the context length ({max_model_len} tokens), "
+            f"got {keep}", param="truncate_prompt_tokens")
+
+
 def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the last ``keep`` tokens (left truncation)."""
-    if keep is None or len(ids) <= keep:
-        return ids
-    return ids[-keep:]
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def chat_echo_text(req: Any) -> str:

@@ -211,6 +211,9 @@ async def test_integers_past_64_bits_are_refused_not_rounded(client, engine, raw
     ("/v1/completions", {"prompt": [300]}),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}),
     ("/tokenize", {"prompt": "x", "messages": CHAT}),
+    ("/v1/chat/completions", {"messages": CHAT, "truncate_prompt_tokens": 10**6}),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 10**6}),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "x"}),  # untrusted server
 ])
 async def test_a_body_the_schema_refuses_is_a_400_even_for_an_unknown_model(client, path, body):
     # the body is validated before the model is looked up, so the status follows the schema

@@ -68,6 +68,9 @@ async def test_truncate_prompt_tokens_keeps_the_last_n(client, engine):
     r = await client.post("/v1/completions", json={**COMPLETION, "truncate_prompt_tokens": 4,
                                                    "echo": True})
     assert r.json()["choices"][0]["text"].startswith("here")  # echo shows what the model read
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        r = await client.post(path, json={**body, "truncate_prompt_tokens": engine.max_model_len})
+        assert_openai_error(r, 400, "truncate_prompt_tokens")
 
 
 async def test_add_special_tokens(client, engine):
