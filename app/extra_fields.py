@@ -49,14 +49,14 @@ class ExtraFields(_Fields):
     # Fast tokenizers (all of ours) decode the same either way, as in vLLM.
     spaces_between_special_tokens: bool = True
     length_penalty: float | None = None  # beam search only (refused below), as in vLLM
-    use_beam_search: Any = Field(default=None, json_schema_extra=_FALSE_OR_NULL)
-    logits_processors: Any = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
+    use_beam_search: bool | None = Field(default=None, json_schema_extra=_FALSE_OR_NULL)
+    logits_processors: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
     kv_transfer_params: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
-    vllm_xargs: Any = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
+    vllm_xargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
 
     def check_extra_fields(self) -> None:
         refused = {
-            "use_beam_search": (self.use_beam_search not in (None, False), "beam search is not supported"),
+            "use_beam_search": (self.use_beam_search is True, "beam search is not supported"),
             "logits_processors": (bool(self.logits_processors), "logits_processors are not supported"),
             "kv_transfer_params": (self.kv_transfer_params is not None,
                                    "kv_transfer_params (disaggregated serving) are not supported"),
@@ -90,7 +90,7 @@ class ChatExtraFields(ExtraFields):
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_TEMPLATE_KWARGS)
     reasoning_effort: str | None = None  # handed to the template, as vLLM
     include_reasoning: bool = True  # no reasoning parser here: there is nothing to leave out
-    mm_processor_kwargs: Any = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
+    mm_processor_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
     audio: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
     modalities: Any = Field(default=None, json_schema_extra=_TEXT_MODALITIES)
     verbosity: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
@@ -116,12 +116,31 @@ class ChatExtraFields(ExtraFields):
         for name, (bad, message) in refused.items():
             if bad:
                 raise APIError.unsupported(name, message)
-        for key in RESERVED_TEMPLATE_KWARGS:
-            if key in (self.chat_template_kwargs or {}):
-                raise APIError.bad_request(
-                    f"chat_template_kwargs may not set {key!r}"
-                    + (" (use the chat_template field)" if key == "chat_template" else ""),
-                    param="chat_template_kwargs")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
+class TokenizeExtraFields(_Fields):
+    """vLLM's /tokenize fields: messages count as chat would render them."""
+
+    return_token_strs: bool | None = None  # also the token pieces
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_TEMPLATE_KWARGS)
+    mm_processor_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
+
+    def check_extra_fields(self) -> None:
+        if self.mm_processor_kwargs:
+            raise APIError.unsupported("mm_processor_kwargs", "multimodal inputs are not supported")
+        check_template_kwargs(self.chat_template_kwargs)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if key in (kwargs or {}):
+            raise APIError.bad_request(
+                f"chat_template_kwargs may not set {key!r}"
+                + (" (use the chat_template field)" if key == "chat_template" else ""),
+                param="chat_template_kwargs")
 
 
 _logged_ignored: set[str] = set()

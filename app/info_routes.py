@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.errors import APIError
+from app.prompt_options import chat_template_options
 from app.protocol import DetokenizeRequest, TokenizeRequest, parse
 from app.responses import ORJSONResponse
 
@@ -52,17 +53,22 @@ class InfoRoutes:
         if req.messages is not None:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in req.messages]
+        options = chat_template_options(req, self.trust_request_chat_template)  # also refuses
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         if messages is not None:
             if req.continue_final_message and req.add_generation_prompt:
                 raise APIError.bad_request("continue_final_message and add_generation_prompt cannot "
                                            "both be true", param="continue_final_message")
+            # As chat: no special tokens beyond the template's unless asked (vLLM's default).
+            special = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else False
             _, ids = await self.chat_prompt(messages, req.add_generation_prompt,
-                                            req.continue_final_message)
+                                            req.continue_final_message, special, options)
         else:
             ids = list(await self.engine.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        return ORJSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len,
-                               "tokens": ids})
+        body = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = self.engine.tokenizer.convert_ids_to_tokens(ids)
+        return ORJSONResponse(body)
 
     async def detokenize(self, request: Request) -> Response:
         req = parse(DetokenizeRequest, await self.read_json(request))

@@ -217,9 +217,9 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
                            "context": max_model_len - 1})
     schemas.update(copy.deepcopy(RESPONSE_SCHEMAS))
     if not trust_request_chat_template:  # a request's own template is a 400 then
-        chat = schemas["ChatCompletionRequest"]["properties"]
-        chat["chat_template"] = {"type": "null", "title": "Chat Template",
-                                 "description": "Needs --trust-request-chat-template."}
+        for name in ("ChatCompletionRequest", "TokenizeRequest"):
+            schemas[name]["properties"]["chat_template"] = {
+                "type": "null", "title": "Chat Template", "description": "Needs --trust-request-chat-template."}
 
     stream_note = " With `stream: true` the 200 answer is an SSE stream."
     paths: dict[str, Any] = {

@@ -18,7 +18,7 @@ def chat_template_options(req: Any, trusted: bool) -> dict[str, Any]:
                                "continue_final_message": req.continue_final_message}
     if req.documents is not None:
         options["documents"] = req.documents
-    if req.reasoning_effort is not None:
+    if getattr(req, "reasoning_effort", None) is not None:  # chat only
         options["reasoning_effort"] = req.reasoning_effort
     options.update(req.chat_template_kwargs or {})
     if req.chat_template is not None:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.errors import APIError
-from app.extra_fields import ChatExtraFields, CompletionExtraFields, log_ignored_fields
+from app.extra_fields import ChatExtraFields, CompletionExtraFields, TokenizeExtraFields, log_ignored_fields
 from app.json_types import AS_INT as _AS_INT
 from app.json_types import (  # noqa: F401  (re-exported)
     BOUND_KEY, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, Int, NonEmptyStr, NumLogprobs)
@@ -315,7 +315,7 @@ class ChatCompletionRequest(SamplingFields, ChatExtraFields):
         return out
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIModel, TokenizeExtraFields):
     # Exactly one of prompt / messages (check() enforces it; the schema says it).
     model_config = ConfigDict(json_schema_extra={"oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
@@ -333,6 +333,7 @@ class TokenizeRequest(OpenAIModel):
             raise APIError.bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if self.messages is not None:
             check_messages(self.messages)
+        self.check_extra_fields()  # app/extra_fields.py
 
 
 class DetokenizeRequest(OpenAIModel):

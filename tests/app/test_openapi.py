@@ -165,6 +165,8 @@ CHAT_BODIES = [
     {"messages": CHAT, "vllm_xargs": {"a": 1}}, {"messages": CHAT, "kv_transfer_params": {}},
     {"messages": CHAT, "audio": {}}, {"messages": CHAT, "echo": True, "documents": [{"a": "b"}]},
     {"messages": CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+    {"messages": CHAT, "use_beam_search": 0}, {"messages": CHAT, "logits_processors": 0},  # fuzzer
+    {"messages": CHAT, "vllm_xargs": ""}, {"messages": CHAT, "mm_processor_kwargs": []},
 ]
 
 

@@ -158,3 +158,20 @@ async def test_logprob_tokens_carry_real_bytes_and_token_ids_on_request(client):
         lp = r.json()["choices"][0]["logprobs"]
         assert lp["tokens"] == ["token_id:226", "token_id:130", "token_id:172"]
         assert set(lp["top_logprobs"][0]) == {"token_id:226"}
+
+
+async def test_tokenize_takes_the_chat_fields_too(client, engine):
+    # /tokenize must count what chat would send: same template options, same special tokens
+    r = await client.post("/tokenize", json={"messages": USER, "chat_template_kwargs": {"x": 1},
+                                             "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    assert engine.template_kwargs[-1] == {"x": 1}
+    assert r.json()["token_strs"] == list("<user>Hi\n<assistant>")
+    assert engine.encode_calls[-1][1] is False  # chat's default
+    await client.post("/tokenize", json={"messages": USER, "add_special_tokens": True})
+    assert engine.encode_calls[-1][1] is True
+    for body in ({"messages": USER}, {"prompt": "x"}):
+        r = await client.post("/tokenize", json={**body, "chat_template": "T"})
+        assert_openai_error(r, 400, "chat_template")
+    r = await client.post("/tokenize", json={"prompt": "ab"})
+    assert "token_strs" not in r.json() and engine.encode_calls[-1] == ("ab", True)
