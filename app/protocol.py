@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI request schema (plus vLLM's extra sampling fields).
 
-Unknown fields are ignored, as OpenAI does. Fields we know but do not support are declared so
-the server can answer "unsupported" instead of silently ignoring them. Responses are plain
+Unknown fields are accepted and logged once per name (as vLLM). Fields we know but do not support
+are declared so the server can answer "unsupported" instead of silently ignoring them; vLLM's
+other extras live in app/extra_fields.py. Responses are plain
 dicts serialized with orjson: building them is on the hot path of every stream chunk.
 
 These models are also the published schema (app/openapi.py), so they validate strictly (no
