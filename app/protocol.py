@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI request schema (plus vLLM's extra sampling fields).
 
-Unknown fields are ignored, as OpenAI does. Fields we know but do not support are declared so
-the server can answer "unsupported" instead of silently ignoring them. Responses are plain
+Unknown fields are accepted and logged once per name (as vLLM). Fields we know but do not support
+are declared so the server can answer "unsupported" instead of silently ignoring them; vLLM's
+other extras live in app/extra_fields.py. Responses are plain
 dicts serialized with orjson: building them is on the hot path of every stream chunk.
 
 These models are also the published schema (app/openapi.py), so they validate strictly (no
@@ -13,37 +14,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.errors import APIError
 from app.tools.models import ToolCall, ToolChoice, ToolDefinition
 from app.structured_args import StructuredFields
+from app.extra_fields import ChatExtraFields, CompletionExtraFields, TokenizeExtraFields, log_ignored_fields
+from app.json_types import AS_INT as _AS_INT
+from app.json_types import (  # noqa: F401  (re-exported)
+    BOUND_KEY, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, Int, NonEmptyStr, NumLogprobs)
+from app.json_types import json_integer as _json_integer
 
-MAX_LOGPROBS = 20
-MAX_N = 128  # OpenAI's bound on n
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # JSON integers must fit the engine's int64 fields
-
-# Schema extension naming a bound only the running server knows (see app/openapi.py):
-# "vocab" = a token id (< vocabulary size), "context" = a token count (< max_model_len).
-BOUND_KEY = "x-pagedserve-bound"
-
-
-def _json_integer(v: Any) -> Any:
-    # JSON Schema counts 2.0 as an integer: take an integral float as that integer. orjson reads
-    # integers past 64 bits as floats, rounded (-2**63 - 1 becomes -2**63): refuse those here,
-    # before the rounding could carry them inside a bound.
-    if type(v) is float and v.is_integer():
-        if abs(v) >= 2**63:
-            raise ValueError("integers must fit in 64 bits")
-        return int(v)
-    return v
-
-
-# A JSON integer, strictly (no "12", no true). Constraints go before the validator in the
-# Annotated list; after it, pydantic writes them into the schema as "ge"/"le", not JSON Schema.
-_AS_INT = BeforeValidator(_json_integer)
-Int = Annotated[int, _AS_INT]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
 # A token id the model reads: the server answers 400 past the vocabulary.
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX, json_schema_extra={BOUND_KEY: "vocab"}), _AS_INT]
 # A token id the sampler only compares with (stop ids, logit_bias keys): one past the vocabulary
@@ -56,13 +37,13 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _AS_INT]
 BestOf = Annotated[int, Field(ge=1, le=MAX_N), _AS_INT]
 Seed = Annotated[int, Field(ge=0, le=INT64_MAX), _AS_INT]
 TopK = Annotated[int, Field(ge=-1, le=INT64_MAX), _AS_INT]  # -1 or 0 = off
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AS_INT]
 
 # Declared-but-unsupported fields: the model accepts any value so the server can answer
 # "... is not supported" (code "unsupported"); the schema says which values actually pass.
 _EMPTY_LIST_OR_NULL = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
 _NONE_OR_NULL = {"anyOf": [{"const": "none"}, {"type": "null"}]}
 _EMPTY_STR_OR_NULL = {"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]}
+_FALSE_OR_NULL = {"anyOf": [{"const": False}, {"type": "null"}]}
 
 
 def _only_text_type(schema: dict[str, Any]) -> None:
@@ -81,6 +62,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = Field(default=None, json_schema_extra=_FALSE_OR_NULL)
 
 
 class SamplingFields(StructuredFields, OpenAIModel):
@@ -151,6 +133,10 @@ class SamplingFields(StructuredFields, OpenAIModel):
         return v
 
     def check_common(self) -> None:
+        self.check_extra_fields()  # app/extra_fields.py
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError.unsupported("stream_options.continuous_usage_stats",
+                                       "continuous_usage_stats is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError.unsupported("best_of", "best_of different from n is not supported")
         if self.stream_options is not None and not self.stream:
@@ -195,7 +181,7 @@ PromptType = Union[
 MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={BOUND_KEY: "context"}), _AS_INT]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, CompletionExtraFields):
     prompt: PromptType
     max_tokens: MaxTokens | None = None
     echo: bool = False
@@ -276,7 +262,7 @@ def check_messages(messages: list[ChatMessage]) -> None:
         message.text()
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatExtraFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
@@ -312,7 +298,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIModel, TokenizeExtraFields):
     # Exactly one of prompt / messages (check() enforces it; the schema says it).
     model_config = ConfigDict(json_schema_extra={"oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
@@ -331,6 +317,7 @@ class TokenizeRequest(OpenAIModel):
             raise APIError.bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if self.messages is not None:
             check_messages(self.messages)
+        self.check_extra_fields()  # app/extra_fields.py
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -343,9 +330,11 @@ def parse(model: type[OpenAIModel], data: Any) -> Any:
     if not isinstance(data, dict):
         raise APIError.bad_request("the request body must be a JSON object")
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+    log_ignored_fields(model, data)
+    return req
 
 
 def validation_error(e: ValidationError) -> APIError:

@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(AUTO_PARSERS),
                    help="format of the model's tool calls for tool_choice auto (default: from the chat "
                         "template; hermes = <tool_call>{...}</tool_call>, also the default tool prompt's)")
+    g.add_argument("--sse-ping-interval", type=float, default=0.0,
+                   help="seconds between ': ping' comments on streams, for proxies that cut idle "
+                        "connections; 0 (default) = none, as OpenAI and vLLM (`vllm bench serve` "
+                        "loses events after a comment)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="allow a request's own chat_template (a Jinja template the server renders); "
+                        "without it such requests get 400, as in vLLM")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -125,7 +132,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
         from app.tools.plan import ToolConfig
 
         app = build_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes,
+                        max_body_bytes=args.max_body_bytes, sse_ping_interval=args.sse_ping_interval,
+                        trust_request_chat_template=args.trust_request_chat_template,
                         tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser))
         uv_config.app = app
         num_blocks = engine.num_blocks

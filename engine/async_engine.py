@@ -220,12 +220,14 @@ class AsyncEngine:
         return await loop.run_in_executor(self._pool, self.tokenizer.decode, token_ids, skip_special_tokens)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+                          continue_final_message: bool = False, **template_kwargs) -> str:
+        """``template_kwargs``: ``chat_template`` and the template's variables (Tokenizer.
+        apply_chat_template)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._pool, lambda: self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools))
+                continue_final_message=continue_final_message, **template_kwargs))
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  prompt: str | None = None, priority: int = 0,
