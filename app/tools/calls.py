@@ -82,9 +82,18 @@ class CallTracker:
         self.text += text
         self.scanner.feed(text)
 
-    def feed_char(self, ch: str) -> None:
-        self.text += ch
-        self.scanner.feed_char(ch)
+    def feed_until_done(self, text: str) -> int:
+        """Read ``text`` up to the end of the JSON value; return how much was read. On a
+        JsonScanError, ``self.scanner.pos - start`` is the offending character's offset."""
+        start = len(self.text)
+        self.text += text
+        try:
+            n = self.scanner.feed_until_done(text)
+        except JsonScanError:
+            self.text = self.text[:self.scanner.pos]
+            raise
+        self.text = self.text[:start + n]
+        return n
 
     @property
     def done(self) -> bool:

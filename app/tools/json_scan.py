@@ -61,9 +61,17 @@ class JsonScanner:
             self._char(ch)
             self.pos += 1
 
-    def feed_char(self, ch: str) -> None:
-        self._char(ch)
-        self.pos += 1
+    def feed_until_done(self, text: str) -> int:
+        """Feed until the value is complete; return how many characters were read (on a
+        JsonScanError, ``pos`` is the offending character's position)."""
+        n = 0
+        for ch in text:
+            if self.done:
+                break
+            self._char(ch)
+            self.pos += 1
+            n += 1
+        return n
 
     # ---- internals ---------------------------------------------------------------------------
 

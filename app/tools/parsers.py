@@ -69,12 +69,11 @@ class HermesToolParser:
                     self._content(buf[:len(buf) - hold], out)
                     self._pending = buf[len(buf) - hold:]
             elif self._state == _INSIDE:
-                i = 0
+                start = self._tracker.scanner.pos
                 try:
-                    while i < len(text) and not self._tracker.done:
-                        self._tracker.feed_char(text[i])
-                        i += 1
+                    i = self._tracker.feed_until_done(text)
                 except JsonScanError:
+                    i = self._tracker.scanner.pos - start
                     self._block += text[:i + 1]
                     self._fail(out, text[i + 1:], text[i])
                     return out
@@ -226,21 +225,24 @@ class Llama3JsonToolParser:
         if self._mode == "content" or self.failed:
             out.content += text
             return out
-        for i, ch in enumerate(text):
+        i = 0
+        while i < len(text):
             if self._tracker is None or self._tracker.done:
-                if ch in " \t\n\r;":
+                if text[i] in " \t\n\r;":
+                    i += 1
                     continue
-                if ch != "{":
+                if text[i] != "{":
                     self._fail(out, text[i:])
                     return out
                 if self._tracker is not None:
                     self._tracker.drain(out.calls)
                 self._tracker = CallTracker(self.calls, arg_keys=("parameters", "arguments"),
                                             max_calls=self.max_calls)
+            start = self._tracker.scanner.pos
             try:
-                self._tracker.feed_char(ch)
+                i += self._tracker.feed_until_done(text[i:])
             except JsonScanError:
-                self._fail(out, text[i + 1:])
+                self._fail(out, text[i + self._tracker.scanner.pos - start + 1:])
                 return out
         self._tracker.drain(out.calls)
         return out
