@@ -237,3 +237,17 @@ async def test_each_choice_parses_its_own_calls_streamed():
     assert content == {0: "Let me check.\n", 1: "[1] Let me check.\n"}
     assert finish == {0: "tool_calls", 1: "tool_calls"}
     assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1]
+
+
+async def test_a_request_chat_template_decides_how_tools_are_rendered():
+    engine = FakeAsyncEngine(reply="ok", max_model_len=4096)
+    engine.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"  # no tools
+    app = build_app(engine, served_model_name="fake-model", max_body_bytes=1 << 20,
+                    tool_config=ToolConfig(enable_auto_tool_choice=True), trust_request_chat_template=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        own = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
+        r = await http.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER], "chat_template": own})
+        assert r.status_code == 200, r.text
+        assert engine.chat_tools[-1] == [WEATHER] and engine.chat_calls[-1][0] == USER
+        r = await http.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]})
+        assert engine.chat_tools[-1] is None and engine.chat_calls[-1][0][0]["content"].startswith("# Tools")
