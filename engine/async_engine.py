@@ -138,8 +138,14 @@ class AsyncEngine:
     async def start(self) -> None:
         from engine.bootstrap import build_engine
 
+        from engine.structured_output.xgrammar_backend import preload
+
         loop = asyncio.get_running_loop()
+        # The grammar engine's import (torch) overlaps the workers' model loading, instead of
+        # stalling the loop at the first structured request.
+        preloading = loop.run_in_executor(self._pool, preload)
         self.parts = await loop.run_in_executor(self._pool, build_engine, self.config)
+        await preloading
         self.tokenizer = self.parts.tokenizer
         self._wake = asyncio.Event()
         self._accepting = True

@@ -30,7 +30,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
-from engine.structured_output import GrammarError
+from engine.structured_output.core_hooks import ConstrainedRequests
 from engine.structured_output.tracker import ConstraintTracker
 from gpu.config import EngineConfig
 from gpu.error_text import error_summary
@@ -56,7 +56,7 @@ class EngineStats:
     num_worker_restarts: int = 0  # worker pools rebuilt after a failure (set by AsyncEngine)
 
 
-class EngineCore:
+class EngineCore(ConstrainedRequests):
     def __init__(self, config: EngineConfig, executor, tokenizer):
         if config.model.max_model_len is None:
             raise EngineError("config.model.max_model_len must be set before building the engine core")
@@ -137,37 +137,6 @@ class EngineCore:
         if not params.has_token_constraint or self.constraints.prepare(req):
             for seq in req.seqs:
                 self.scheduler.add(seq)
-
-    def check_constraint(self, params: SamplingParams) -> None:
-        """Refuse a structured-output spec (or allowed_token_ids) the grammar engine cannot
-        honour, with its reason (RequestRejectedError: HTTP 400). Cached per spec; the first
-        check of a spec may take milliseconds, so servers call it off the loop first."""
-        try:
-            self.constraints.check(params)
-        except GrammarError as e:
-            raise RequestRejectedError(str(e)) from None
-
-    def take_outputs(self) -> list[RequestOutput]:
-        """Outputs made outside ``process()`` (a request whose grammar failed to compile)."""
-        out, self._ready_outputs = self._ready_outputs, []
-        return out
-
-    def _admit_compiled(self) -> None:
-        ready, failed = self.constraints.take_ready()
-        for req in ready:
-            if req.request_id in self.requests:
-                for seq in req.seqs:
-                    if not seq.is_finished:
-                        self.scheduler.add(seq)
-        for req, reason in failed:
-            if req.request_id not in self.requests:
-                continue
-            req.error = reason
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    self._finish_seq(seq, "error")
-            if (out := self._make_output(req)) is not None:
-                self._ready_outputs.append(out)
 
     def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_token_ids)

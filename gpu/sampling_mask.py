@@ -25,27 +25,33 @@ class TokenMask:
         if not self.rows:
             return
         n, vocab = len(self.rows), logits.shape[1]
-        allowed = unpack_bitmask(self.bits, n, vocab, logits.device)
+        # Inverted while packed (1/32 of the work), so the logits see one masked_fill pass.
+        banned = unpack_bitmask(self.bits, n, vocab, logits.device, invert=True)
         if n == logits.shape[0] and self.rows == list(range(n)):
-            logits.masked_fill_(~allowed, float("-inf"))
+            logits.masked_fill_(banned, float("-inf"))
             return
         idx = torch.tensor(self.rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
 
 
-def unpack_bitmask(bits: bytes, rows: int, vocab: int, device: torch.device) -> Tensor:
-    """Bool [rows, vocab] (True = allowed). Tokens past the mask's width are disallowed."""
+def unpack_bitmask(bits: bytes, rows: int, vocab: int, device: torch.device,
+                   invert: bool = False) -> Tensor:
+    """Bool [rows, vocab]: True = allowed (``invert``: True = banned). Tokens past the mask's
+    width are not allowed."""
     words = len(bits) // 4 // rows if rows else 0
     width = words * 32
     if device.type == "cpu":
         packed = np.frombuffer(bits, dtype=np.uint8).reshape(rows, words * 4)
-        unpacked = np.unpackbits(packed, axis=1, bitorder="little")
-        allowed = torch.from_numpy(unpacked).view(torch.bool)
+        if invert:
+            packed = ~packed
+        flags = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")).view(torch.bool)
     else:
         w = torch.frombuffer(bytearray(bits), dtype=torch.int32).view(rows, words).to(device)
+        if invert:
+            w = ~w
         shifts = torch.arange(32, dtype=torch.int32, device=device)
-        allowed = ((w.unsqueeze(-1) >> shifts) & 1).view(rows, width).bool()
+        flags = ((w.unsqueeze(-1) >> shifts) & 1).view(rows, width).bool()
     if width >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(rows, vocab - width, dtype=torch.bool, device=allowed.device)
-    return torch.cat([allowed, pad], dim=1)
+        return flags[:, :vocab]
+    pad = torch.full((rows, vocab - width), invert, dtype=torch.bool, device=flags.device)
+    return torch.cat([flags, pad], dim=1)

@@ -68,12 +68,12 @@ class ConstraintTracker:
         failed: list[tuple[Request, str]] = []
         for rid in [r for r, req in self.compiling.items() if req.grammar_future.done()]:
             req = self.compiling.pop(rid)
-            req.compiling = False
             fut, req.grammar_future = req.grammar_future, None
             exc = fut.exception()
-            if exc is not None:
+            if exc is not None:  # stays "compiling" (outside the scheduler) until it is finished
                 failed.append((req, str(exc)))
             else:
+                req.compiling = False
                 self._attach(req, fut.result())
                 ready.append(req)
         return ready, failed

@@ -37,6 +37,15 @@ def _reason(e: BaseException) -> str:
     return text
 
 
+def preload() -> None:
+    """Import xgrammar (and with it torch: seconds of GIL-holding work). A server calls this
+    while its workers load the model, so the first structured request does not stall the loop."""
+    try:
+        import xgrammar  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - structured outputs then fail per request, with the reason
+        logger.warning("xgrammar cannot be imported (structured outputs will fail): %s", e)
+
+
 def build_tokenizer_info(tokenizer, vocab_size: int):
     """xgrammar's view of our tokenizer (engine/tokenizer.py wraps a ``tokenizers.Tokenizer``);
     ``vocab_size`` is the model's logits width (may exceed the tokenizer's)."""

@@ -219,3 +219,25 @@ def test_multiprocess_executor_gives_the_inprocess_outputs(llm):
     assert [[c.token_ids for c in o.outputs] for o in outs] == ref
     for c in outs[0].outputs:
         jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_a_compile_failure_fails_only_that_request(llm):
+    from engine.structured_output import GrammarError
+
+    backend = llm.core.constraints.manager.backend
+    real_compile = backend.compile
+
+    def failing(grammar):
+        raise GrammarError("the grammar cannot be compiled: boom")
+
+    backend.compile = failing
+    try:
+        spec = StructuredOutputsParams(regex=r"(x|y){2,4}z")  # not compiled by any other test
+        free = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        outs = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=5, structured_outputs=spec), free],
+                            use_tqdm=False)
+    finally:
+        backend.compile = real_compile
+    assert outs[0].outputs[0].finish_reason == "error" and "boom" in outs[0].error
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 5
+    assert not llm.core.has_unfinished()

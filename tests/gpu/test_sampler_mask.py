@@ -89,3 +89,11 @@ def test_seeded_draw_same_with_and_without_other_rows_masked():
     assert a[0] == b[0] and a[2] == b[2]
     assert a[1] == b[1]  # an all-allowed row is unchanged
     assert b[3] in (5, 6)
+
+
+def test_inverted_unpack_and_tokens_past_the_mask_width():
+    bits = _rows([[1, 2]], vocab=32)  # one word for a 40-token vocabulary
+    allowed = unpack_bitmask(bits, 1, 40, torch.device("cpu"))
+    banned = unpack_bitmask(bits, 1, 40, torch.device("cpu"), invert=True)
+    assert allowed[0].nonzero().squeeze(1).tolist() == [1, 2]
+    assert (banned == ~allowed).all()
