@@ -48,6 +48,12 @@ _USAGE = {
                    for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
 }
 _FINISH = {"type": ["string", "null"]}
+_TOOL_CALLS = {"type": "array", "items": {  # app/tools/output.py
+    "type": "object", "required": ["id", "type", "function"],
+    "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                   "function": {"type": "object", "required": ["name", "arguments"],
+                                "properties": {"name": {"type": "string"},
+                                               "arguments": {"type": "string"}}}}}}
 
 
 def _response_object(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +84,8 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                        "logprobs": {"type": ["object", "null"]},
                        "message": {"type": "object", "required": ["role", "content"],
                                    "properties": {"role": {"const": "assistant"},
-                                                  "content": {"type": ["string", "null"]}}}},
+                                                  "content": {"type": ["string", "null"]},
+                                                  "tool_calls": _TOOL_CALLS}}},
     }),
     "ModelList": {
         "type": "object", "required": ["object", "data"],

@@ -251,3 +251,17 @@ async def test_a_request_chat_template_decides_how_tools_are_rendered():
         assert engine.chat_tools[-1] == [WEATHER] and engine.chat_calls[-1][0] == USER
         r = await http.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]})
         assert engine.chat_tools[-1] is None and engine.chat_calls[-1][0][0]["content"].startswith("# Tools")
+
+
+async def test_a_tool_call_answer_fits_the_published_schema():
+    from jsonschema import Draft202012Validator
+
+    _, http, _ = make(CALL_TEXT)
+    doc = (await http.get("/openapi.json")).json()
+    validator = Draft202012Validator({"$ref": "#/components/schemas/ChatCompletion",
+                                      "components": doc["components"]})
+    body = (await http.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]})).json()
+    assert body["choices"][0]["message"]["tool_calls"]
+    validator.validate(body)
+    body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    assert not validator.is_valid(body)  # arguments are a JSON string, not an object
