@@ -132,6 +132,8 @@ class ChatRoute:
             message, finish = {"role": "assistant", "content": echo + "".join(c.text)}, c.finish_reason
             if plan.active:
                 message, finish = tool_output.full_message(plan, "".join(c.text), finish)
+                if echo:  # as streamed: the echo goes first, as content
+                    message["content"] = echo + (message["content"] or "")
             out.append({"index": c.index, "message": message,
                         "logprobs": self.chat_logprobs(c.logprobs, top, as_ids) if req.logprobs else None,
                         "finish_reason": finish, "stop_reason": c.stop_reason})
