@@ -3,7 +3,6 @@ chat ``logprobs`` shape (content entries with bytes), full or streamed (role del
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,35 +11,72 @@ from starlette.responses import Response
 
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished
+from app.prompt_options import check_truncate, chat_echo_text, chat_template_options, truncate_prompt
 from app.protocol import ChatCompletionRequest, parse
+from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
 from app.streaming import sse_response
+from app.tools import output as tool_output
+from app.tools import prompt as tool_prompt
+from app.tools.plan import ToolConfig, ToolPlan, build_plan, keeps_special_tokens, structured_outputs_for
+from app.structured_args import check_constraint
 
 
 class ChatRoute:
     """Mixin of OpenAIServer (with RouteBase and ChoiceFanOut); ``chat_prompt`` also serves
     /tokenize with messages."""
 
+    tool_config = ToolConfig()  # the server's tool flags (build_app sets them)
+
+    def template_messages(self, messages: list[Any], tools: list[dict] | None = None,
+                          chat_template: str | None = None) -> tuple[list[dict], list[dict] | None]:
+        """The conversation and the ``tools`` variable for the chat template (the request's own
+        ``chat_template`` or the model's): tools and tool-call turns natively when the template
+        knows tools, else written out (app/tools/prompt.py)."""
+        template = chat_template or getattr(self.engine.tokenizer, "chat_template", None)
+        native = tool_prompt.template_knows_tools(template)
+        out = tool_prompt.template_messages(messages, native)
+        if tools and not native:
+            return tool_prompt.with_default_tool_prompt(out, tools), None
+        return out, tools or None
+
     async def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                          continue_final_message: bool) -> tuple[str, list[int]]:
+                          continue_final_message: bool, add_special_tokens: bool = False,
+                          template_options: dict[str, Any] | None = None,
+                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """``template_options`` (app/prompt_options.py) may override the two flags, as vLLM's
+        chat_template_kwargs do; ``tools``: the template's tools variable (app/tools/prompt.py)."""
         from jinja2 import TemplateError
 
+        template_options = dict(template_options or {})
+        template_options.setdefault("add_generation_prompt", add_generation_prompt)
+        template_options.setdefault("continue_final_message", continue_final_message)
+        if tools:
+            template_options["tools"] = tools
         try:
-            text = await self.engine.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message)
+            text = await self.engine.render_chat(messages, **template_options)
         except (TemplateError, ValueError) as e:
+            param = "chat_template" if "chat_template" in template_options else "messages"
             raise APIError.bad_request(f"the chat template could not render these messages: {e}",
-                                       param="messages") from None
-        ids = await self.engine.encode(text, add_special_tokens=False)
+                                       param=param) from None
+        ids = await self.engine.encode(text, add_special_tokens=add_special_tokens)
         return text, list(ids)
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self.read_json(request))
         req.check_supported()
-        messages = req.template_messages()
+        check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
+        options = chat_template_options(req, self.trust_request_chat_template)
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
-        text, ids = await self.chat_prompt(messages, req.add_generation_prompt,
-                                           req.continue_final_message)
+        template = options.get("chat_template") or getattr(self.engine.tokenizer, "chat_template", None)
+        plan = build_plan(req, self.tool_config, template)
+        messages, tools = self.template_messages(req.messages, plan.tools, options.get("chat_template"))
+        text, ids = await self.chat_prompt(
+            messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
+            options, tools)
+        kept = truncate_prompt(ids, req.truncate_prompt_tokens)
+        if len(kept) < len(ids):
+            text, ids = None, kept
         requested = req.requested_max_tokens()
         try:
             max_tokens = self.max_tokens_for(len(ids), requested, None)
@@ -51,63 +87,95 @@ class ChatRoute:
                 e.param = "messages"
             raise
         kw = req.sampling_kwargs()
+        if plan.schema is not None:
+            kw["structured_outputs"] = structured_outputs_for(plan)
+        if keeps_special_tokens(plan, self.engine.tokenizer):
+            kw["skip_special_tokens"] = False
         top = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = top
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = self.make_choices(request_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
+        if req.prompt_logprobs is not None:
+            kw["prompt_logprobs"] = req.prompt_logprobs
+        request_id, engine_id = response_and_engine_ids(request, "chatcmpl", req.request_id)
+        choices = self.make_choices(engine_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
         created = int(time.time())
+        await check_constraint(self.engine, choices[0].params,
+                               "tools" if plan.schema is not None else req.constraint_param())
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
-            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top), streams,
-                                on_close=lambda: end_unfinished(choices, ClientDisconnected()))
+            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top, plan), streams,
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()),
+                                ping_interval=self.sse_ping_interval)
         body = await self.until_disconnect(
-            request, self.chat_full(req, choices, streams, request_id, created, top), streams, choices)
+            request, self.chat_full(req, choices, streams, request_id, created, top, plan), streams, choices)
         return ORJSONResponse(body)
 
-    def chat_logprobs(self, entries: list, k: int) -> dict[str, list]:
+    def chat_logprobs(self, entries: list, k: int, as_ids: bool | None = False) -> dict[str, list]:
         content = []
         for tid, lp, top in entries:
-            s = self.token_text(tid)
             content.append({
-                "token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
-                "top_logprobs": [{"token": (ts := self.token_text(t)), "logprob": v,
-                                  "bytes": list(ts.encode("utf-8"))} for t, v in top[:k]],
+                "token": self.logprob_token(tid, as_ids), "logprob": lp, "bytes": self.token_bytes(tid),
+                "top_logprobs": [{"token": self.logprob_token(t, as_ids), "logprob": v,
+                                  "bytes": self.token_bytes(t)} for t, v in top[:k]],
             })
         return {"content": content}
 
     async def chat_full(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
-                        request_id: str, created: int, top: int) -> dict[str, Any]:
+                        request_id: str, created: int, top: int, plan: ToolPlan = ToolPlan()) -> dict[str, Any]:
         async for c, comp, new_ids in self.run(choices, streams):
             if req.logprobs:
                 c.logprobs.extend(self.new_logprobs(comp, new_ids))
         out = []
+        echo = chat_echo_text(req)
+        as_ids = req.return_tokens_as_token_ids
         for c in choices:
-            out.append({"index": c.index,
-                        "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": self.chat_logprobs(c.logprobs, top) if req.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            message, finish = {"role": "assistant", "content": echo + "".join(c.text)}, c.finish_reason
+            if plan.active:
+                message, finish = tool_output.full_message(plan, "".join(c.text), finish)
+                if echo:  # as streamed: the echo goes first, as content
+                    message["content"] = echo + (message["content"] or "")
+            out.append({"index": c.index, "message": message,
+                        "logprobs": self.chat_logprobs(c.logprobs, top, as_ids) if req.logprobs else None,
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:  # one prompt: vLLM puts them beside the choices
+            prompt_logprobs = self.prompt_logprobs_body(choices[0].prompt_logprobs, choices[0].prompt_ids,
+                                                        req.prompt_logprobs, as_ids)
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": self.model_name, "choices": out, "usage": self.usage(choices),
-                "system_fingerprint": None}
+                "system_fingerprint": None, "prompt_logprobs": prompt_logprobs}
 
     async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
-                          request_id: str, created: int, top: int) -> AsyncIterator[dict[str, Any]]:
+                          request_id: str, created: int, top: int,
+                          plan: ToolPlan = ToolPlan()) -> AsyncIterator[dict[str, Any]]:
+        tool_deltas = {c.index: tool_output.ToolDeltas(plan) for c in choices} if plan.active else None
         usage_field = {"usage": None} if req.include_usage else {}
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
-        for c in choices:
-            yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], **usage_field}
+        # Each choice's role chunk goes out with its first output, not before the engine has
+        # produced anything (benchmark clients time TTFT at the first chunk with choices).
+        role_sent: set[int] = set()
+        echo = chat_echo_text(req)
         async for c, comp, new_ids in self.run(choices, streams):
+            if c.index not in role_sent:
+                role_sent.add(c.index)
+                yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}], **usage_field}
+                if echo:
+                    yield {**head, "choices": [{"index": c.index, "delta": {"content": echo},
+                                                "logprobs": None, "finish_reason": None}], **usage_field}
             text = comp.text
             logprobs = None
             if req.logprobs:
-                logprobs = self.chat_logprobs(self.new_logprobs(comp, new_ids), top)
-            if not text and c.finish_reason is None and not (logprobs and logprobs["content"]):
+                logprobs = self.chat_logprobs(self.new_logprobs(comp, new_ids), top,
+                                              req.return_tokens_as_token_ids)
+            delta, finish = ({"content": text} if text else {}), c.finish_reason
+            if tool_deltas is not None:
+                delta, finish = tool_deltas[c.index].delta(text, finish)
+            if not delta and finish is None and not (logprobs and logprobs["content"]):
                 continue
-            choice: dict[str, Any] = {"index": c.index, "delta": {"content": text} if text else {},
-                                      "logprobs": logprobs, "finish_reason": c.finish_reason}
+            choice: dict[str, Any] = {"index": c.index, "delta": delta,
+                                      "logprobs": logprobs, "finish_reason": finish}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             yield {**head, "choices": [choice], **usage_field}

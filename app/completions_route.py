@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,9 +12,12 @@ from starlette.responses import Response
 
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished, normalize_logprob
+from app.prompt_options import check_truncate, truncate_prompt
 from app.protocol import CompletionRequest, parse
+from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
 from app.streaming import sse_response
+from app.structured_args import check_constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -33,7 +35,8 @@ class CompletionsRoute:
             return [(None, self.check_ids(list(prompt), "prompt"))]
         else:
             return [(None, self.check_ids(list(p), "prompt")) for p in prompt]
-        ids = await asyncio.gather(*(self.engine.encode(t) for t in texts))
+        ids = await asyncio.gather(*(self.engine.encode(t, add_special_tokens=req.add_special_tokens)
+                                     for t in texts))
         for i, t in enumerate(ids):
             if not t:
                 raise APIError.bad_request("the prompt is empty", param="prompt")
@@ -42,7 +45,11 @@ class CompletionsRoute:
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self.read_json(request))
         req.check_supported()
+        check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
         prompts = await self.completion_prompts(req)
+        if req.truncate_prompt_tokens is not None:  # echo then shows what the model read
+            prompts = [(text if len(ids) <= req.truncate_prompt_tokens else None,
+                        truncate_prompt(ids, req.truncate_prompt_tokens)) for text, ids in prompts]
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         max_tokens = [self.max_tokens_for(len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
                       for _, ids in prompts]
@@ -51,16 +58,20 @@ class CompletionsRoute:
             kw["logprobs"] = req.logprobs
             if req.echo:
                 kw["prompt_logprobs"] = req.logprobs
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        choices = self.make_choices(request_id, prompts, req.n, kw, max_tokens, req.seed)
+        if req.prompt_logprobs is not None:
+            kw["prompt_logprobs"] = max(req.prompt_logprobs, kw.get("prompt_logprobs") or 0)
+        request_id, engine_id = response_and_engine_ids(request, "cmpl", req.request_id)
+        choices = self.make_choices(engine_id, prompts, req.n, kw, max_tokens, req.seed)
         if req.echo:
             await self.fill_prompt_texts(choices)
         created = int(time.time())
         # Submitted before the response starts, so a refusal (overloaded, dead) is a real status.
+        await check_constraint(self.engine, choices[0].params, req.constraint_param())
         streams = await self.start(choices, req.priority, req.cache_salt)
         if req.stream:
             return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams,
-                                on_close=lambda: end_unfinished(choices, ClientDisconnected()))
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()),
+                                ping_interval=self.sse_ping_interval)
         body = await self.until_disconnect(
             request, self.completion_full(req, choices, streams, request_id, created), streams, choices)
         return ORJSONResponse(body)
@@ -71,7 +82,7 @@ class CompletionsRoute:
                 c.prompt_text = await self.decode(c.prompt_ids)
 
     def completion_logprobs(self, c: Choice, entries: list, with_prompt: bool,
-                            k: int) -> dict[str, list]:
+                            k: int, as_ids: bool | None = False) -> dict[str, list]:
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top_logprobs: list[dict[str, float] | None] = []
@@ -82,7 +93,7 @@ class CompletionsRoute:
             for pos, tid in enumerate(c.prompt_ids):
                 entry = prompt_lps[pos] if pos < len(prompt_lps) else None
                 s = self.token_text(tid)
-                tokens.append(s)
+                tokens.append(self.logprob_token(tid, as_ids))
                 offsets.append(offset)
                 offset += len(s)
                 if entry is None:
@@ -91,22 +102,23 @@ class CompletionsRoute:
                 else:
                     _, lp, top = normalize_logprob(entry, tid)
                     token_logprobs.append(lp)
-                    top_logprobs.append(self.top_dict(tid, lp, top, k))
+                    top_logprobs.append(self.top_dict(tid, lp, top, k, as_ids))
         for tid, lp, top in entries:
             s = self.token_text(tid)
-            tokens.append(s)
+            tokens.append(self.logprob_token(tid, as_ids))
             offsets.append(offset)
             offset += len(s)
             token_logprobs.append(lp)
-            top_logprobs.append(self.top_dict(tid, lp, top, k))
+            top_logprobs.append(self.top_dict(tid, lp, top, k, as_ids))
         c.text_offset = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
-    def top_dict(self, tid: int, lp: float, top: list[tuple[int, float]], k: int) -> dict[str, float]:
+    def top_dict(self, tid: int, lp: float, top: list[tuple[int, float]], k: int,
+                 as_ids: bool | None = False) -> dict[str, float]:
         # As OpenAI/vLLM: the k most likely tokens, plus the sampled one.
-        out = {self.token_text(t): v for t, v in top[:k]}
-        out.setdefault(self.token_text(tid), lp)
+        out = {self.logprob_token(t, as_ids): v for t, v in top[:k]}
+        out.setdefault(self.logprob_token(tid, as_ids), lp)
         return out
 
     async def completion_full(self, req: CompletionRequest, choices: list[Choice], streams: list[Any],
@@ -121,9 +133,14 @@ class CompletionsRoute:
             if req.echo:
                 text = (c.prompt_text or "") + text
             if req.logprobs is not None:
-                logprobs = self.completion_logprobs(c, c.logprobs, req.echo, req.logprobs)
-            out.append({"index": c.index, "text": text, "logprobs": logprobs,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                logprobs = self.completion_logprobs(c, c.logprobs, req.echo, req.logprobs,
+                                                    req.return_tokens_as_token_ids)
+            choice = {"index": c.index, "text": text, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs_body(
+                    c.prompt_logprobs, c.prompt_ids, req.prompt_logprobs, req.return_tokens_as_token_ids)
+            out.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created,
                 "model": self.model_name, "choices": out, "usage": self.usage(choices),
                 "system_fingerprint": None}
@@ -142,7 +159,7 @@ class CompletionsRoute:
             logprobs = None
             if req.logprobs is not None:
                 logprobs = self.completion_logprobs(c, self.new_logprobs(comp, new_ids), with_prompt,
-                                                    req.logprobs)
+                                                    req.logprobs, req.return_tokens_as_token_ids)
             if not text and not new_ids and c.finish_reason is None:
                 continue
             yield {"id": request_id, "object": "text_completion", "created": created,

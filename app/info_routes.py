@@ -2,6 +2,7 @@
 the OpenAPI document."""
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.errors import APIError
+from app.prompt_options import chat_template_options
 from app.protocol import DetokenizeRequest, TokenizeRequest, parse
 from app.responses import ORJSONResponse
 
@@ -28,30 +30,45 @@ class InfoRoutes:
     """Mixin of OpenAIServer (with RouteBase and ChatRoute)."""
 
     async def models(self, request: Request) -> Response:
+        """vLLM's model card: ``root`` is the model the name serves, ``permission`` the fixed
+        OpenAI-era permission object vLLM still sends."""
+        config = getattr(self.engine, "config", None)
+        root = getattr(getattr(config, "model", None), "model", None) or self.model_name
         return ORJSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "pagedserve", "root": self.model_name, "parent": None,
+            "owned_by": "pagedserve", "root": root, "parent": None,
             "max_model_len": self.engine.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                "created": self.created, "allow_create_engine": False, "allow_sampling": True,
+                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
+            }],
         }]})
 
     async def tokenize(self, request: Request) -> Response:
         req = parse(TokenizeRequest, await self.read_json(request))
         req.check()
-        messages = None
+        options = chat_template_options(req, self.trust_request_chat_template)  # also refuses
+        messages = tools = None
         if req.messages is not None:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
+            messages, tools = self.template_messages(req.messages, [t.as_dict() for t in req.tools or []],
+                                                     options.get("chat_template"))
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         if messages is not None:
             if req.continue_final_message and req.add_generation_prompt:
                 raise APIError.bad_request("continue_final_message and add_generation_prompt cannot "
                                            "both be true", param="continue_final_message")
+            # As chat: no special tokens beyond the template's unless asked (vLLM's default).
+            special = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else False
             _, ids = await self.chat_prompt(messages, req.add_generation_prompt,
-                                            req.continue_final_message)
+                                            req.continue_final_message, special, options, tools)
         else:
             ids = list(await self.engine.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        return ORJSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len,
-                               "tokens": ids})
+        body = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = self.engine.tokenizer.convert_ids_to_tokens(ids)
+        return ORJSONResponse(body)
 
     async def detokenize(self, request: Request) -> Response:
         req = parse(DetokenizeRequest, await self.read_json(request))
@@ -77,15 +94,16 @@ class InfoRoutes:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def openapi_route(engine: Any, name: str, api_key: str | None,
-                   max_body_bytes: int) -> Callable[[Request], Any]:
+def openapi_route(engine: Any, name: str, api_key: str | None, max_body_bytes: int,
+                  trust_request_chat_template: bool = False) -> Callable[[Request], Any]:
     """GET /openapi.json: the document is built once, from what this server enforces."""
     from app.openapi import build_openapi
 
     body = orjson.dumps(build_openapi(
         served_model_name=name, max_model_len=engine.max_model_len,
         vocab_size=getattr(engine.tokenizer, "vocab_size", None), api_key=bool(api_key),
-        max_body_bytes=max_body_bytes, version=server_version()))
+        max_body_bytes=max_body_bytes, version=server_version(),
+        trust_request_chat_template=trust_request_chat_template))
 
     async def openapi(request: Request) -> Response:
         return Response(body, media_type="application/json")

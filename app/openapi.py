@@ -48,6 +48,12 @@ _USAGE = {
                    for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
 }
 _FINISH = {"type": ["string", "null"]}
+_TOOL_CALLS = {"type": "array", "items": {  # app/tools/output.py
+    "type": "object", "required": ["id", "type", "function"],
+    "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                   "function": {"type": "object", "required": ["name", "arguments"],
+                                "properties": {"name": {"type": "string"},
+                                               "arguments": {"type": "string"}}}}}}
 
 
 def _response_object(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +84,8 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                        "logprobs": {"type": ["object", "null"]},
                        "message": {"type": "object", "required": ["role", "content"],
                                    "properties": {"role": {"const": "assistant"},
-                                                  "content": {"type": ["string", "null"]}}}},
+                                                  "content": {"type": ["string", "null"]},
+                                                  "tool_calls": _TOOL_CALLS}}},
     }),
     "ModelList": {
         "type": "object", "required": ["object", "data"],
@@ -86,7 +93,9 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "type": "object", "required": ["id", "object", "created", "owned_by"],
             "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                            "created": {"type": "integer"}, "owned_by": {"type": "string"},
-                           "max_model_len": {"type": "integer"}}}}},
+                           "root": {"type": "string"}, "parent": {"type": ["string", "null"]},
+                           "max_model_len": {"type": "integer"},
+                           "permission": {"type": "array", "items": {"type": "object"}}}}}},
     },
     "TokenizeResponse": {
         "type": "object", "required": ["count", "max_model_len", "tokens"],
@@ -138,6 +147,10 @@ def _json(description: str, schema_name: str) -> dict[str, Any]:
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (overload only).",
                                 "schema": {"type": "string"}}}
 _WWW_AUTH = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+_REQUEST_ID = {"X-Request-Id": {
+    "description": "The request's id: the client's X-Request-Id header (up to 256 printable ASCII "
+                   "characters) or the body's `request_id`, else a new one.",
+    "schema": {"type": "string"}}}
 
 
 def _post(summary: str, model_name: str, ok: dict[str, Any], *, generates: bool,
@@ -160,6 +173,13 @@ def _post(summary: str, model_name: str, ok: dict[str, Any], *, generates: bool,
 
 def _get(summary: str, ok: dict[str, Any], **more: dict[str, Any]) -> dict[str, Any]:
     return {"summary": summary, "responses": {"200": ok, "408": _timeout_error(body=False), **more}}
+
+
+def _ping(method: str) -> dict[str, Any]:
+    op = _get("Liveness of the engine (vLLM's /ping; answers as /health, any body is not read).",
+              _json("The engine is serving.", "HealthStatus"), **{"503": _health_error()})
+    op["responses"]["408"] = _timeout_error(body=method == "post")
+    return op
 
 
 def _timeout_error(*, body: bool) -> dict[str, Any]:
@@ -192,14 +212,21 @@ def request_schemas() -> dict[str, Any]:
 
 
 def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int | None,
-                  api_key: bool, max_body_bytes: int, version: str) -> dict[str, Any]:
+                  api_key: bool, max_body_bytes: int, version: str,
+                  trust_request_chat_template: bool = False) -> dict[str, Any]:
     """The OpenAPI document of one server. ``api_key``: whether /v1/*, /tokenize and
-    /detokenize require a bearer token (they answer 401 without it)."""
+    /detokenize require a bearer token (they answer 401 without it). Every response carries
+    ``X-Request-Id``: the client's (header, or a generating route's ``request_id`` field) or a
+    new one."""
     schemas = copy.deepcopy(request_schemas())
     # A token id is < vocab_size; a completion length leaves at least one prompt token.
     _fill_bounds(schemas, {"vocab": vocab_size - 1 if vocab_size else None,
                            "context": max_model_len - 1})
     schemas.update(copy.deepcopy(RESPONSE_SCHEMAS))
+    if not trust_request_chat_template:  # a request's own template is a 400 then
+        for name in ("ChatCompletionRequest", "TokenizeRequest"):
+            schemas[name]["properties"]["chat_template"] = {
+                "type": "null", "title": "Chat Template", "description": "Needs --trust-request-chat-template."}
 
     stream_note = " With `stream: true` the 200 answer is an SSE stream."
     paths: dict[str, Any] = {
@@ -222,6 +249,7 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
         "/v1/models": {"get": _get("The served model.", _json("One model.", "ModelList"))},
         "/health": {"get": _get("Liveness of the engine.", _json("The engine is serving.", "HealthStatus"),
                                 **{"503": _health_error()})},
+        "/ping": {method: _ping(method) for method in ("get", "post")},
         "/version": {"get": _get("Server version.", _json("The version.", "VersionResponse"))},
         "/metrics": {"get": _get("Prometheus metrics.", {
             "description": "Prometheus text exposition format.",
@@ -242,4 +270,8 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
                     op["responses"]["401"] = _error("Missing or wrong API key.", _WWW_AUTH)
+    for item in paths.values():
+        for op in item.values():
+            for resp in op["responses"].values():
+                resp.setdefault("headers", {}).update(_REQUEST_ID)
     return doc

@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI request schema (plus vLLM's extra sampling fields).
 
-Unknown fields are ignored, as OpenAI does. Fields we know but do not support are declared so
-the server can answer "unsupported" instead of silently ignoring them. Responses are plain
+Unknown fields are accepted and logged once per name (as vLLM). Fields we know but do not support
+are declared so the server can answer "unsupported" instead of silently ignoring them; vLLM's
+other extras live in app/extra_fields.py. Responses are plain
 dicts serialized with orjson: building them is on the hot path of every stream chunk.
 
 These models are also the published schema (app/openapi.py), so they validate strictly (no
@@ -13,35 +14,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from app.errors import APIError
+from app.tools.models import ToolCall, ToolChoice, ToolDefinition
+from app.structured_args import StructuredFields
+from app.extra_fields import ChatExtraFields, CompletionExtraFields, TokenizeExtraFields, log_ignored_fields
+from app.json_types import AS_INT as _AS_INT
+from app.json_types import (  # noqa: F401  (re-exported)
+    BOUND_KEY, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, Int, NonEmptyStr, NumLogprobs)
+from app.json_types import json_integer as _json_integer
 
-MAX_LOGPROBS = 20
-MAX_N = 128  # OpenAI's bound on n
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # JSON integers must fit the engine's int64 fields
-
-# Schema extension naming a bound only the running server knows (see app/openapi.py):
-# "vocab" = a token id (< vocabulary size), "context" = a token count (< max_model_len).
-BOUND_KEY = "x-pagedserve-bound"
-
-
-def _json_integer(v: Any) -> Any:
-    # JSON Schema counts 2.0 as an integer: take an integral float as that integer. orjson reads
-    # integers past 64 bits as floats, rounded (-2**63 - 1 becomes -2**63): refuse those here,
-    # before the rounding could carry them inside a bound.
-    if type(v) is float and v.is_integer():
-        if abs(v) >= 2**63:
-            raise ValueError("integers must fit in 64 bits")
-        return int(v)
-    return v
-
-
-# A JSON integer, strictly (no "12", no true). Constraints go before the validator in the
-# Annotated list; after it, pydantic writes them into the schema as "ge"/"le", not JSON Schema.
-_AS_INT = BeforeValidator(_json_integer)
-Int = Annotated[int, _AS_INT]
-NonEmptyStr = Annotated[str, Field(min_length=1)]
 # A token id the model reads: the server answers 400 past the vocabulary.
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX, json_schema_extra={BOUND_KEY: "vocab"}), _AS_INT]
 # A token id the sampler only compares with (stop ids, logit_bias keys): one past the vocabulary
@@ -54,13 +37,13 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _AS_INT]
 BestOf = Annotated[int, Field(ge=1, le=MAX_N), _AS_INT]
 Seed = Annotated[int, Field(ge=0, le=INT64_MAX), _AS_INT]
 TopK = Annotated[int, Field(ge=-1, le=INT64_MAX), _AS_INT]  # -1 or 0 = off
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AS_INT]
 
 # Declared-but-unsupported fields: the model accepts any value so the server can answer
 # "... is not supported" (code "unsupported"); the schema says which values actually pass.
 _EMPTY_LIST_OR_NULL = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
 _NONE_OR_NULL = {"anyOf": [{"const": "none"}, {"type": "null"}]}
 _EMPTY_STR_OR_NULL = {"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]}
+_FALSE_OR_NULL = {"anyOf": [{"const": False}, {"type": "null"}]}
 
 
 def _only_text_type(schema: dict[str, Any]) -> None:
@@ -79,10 +62,12 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = Field(default=None, json_schema_extra=_FALSE_OR_NULL)
 
 
-class SamplingFields(OpenAIModel):
-    """Fields shared by completions and chat completions."""
+class SamplingFields(StructuredFields, OpenAIModel):
+    """Fields shared by completions and chat completions (the output constraints:
+    app/structured_args.py)."""
 
     model: str | None = None
     n: Int = Field(default=1, ge=1, le=MAX_N)
@@ -148,6 +133,10 @@ class SamplingFields(OpenAIModel):
         return v
 
     def check_common(self) -> None:
+        self.check_extra_fields()  # app/extra_fields.py
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError.unsupported("stream_options.continuous_usage_stats",
+                                       "continuous_usage_stats is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError.unsupported("best_of", "best_of different from n is not supported")
         if self.stream_options is not None and not self.stream:
@@ -174,6 +163,7 @@ class SamplingFields(OpenAIModel):
         kw["min_tokens"] = self.min_tokens
         kw["include_stop_str_in_output"] = self.include_stop_str_in_output
         kw["skip_special_tokens"] = self.skip_special_tokens
+        kw.update(self.constraint_kwargs())
         return kw
 
     @property
@@ -191,7 +181,7 @@ PromptType = Union[
 MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={BOUND_KEY: "context"}), _AS_INT]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, CompletionExtraFields):
     prompt: PromptType
     max_tokens: MaxTokens | None = None
     echo: bool = False
@@ -248,7 +238,7 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     def text(self) -> str:
@@ -266,19 +256,13 @@ class ChatMessage(OpenAIModel):
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
-    """What chat completions and /tokenize refuse alike in a conversation."""
+    """What chat completions and /tokenize refuse alike in a conversation (content parts that
+    are not text: ``ChatMessage.text``)."""
     for message in messages:
-        if message.tool_calls:
-            raise APIError.unsupported("messages", "tool_calls in messages are not supported")
+        message.text()
 
 
-class ResponseFormat(OpenAIModel):
-    model_config = ConfigDict(json_schema_extra=_only_text_type)
-
-    type: str = "text"
-
-
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatExtraFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
@@ -286,25 +270,18 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
-    tool_choice: Any = Field(default=None, json_schema_extra=_NONE_OR_NULL)
+    tools: list[ToolDefinition] | None = None  # app/tools/plan.py says what they mean
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
     function_call: Any = Field(default=None, json_schema_extra=_NONE_OR_NULL)
-    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         self.check_common()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise APIError.unsupported(name, f"{name} are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise APIError.unsupported("tool_choice", "tool_choice is not supported")
+        if self.functions:
+            raise APIError.unsupported("functions", "functions are not supported (use tools)")
         if self.function_call not in (None, "none"):
             raise APIError.unsupported("function_call", "function_call is not supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError.unsupported("response_format",
-                                       f"response_format type {self.response_format.type!r} is not "
-                                       "supported (only 'text')")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true",
                                        param="top_logprobs")
@@ -320,17 +297,8 @@ class ChatCompletionRequest(SamplingFields):
         # max_completion_tokens replaces the deprecated max_tokens; take it when both are given.
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        out = []
-        for m in self.messages:
-            msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name:
-                msg["name"] = m.name
-            out.append(msg)
-        return out
 
-
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIModel, TokenizeExtraFields):
     # Exactly one of prompt / messages (check() enforces it; the schema says it).
     model_config = ConfigDict(json_schema_extra={"oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
@@ -339,6 +307,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered with messages, as for chat (vLLM)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -348,6 +317,7 @@ class TokenizeRequest(OpenAIModel):
             raise APIError.bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
         if self.messages is not None:
             check_messages(self.messages)
+        self.check_extra_fields()  # app/extra_fields.py
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -360,9 +330,11 @@ def parse(model: type[OpenAIModel], data: Any) -> Any:
     if not isinstance(data, dict):
         raise APIError.bad_request("the request body must be a JSON object")
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+    log_ignored_fields(model, data)
+    return req
 
 
 def validation_error(e: ValidationError) -> APIError:

@@ -15,6 +15,9 @@ from app.metrics import ServerMetrics
 class RouteBase:
     """Base of OpenAIServer: the engine, the served name, the metrics, and the checks above."""
 
+    sse_ping_interval: float = 0.0  # seconds between SSE comment pings; 0 = none
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered
+
     def __init__(self, engine: Any, served_model_name: str, max_body_bytes: int,
                  metrics: ServerMetrics) -> None:
         self.engine = engine

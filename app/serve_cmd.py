@@ -21,6 +21,7 @@ import socket
 
 from app.engine_args import add_engine_args, engine_config_from_args
 from app.listen import ListenError, bind_socket
+from app.tools.parsers import AUTO_PARSERS
 from gpu.config import ConfigError
 from gpu.error_text import error_summary
 from gpu.executor import ExecutorError
@@ -56,6 +57,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--body-timeout", type=float, default=60.0,
                    help="seconds a request body may take to arrive after its headers; later it gets "
                         "408 and the connection is closed")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when a request has tools): tools go into '
+                        "the prompt and the reply is parsed for calls; without it such requests get 400")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(AUTO_PARSERS),
+                   help="format of the model's tool calls for tool_choice auto (default: from the chat "
+                        "template; hermes = <tool_call>{...}</tool_call>, also the default tool prompt's)")
+    g.add_argument("--sse-ping-interval", type=float, default=0.0,
+                   help="seconds between ': ping' comments on streams, for proxies that cut idle "
+                        "connections; 0 (default) = none, as OpenAI and vLLM (`vllm bench serve` "
+                        "loses events after a comment)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="allow a request's own chat_template (a Jinja template the server renders); "
+                        "without it such requests get 400, as in vLLM")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -115,8 +129,12 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
         raise
     await starting
     try:
+        from app.tools.plan import ToolConfig
+
         app = build_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, sse_ping_interval=args.sse_ping_interval,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser))
         uv_config.app = app
         num_blocks = engine.num_blocks
         block_size = config.cache.block_size

@@ -26,7 +26,9 @@ from app.errors import APIError, to_api_error
 from app.fanout import (  # noqa: F401  (re-exported)
     Choice, ChoiceFanOut, ClientDisconnected, end_unfinished, normalize_logprob)
 from app.info_routes import InfoRoutes, openapi_route
+from app.logprob_format import LogprobFormat
 from app.metrics import HTTPErrorCounter, ServerMetrics
+from app.request_id import RequestIdMiddleware
 from app.responses import ORJSONResponse, error_response  # noqa: F401  (re-exported)
 from app.route_base import RouteBase
 
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-class OpenAIServer(RouteBase, ChoiceFanOut, CompletionsRoute, ChatRoute, InfoRoutes):
+class OpenAIServer(RouteBase, ChoiceFanOut, LogprobFormat, CompletionsRoute, ChatRoute, InfoRoutes):
     """Every route's handler for one engine (``app.state.server``)."""
 
 
@@ -65,11 +67,20 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None) -> Starlette:
-    """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``)."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
+              sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
+              tool_config: Any = None) -> Starlette:
+    """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
+    ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
+    ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
+    ``tool_config``: app.tools.plan.ToolConfig (--enable-auto-tool-choice, --tool-call-parser)."""
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine, name)
     s = OpenAIServer(engine, name, max_body_bytes, metrics)
+    s.sse_ping_interval = sse_ping_interval
+    s.trust_request_chat_template = trust_request_chat_template
+    if tool_config is not None:
+        s.tool_config = tool_config
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat_completions), methods=["POST"]),
@@ -77,15 +88,18 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
         Route("/tokenize", _wrap(s.tokenize), methods=["POST"]),
         Route("/detokenize", _wrap(s.detokenize), methods=["POST"]),
         Route("/health", _wrap(s.health), methods=["GET"]),
+        Route("/ping", _wrap(s.health), methods=["GET", "POST"]),  # vLLM's (SageMaker) liveness
         Route("/version", _wrap(s.version), methods=["GET"]),
         Route("/metrics", _wrap(s.metrics_route), methods=["GET"]),
-        Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes), methods=["GET"]),
+        Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes,
+                                                      trust_request_chat_template), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(HTTPErrorCounter, metrics=metrics)  # outermost: sees 401s too
+    app.add_middleware(HTTPErrorCounter, metrics=metrics)  # sees 401s too
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries X-Request-Id
     app.state.metrics = metrics
     app.state.server = s
     return app

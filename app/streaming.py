@@ -18,7 +18,11 @@ from app.errors import to_api_error
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
-PING_INTERVAL_S = 15
+# No SSE comment pings unless asked (--sse-ping-interval): OpenAI and vLLM send none, and
+# `vllm bench serve` strips each network read, so after a `: ping` comment it never sees the
+# blank line that ends an event and loses every later one. "Off" is an interval no stream
+# reaches (ping=0 busy-loops in some sse-starlette versions).
+NO_PING_S = 365 * 24 * 3600.0
 
 
 def sse_event(payload: Any) -> bytes:
@@ -115,9 +119,11 @@ async def close_all(streams: Sequence[Any], on_close: Callable[[], None] | None 
 
 
 def sse_response(events: AsyncIterator[Any], streams: Sequence[Any] = (),
-                 on_close: Callable[[], None] | None = None) -> EventSourceResponse:
+                 on_close: Callable[[], None] | None = None,
+                 ping_interval: float = 0.0) -> EventSourceResponse:
     """The engine streams are closed again once the response ends: a client gone before the
     body started would otherwise leave its requests running unobserved. ``on_close`` then runs
-    (the routes count what was left unfinished as aborted)."""
-    return EventSourceResponse(sse_body(events), sep="\n", ping=PING_INTERVAL_S,
+    (the routes count what was left unfinished as aborted). ``ping_interval`` > 0 sends a
+    comment every that many seconds (for proxies that cut idle connections); 0 = none."""
+    return EventSourceResponse(sse_body(events), sep="\n", ping=ping_interval if ping_interval > 0 else NO_PING_S,
                                background=BackgroundTask(close_all, list(streams), on_close))

@@ -65,8 +65,14 @@ class AsyncEngine:
     async def start(self) -> None:
         from engine.bootstrap import build_engine
 
+        from engine.structured_output.xgrammar_backend import preload
+
         loop = asyncio.get_running_loop()
+        # The grammar engine's import (torch) overlaps the workers' model loading, instead of
+        # stalling the loop at the first structured request.
+        preloading = loop.run_in_executor(self._pool, preload)
         self.parts = await loop.run_in_executor(self._pool, build_engine, self.config)
+        await preloading
         self.tokenizer = self.parts.tokenizer
         self._wake = asyncio.Event()
         self._accepting = True
@@ -147,12 +153,14 @@ class AsyncEngine:
         return await loop.run_in_executor(self._pool, self.tokenizer.decode, token_ids, skip_special_tokens)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          continue_final_message: bool = False) -> str:
+                          continue_final_message: bool = False, **template_kwargs) -> str:
+        """``template_kwargs``: ``chat_template`` and the template's variables (Tokenizer.
+        apply_chat_template)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._pool, lambda: self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message))
+                continue_final_message=continue_final_message, **template_kwargs))
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  prompt: str | None = None, priority: int = 0,
@@ -174,6 +182,15 @@ class AsyncEngine:
         self._queues[request_id] = queue
         self._wake.set()
         return RequestStream(self, request_id, queue)
+
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """Refuse, before ``generate``, a structured-output spec or token constraint the grammar
+        engine cannot honour (RequestRejectedError with the library's reason: HTTP 400). Runs off
+        the loop: the first check of a spec parses it (and the first ever imports xgrammar)."""
+        if self.parts is None or not params.has_token_constraint:
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self.core.check_constraint, params)
 
     async def abort(self, request_id: str) -> None:
         queue = self._queues.pop(request_id, None)
@@ -307,6 +324,10 @@ class AsyncEngine:
 
     async def _step_loop(self, core, executor) -> None:
         reply_time = None  # when the previous step's output arrived (None after an idle wait)
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        # A grammar compiled in its thread wakes the loop (set() runs on the loop, after any clear()).
+        core.constraints.on_ready = lambda: loop.call_soon_threadsafe(wake.set)
         while True:
             while self._pending_aborts:
                 request_id, queue = self._pending_aborts.pop()
@@ -314,6 +335,9 @@ class AsyncEngine:
                     del self._queues[request_id]
                     core.abort_request(request_id)
             scheduled = core.schedule() if core.has_unfinished() else None
+            ready = core.take_outputs()  # requests whose grammar failed to compile
+            if ready:
+                self._deliver(ready)
             if scheduled is None:
                 reply_time = None
                 self._wake.clear()

@@ -30,6 +30,8 @@ from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOut
 from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
+from engine.structured_output.core_hooks import ConstrainedRequests
+from engine.structured_output.tracker import ConstraintTracker
 from gpu.config import EngineConfig
 from gpu.error_text import error_summary
 from gpu.messages import SampledLogprobs, StepEncodeError, StepOutput
@@ -54,7 +56,7 @@ class EngineStats:
     num_worker_restarts: int = 0  # worker pools rebuilt after a failure (set by AsyncEngine)
 
 
-class EngineCore:
+class EngineCore(ConstrainedRequests):
     def __init__(self, config: EngineConfig, executor, tokenizer):
         if config.model.max_model_len is None:
             raise EngineError("config.model.max_model_len must be set before building the engine core")
@@ -73,6 +75,10 @@ class EngineCore:
         self._seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count(1)
         self._token_text: dict[int, str] = {}  # decoded_token cache for logprobs
+        # Token constraints (structured outputs, allowed_token_ids, bad_words); grammars compile
+        # in a thread and their requests wait there, outside the scheduler.
+        self.constraints = ConstraintTracker(tokenizer, self.vocab_size or tokenizer.vocab_size)
+        self._ready_outputs: list[RequestOutput] = []  # outputs made outside process()
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -92,6 +98,8 @@ class EngineCore:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self._check_fits(prompt_token_ids, params)
+        if params.has_token_constraint:
+            self.check_constraint(params)
         num_prompt = len(prompt_token_ids)
         B = self.block_manager.block_size
         capacity = self.block_manager.num_usable_blocks * B  # tokens one sequence can hold
@@ -126,7 +134,9 @@ class EngineCore:
         self.requests[request_id] = req
         for seq in req.seqs:
             self._seqs[seq.seq_id] = seq
-            self.scheduler.add(seq)
+        if not params.has_token_constraint or self.constraints.prepare(req):
+            for seq in req.seqs:
+                self.scheduler.add(seq)
 
     def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_token_ids)
@@ -178,9 +188,12 @@ class EngineCore:
     # ---- steps ------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep | None:
+        if self.constraints.compiling:
+            self._admit_compiled()
         step = self.scheduler.schedule()
         if step is None:
             return None
+        self.constraints.attach_masks(step)
         now = time.monotonic()
         for seq in step.seqs:
             m = seq.request.metrics
@@ -231,13 +244,16 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.schedule()
+        ready = self.take_outputs()
         if scheduled is None:
-            return []
+            if not ready and self.constraints.compiling:
+                self.constraints.wait(timeout=1.0)  # nothing else can run until a grammar is ready
+            return ready
         try:
             output = self.executor.execute(scheduled.step_input)
         except StepEncodeError as e:
-            return self.fail_unsent(scheduled, e)
-        return self.process(scheduled, output)
+            return ready + self.fail_unsent(scheduled, e)
+        return ready + self.process(scheduled, output)
 
     def fail_unsent(self, scheduled: ScheduledStep, error: StepEncodeError) -> list[RequestOutput]:
         """The executor could not encode the step (a value past 64 bits that got past
@@ -268,6 +284,14 @@ class EngineCore:
 
     def _append_token(self, seq: Sequence, token_id: int, lp: SampledLogprobs | None) -> None:
         seq.token_ids.append(token_id)
+        constraint = seq.constraint
+        if constraint is not None and not constraint.accept(token_id):
+            # Only when the mask could not be honoured (min_tokens blocking the grammar's end).
+            logger.warning("request %s: sampled token %d does not fit its grammar",
+                           seq.request.request_id, token_id)
+            seq.request.error = f"the sampled token {token_id} does not fit the grammar"
+            self._finish_seq(seq, "error")
+            return
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(self._logprob_entry(token_id, lp))
             seq.cumulative_logprob += lp.logprob
@@ -284,6 +308,8 @@ class EngineCore:
             matched = seq.detok.add_token(token_id, check_stop=past_min and finish is None)
             if matched is not None:
                 finish, stop_reason = "stop", matched
+        if finish is None and constraint is not None and constraint.terminated:
+            finish = "stop"  # the grammar is complete (its stop token was accepted)
         if finish is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             finish = "length"
         if finish is not None:
@@ -294,10 +320,15 @@ class EngineCore:
         seq.stop_reason = stop_reason
         if not seq.detok.stopped:
             seq.detok.flush()
-        self.scheduler.finish(seq)
+        if seq.request.compiling:  # never reached the scheduler
+            seq.status = SeqStatus.FINISHED
+        else:
+            self.scheduler.finish(seq)
         del self._seqs[seq.seq_id]
         req = seq.request
         if req.all_finished:
+            if req.compiling:
+                self.constraints.forget(req)
             req.finished = True
             req.metrics.finished_time = time.monotonic()
             self.requests.pop(req.request_id, None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestMetrics, TokenLogprobs
@@ -42,6 +43,9 @@ class Sequence:
     num_sent_tokens: int = 0  # generated tokens already reported in a delta
     finish_sent: bool = False
     num_preemptions: int = 0
+    # Token constraint (engine/structured_output SeqConstraint): grammar matcher, allowed ids,
+    # bad words; None for a free sequence.
+    constraint: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +98,9 @@ class Request:
     error: str | None = None
     # Prefix-cache tenant key: only requests with an equal salt (or both None) share KV blocks.
     cache_salt: str | None = None
+    # Set while the request's grammar compiles: its sequences are not in the scheduler yet.
+    grammar_future: Any = None
+    compiling: bool = False
 
     @property
     def all_finished(self) -> bool:

@@ -5,6 +5,7 @@ device-side sampler; the stop conditions (EOS, stop strings, max/min tokens) sta
 """
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from collections.abc import Iterable
@@ -31,6 +32,63 @@ def _is_number(v) -> bool:
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, one of some strings, an EBNF/Lark grammar,
+    or any JSON object (vLLM's ``structured_outputs``); exactly one is set. Shapes are checked
+    here; whether the grammar engine accepts the schema is checked when the request is added
+    (engine/structured_output), with the library's reason in the error."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        elif self.json_object is not None and self.json_object is not False:
+            raise ValueError(f"json_object must be true or false, got {self.json_object!r}")
+        if len(set_) != 1:
+            raise ValueError("structured outputs need exactly one of json, regex, choice, grammar or "
+                             f"json_object (true); got {', '.join(set_) if set_ else 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(self.json, dict):
+                raise ValueError("the JSON schema must be a JSON object (a dict), got "
+                                 f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError("choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("choice must be a list of strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Cache key of the compiled grammar: the kind and its spec as compact JSON (property
+        order kept: it is the order the properties are generated in)."""
+        value = getattr(self, self.kind)
+        return self.kind, value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0 = greedy
@@ -51,6 +109,12 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives of each sampled token (0 = only the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] | None = None
+    # Words never to generate: a word's last token is banned when the tokens before it were
+    # just generated (a one-token word is always banned), as vLLM's bad_words.
+    bad_words: list[str] | None = None
     # Filled by __post_init__; not user settings.
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -106,6 +170,39 @@ class SamplingParams:
             self._check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             self._check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        self._check_token_masks()
+
+    def _check_token_masks(self) -> None:
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                so = self.structured_outputs = StructuredOutputsParams(**so)
+            except (TypeError, ValueError) as e:
+                raise SamplingParamsError("structured_outputs", str(e)) from None
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a "
+                                      f"StructuredOutputsParams, got {type(so).__name__}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+                raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must be a list of token ids")
+            ids = list(dict.fromkeys(self._token_id("allowed_token_ids", t) for t in ids))
+            if not ids:
+                raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must hold at least one token id")
+            self.allowed_token_ids = ids
+        if self.bad_words is not None:
+            words = self.bad_words
+            if isinstance(words, (str, bytes)) or not isinstance(words, Iterable):
+                raise SamplingParamsError("bad_words", "bad_words must be a list of strings")
+            words = list(words)
+            if not all(isinstance(w, str) and w for w in words):
+                raise SamplingParamsError("bad_words", "bad_words must be non-empty strings")
+            self.bad_words = list(dict.fromkeys(words))
+
+    @property
+    def has_token_constraint(self) -> bool:
+        """The engine sends a per-step token mask for this request's sequences."""
+        return bool(self.structured_outputs is not None or self.allowed_token_ids or self.bad_words)
 
     # ---- validation helpers -----------------------------------------------------------------
 

@@ -305,6 +305,17 @@ class Tokenizer:
         stream = decoders.DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
         return functools.partial(stream.step, self._tok)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for, also when it is part of a character
+        (engine/token_bytes.py): what logprobs' ``bytes`` carry."""
+        fn = self.__dict__.get("_token_bytes")
+        if fn is None:
+            from engine.token_bytes import token_bytes_fn
+
+            fn = self._token_bytes = token_bytes_fn(
+                self._tok, _bytes_to_unicode(), lambda i: self.decode([i], skip_special_tokens=False))
+        return fn(token_id)
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self._tok.id_to_token(i) for i in ids]
 
@@ -312,12 +323,15 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **kwargs) -> str:
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **kwargs) -> str:
         """The prompt text for ``messages`` (no tokenization), as transformers renders it.
-        ``kwargs`` (e.g. tools) are passed to the template."""
+        ``kwargs`` (e.g. tools) are passed to the template; ``chat_template`` replaces the
+        model's (a request's own template, rendered in the same sandbox)."""
         import jinja2
 
-        if not self.chat_template:
+        template = chat_template or self.chat_template
+        if not template:
             raise ChatTemplateError(f"{self.source}: the model has no chat template")
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt are not compatible")
@@ -335,7 +349,7 @@ class Tokenizer:
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         try:
-            rendered = _compile_template(self.chat_template).render(
+            rendered = _compile_template(template).render(
                 messages=chat, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from None

@@ -101,6 +101,12 @@ class StepInput(msgspec.Struct, array_like=True):
     new_block_seqs_buf: bytes  # int32: batch index of each pair
     new_block_ids_buf: bytes  # int32: block id of each pair
     finished_seq_ids: list[int]  # forget these before running the step
+    # Token bitmask of the constrained rows (structured outputs, allowed_token_ids, bad_words):
+    # token_mask_rows = batch indexes (int32) of scheduled sequences that sample this step;
+    # token_mask = their rows, int32 words row-major ([rows, ceil(vocab / 32)]); bit t of a row
+    # (word t // 32, bit t % 32) set = token t may be sampled. Unconstrained rows send nothing.
+    token_mask_rows_buf: bytes = b""
+    token_mask_buf: bytes = b""
 
     @classmethod
     def pack(cls, step_id: int, new_seqs: list[NewSeq], seq_ids: Iterable[int], num_new_tokens: Iterable[int],
@@ -125,6 +131,10 @@ class StepInput(msgspec.Struct, array_like=True):
     @property
     def new_block_ids(self) -> memoryview:
         return memoryview(self.new_block_ids_buf).cast(INT_FORMAT)
+
+    @property
+    def token_mask_rows(self) -> memoryview:
+        return memoryview(self.token_mask_rows_buf).cast(INT_FORMAT)
 
 
 class SampledLogprobs(msgspec.Struct, array_like=True):

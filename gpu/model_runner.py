@@ -218,6 +218,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[int] = []
         sample_states: list[SeqState] = []
+        sample_batch_idx: list[int] = []
         prompt_logprobs: list[PromptLogprobs] = []
         for i, (seq_id, s) in enumerate(zip(step.seq_ids, states)):
             n = qsl[i + 1] - qsl[i]
@@ -228,6 +229,7 @@ class ModelRunner:
                 sample_rows.append(qsl[i + 1] - 1)
                 sample_ids.append(seq_id)
                 sample_states.append(s)
+                sample_batch_idx.append(i)
 
         token_ids: list[int] = []
         logprobs = None
@@ -238,12 +240,30 @@ class ModelRunner:
                 [s.options for s in sample_states],
                 [s.token_ids for s in sample_states],
                 [s.num_prompt_tokens for s in sample_states],
+                token_mask=self._token_mask(step, sample_batch_idx),
             )
             for s, token in zip(sample_states, result.token_ids):
                 s.token_ids.append(token)
             token_ids = result.token_ids
             logprobs = result.logprobs
         return StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None)
+
+    @staticmethod
+    def _token_mask(step: StepInput, sample_batch_idx: list[int]):
+        """The step's bitmask rows mapped from batch indexes to sampler rows."""
+        if not step.token_mask_rows_buf:
+            return None
+        from gpu.sampling_mask import TokenMask
+
+        where = {b: r for r, b in enumerate(sample_batch_idx)}
+        batch_rows = step.token_mask_rows.tolist()
+        if all(b in where for b in batch_rows):
+            return TokenMask([where[b] for b in batch_rows], step.token_mask_buf)
+        # A row that does not sample here (the engine and worker disagree): drop it, keep the rest.
+        width = len(step.token_mask_buf) // len(batch_rows)
+        keep = [k for k, b in enumerate(batch_rows) if b in where]
+        bits = b"".join(step.token_mask_buf[k * width:(k + 1) * width] for k in keep)
+        return TokenMask([where[batch_rows[k]] for k in keep], bits)
 
     def _new_state(self, new: NewSeq) -> SeqState:
         return SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,

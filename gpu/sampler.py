@@ -5,6 +5,8 @@ gpu.sampling_logits (bias, min_tokens, penalties, non-finite repair), gpu.sampli
 inverse-CDF draws), gpu.sampling_logprobs (logprobs) and gpu.sampling_host (host <-> device).
 
 Order of operations (as vLLM v1 defines them):
+  0. the token bitmask of constrained rows (structured outputs, allowed_token_ids, bad_words;
+     gpu.sampling_mask): masked tokens become -inf, so every later step sees only allowed ones;
   1. logprobs, when asked, are taken from the raw model output (``log_softmax(logits)``);
   2. ``logit_bias`` is added;
   3. ``min_tokens``: the blocked ids get -inf while fewer than ``min_tokens`` tokens were generated;
@@ -51,6 +53,7 @@ from gpu.sampling_logits import (  # noqa: F401  (process_logits: re-exported)
     num_generated, process_logits, repair_non_finite)
 from gpu.sampling_logprobs import (  # noqa: F401  (compute_prompt_logprobs: re-exported)
     compute_prompt_logprobs, logprob_entries)
+from gpu.sampling_mask import TokenMask
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ class Sampler:
         options: list[SamplingOptions],
         token_ids: list[list[int]],
         num_prompt_tokens: list[int],
+        token_mask: TokenMask | None = None,
     ) -> SamplerOutput:
         batch, vocab = logits.shape
         if not (len(options) == len(token_ids) == len(num_prompt_tokens) == batch):
@@ -87,6 +91,8 @@ class Sampler:
             )
         if logits.dtype != torch.float32:
             logits = logits.float()
+        if token_mask is not None:
+            token_mask.apply(logits)
 
         lp_rows = [i for i, o in enumerate(options) if o.logprobs is not None]
         raw_logprobs = (
@@ -130,7 +136,10 @@ class Sampler:
         ks = [options[i].logprobs or 0 for i in lp_rows]
         token_list, entries = logprob_entries(raw_logprobs, chosen, ks, also=tokens)
         logprobs: list[SampledLogprobs | None] = [None] * batch
+        masked = set(token_mask.rows) if token_mask is not None else ()
         for r, i in enumerate(lp_rows):
+            if i in masked:  # fewer allowed tokens than asked for: no -inf alternatives
+                entries[r].top = [(t, v) for t, v in entries[r].top if v != float("-inf")]
             logprobs[i] = entries[r]
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 

@@ -28,6 +28,9 @@ class FakeTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self.decode([i]) for i in ids]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id])  # a token is a byte: 0xE2 alone is part of a character
+
 
 @dataclass
 class FakeStats:
@@ -64,6 +67,8 @@ class FakeStream:
         if self.closed or self.pos >= len(self.outputs):
             raise StopAsyncIteration
         try:
+            if self.pos == 0 and self.engine.first_output_gate is not None:
+                await self.engine.first_output_gate.wait()  # the engine has not produced yet
             if self.engine.delay:
                 await asyncio.sleep(self.engine.delay)
             else:
@@ -98,20 +103,29 @@ class FakeAsyncEngine:
         self.aborted: list[str] = []
         self.running: set[str] = set()
         self.delay = 0.0
+        self.first_output_gate: asyncio.Event | None = None
         self.fail_after: int | None = None
         self.overloaded = False
         self.dead = False
         self.reject: str | None = None
         self.stats_value = FakeStats()
         self.chat_calls: list[tuple] = []
+        self.chat_tools: list = []  # the tools variable of each render_chat
+        self.template_kwargs: list[dict] = []
+        self.encode_calls: list[tuple[str, bool]] = []
         self.num_blocks = 64
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encode_calls.append((text, add_special_tokens))
         return self.tokenizer.encode(text, add_special_tokens)
 
-    async def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False) -> str:
+    async def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False,
+                          **template_kwargs) -> str:
         self.chat_calls.append((messages, add_generation_prompt, continue_final_message))
-        if any(m["role"] == "tool" for m in messages):
+        self.template_kwargs.append(template_kwargs)
+        tools = template_kwargs.get("tools")
+        self.chat_tools.append(tools)
+        if tools is None and any(m["role"] == "tool" for m in messages):  # a template without tools
             raise ValueError("tool messages are not in this template")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         if continue_final_message:

@@ -59,6 +59,9 @@ SEMANTIC_400_PARAMS = {
     "continue_final_message",  # not with add_generation_prompt; last message from the assistant
     "messages",  # the chat template refuses this conversation
     "min_tokens",  # <= max_tokens
+    "tool_choice",  # needs tools; "auto" needs --enable-auto-tool-choice; a named function in tools
+    "tools",  # their parameters' $defs must agree; the grammar engine must accept the schemas
+    "prompt_logprobs",  # not with stream: true
 }
 SEMANTIC_400_CODES = {"context_length_exceeded"}
 
@@ -119,7 +122,7 @@ OPERATIONS = [
     ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
     ("POST", "/tokenize", True), ("POST", "/detokenize", True),
     ("GET", "/v1/models", False), ("GET", "/health", False), ("GET", "/version", False),
-    ("GET", "/metrics", False),
+    ("GET", "/metrics", False), ("GET", "/ping", False), ("POST", "/ping", False),
 ]
 CASES = [(m, p, mode) for m, p, body in OPERATIONS
          for mode in (("positive", "negative") if body else ("positive",))]

@@ -1,0 +1,34 @@
+"""The JSON value types request models share (app/protocol.py, app/extra_fields.py): strict JSON
+integers that fit int64, and the schema marker for bounds only the running server knows."""
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field
+
+MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's bound on n
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # JSON integers must fit the engine's int64 fields
+
+# Schema extension naming a bound only the running server knows (see app/openapi.py):
+# "vocab" = a token id (< vocabulary size), "context" = a token count (< max_model_len).
+BOUND_KEY = "x-pagedserve-bound"
+
+
+def json_integer(v: Any) -> Any:
+    # JSON Schema counts 2.0 as an integer: take an integral float as that integer. orjson reads
+    # integers past 64 bits as floats, rounded (-2**63 - 1 becomes -2**63): refuse those here,
+    # before the rounding could carry them inside a bound.
+    if type(v) is float and v.is_integer():
+        if abs(v) >= 2**63:
+            raise ValueError("integers must fit in 64 bits")
+        return int(v)
+    return v
+
+
+# A JSON integer, strictly (no "12", no true). Constraints go before the validator in the
+# Annotated list; after it, pydantic writes them into the schema as "ge"/"le", not JSON Schema.
+AS_INT = BeforeValidator(json_integer)
+Int = Annotated[int, AS_INT]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), AS_INT]

@@ -1,0 +1,49 @@
+"""How a request's extra fields shape its prompt: the chat template's arguments (vLLM's
+``chat_template``, ``chat_template_kwargs``, ``documents``, ``reasoning_effort``),
+``truncate_prompt_tokens`` and chat ``echo``."""
+from __future__ import annotations
+
+from typing import Any
+
+from app.errors import APIError
+
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is "
+                      "not set. Refused request with untrusted chat template.")
+
+
+def chat_template_options(req: Any, trusted: bool) -> dict[str, Any]:
+    """Arguments for ``render_chat`` beyond the messages. As in vLLM, ``chat_template_kwargs``
+    come last and may set what the fields set (``add_generation_prompt``, ``documents``...)."""
+    options: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt,
+                               "continue_final_message": req.continue_final_message}
+    if req.documents is not None:
+        options["documents"] = req.documents
+    if getattr(req, "reasoning_effort", None) is not None:  # chat only
+        options["reasoning_effort"] = req.reasoning_effort
+    options.update(req.chat_template_kwargs or {})
+    if req.chat_template is not None:
+        if not trusted:
+            raise APIError.bad_request(UNTRUSTED_TEMPLATE, param="chat_template")
+        options["chat_template"] = req.chat_template
+    return options
+
+
+def check_truncate(keep: int | None, max_model_len: int) -> None:
+    """``truncate_prompt_tokens`` leaves room for one generated token, as the schema says."""
+    if keep is not None and keep >= max_model_len:
+        raise APIError.bad_request(
+            f"truncate_prompt_tokens must be below the context length ({max_model_len} tokens), "
+            f"got {keep}", param="truncate_prompt_tokens")
+
+
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``keep`` tokens (left truncation)."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
+def chat_echo_text(req: Any) -> str:
+    """vLLM's chat ``echo``: the reply starts with the last message's content when that message
+    is the assistant's (the role the reply has), else with nothing."""
+    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+        return ""
+    return req.messages[-1].text()

@@ -1,0 +1,281 @@
+"""Tool-call parsers: model text in, content and tool-call deltas out, incrementally.
+
+Every parser has ``feed(text) -> ParsedDelta`` for each new piece of the reply and
+``finish() -> ParsedDelta`` at its end; ``failed`` says the reply did not hold well-formed calls.
+A non-streamed answer is the sum of the same deltas (``parse_whole``), so the two agree.
+
+- ``HermesToolParser`` (``--tool-call-parser hermes``; Qwen 2.5/3, Hermes, SmolLM3-style
+  templates): calls are ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text
+  outside them is content. Text that may be the start of ``<tool_call>`` is held back until it
+  is clear; whitespace between and after calls is dropped.
+- ``Llama3JsonToolParser`` (``--tool-call-parser llama3_json``; Llama 3.1/3.2): a reply of
+  ``{"name": ..., "parameters": {...}}`` objects, optionally after ``<|python_tag|>``.
+- ``RequiredCallsParser``: ``tool_choice: "required"``, output constrained to
+  ``[{"name": ..., "parameters": {...}}, ...]`` (vLLM's form).
+- ``NamedCallParser``: ``tool_choice`` naming a function, output constrained to its arguments.
+"""
+from __future__ import annotations
+
+from app.tools.calls import CallDelta, CallTracker, ParsedDelta, TrackedCall, new_call_id
+from app.tools.json_scan import JsonScanError
+
+_OUTSIDE, _INSIDE, _AFTER = range(3)
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class HermesToolParser:
+    name = "hermes"
+    start_tag = "<tool_call>"
+    end_tag = "</tool_call>"
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.calls: list[TrackedCall] = []
+        self.failed = False
+        self._state = _OUTSIDE
+        self._pending = ""  # outside text not released (may start the start tag)
+        self._ws_held = ""  # whitespace after a call, released only if text follows it
+        self._tracker: CallTracker | None = None
+        self._block = ""  # raw text of the current block, for the fallback to content
+        self._after = ""
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.failed:
+            out.content = text
+            return out
+        while text:
+            if self._state == _OUTSIDE:
+                buf = self._pending + text
+                text = ""
+                at = buf.find(self.start_tag)
+                if at >= 0:
+                    self._drain(out)  # the previous call's last pieces, before its tracker goes
+                    self._content(buf[:at], out)
+                    self._pending = ""
+                    text = buf[at + len(self.start_tag):]
+                    self._state = _INSIDE
+                    self._block = self.start_tag
+                    self._tracker = CallTracker(self.calls, max_calls=self.max_calls)
+                else:
+                    hold = _held_prefix(buf, self.start_tag)
+                    self._content(buf[:len(buf) - hold], out)
+                    self._pending = buf[len(buf) - hold:]
+            elif self._state == _INSIDE:
+                start = self._tracker.scanner.pos
+                try:
+                    i = self._tracker.feed_until_done(text)
+                except JsonScanError:
+                    i = self._tracker.scanner.pos - start
+                    self._block += text[:i + 1]
+                    self._fail(out, text[i + 1:], text[i])
+                    return out
+                self._block += text[:i]
+                text = text[i:]
+                if self._tracker.done:
+                    self._state, self._after = _AFTER, ""
+            else:  # _AFTER: whitespace, then the end tag (or, leniently, anything else)
+                self._after += text
+                text = ""
+                tail = self._after.lstrip()
+                if tail.startswith(self.end_tag):
+                    self._state = _OUTSIDE
+                    text = tail[len(self.end_tag):]
+                elif not self.end_tag.startswith(tail):
+                    self._state = _OUTSIDE
+                    text = tail
+        self._drain(out)
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.failed:
+            return out
+        if self._state == _OUTSIDE:
+            self._content(self._pending, out)
+            self._pending = ""
+        elif self._state == _INSIDE:  # the reply ended inside a call's JSON
+            self._fail(out, "", "")
+        self._drain(out)
+        return out
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _content(self, text: str, out: ParsedDelta) -> None:
+        if not text:
+            return
+        if self.calls and not text.strip():
+            self._ws_held += text
+            return
+        out.content += self._ws_held + text
+        self._ws_held = ""
+
+    def _drain(self, out: ParsedDelta) -> None:
+        if self._tracker is not None:
+            self._tracker.drain(out.calls)
+
+    def _fail(self, out: ParsedDelta, rest: str, bad: str) -> None:
+        """Malformed call: from here on everything is content. A call not yet announced goes out
+        as the text it was; one already announced cannot be taken back and ends where it is."""
+        self.failed = True
+        self._drain(out)
+        announced = self._tracker.header_sent()
+        out.content += self._ws_held + (bad if announced else self._block) + rest
+        self._ws_held = ""
+        for c in self._tracker.mine:
+            c.finished = True
+
+
+class RequiredCallsParser:
+    """``[{"name": ..., "parameters": {...}}, ...]`` (constrained by the grammar)."""
+
+    name = "required"
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.calls: list[TrackedCall] = []
+        self.failed = False
+        self._tracker = CallTracker(self.calls, call_depth=2, arg_keys=("parameters", "arguments"),
+                                    max_calls=max_calls)
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.failed:
+            out.content = text
+            return out
+        try:
+            self._tracker.feed(text)
+        except JsonScanError:
+            self.failed = True
+        self._tracker.drain(out.calls)
+        return out
+
+    def finish(self) -> ParsedDelta:
+        if not self._tracker.done:
+            self.failed = True
+        return ParsedDelta()
+
+
+class NamedCallParser:
+    """The whole reply is the arguments of the named function (constrained by the grammar)."""
+
+    def __init__(self, function_name: str) -> None:
+        self.function_name = function_name
+        self.calls: list[CallDelta] = []
+        self.failed = False
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if not self.calls:
+            text = text.lstrip()
+            if not text:
+                return out
+            self.calls.append(CallDelta(0, new_call_id(), self.function_name, text))
+            out.calls.append(self.calls[0])
+        elif text:
+            out.calls.append(CallDelta(0, arguments=text))
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if not self.calls:  # an empty reply: still a call, with empty arguments
+            self.calls.append(CallDelta(0, new_call_id(), self.function_name, ""))
+            out.calls.append(self.calls[0])
+        return out
+
+
+class Llama3JsonToolParser:
+    """Llama 3.1/3.2 JSON tool calls (``--tool-call-parser llama3_json``): a reply that is
+    ``{"name": ..., "parameters": {...}}`` objects (optionally after ``<|python_tag|>``, separated
+    by ``;``) is calls; any other reply is content."""
+
+    name = "llama3_json"
+    python_tag = "<|python_tag|>"
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.calls: list[TrackedCall] = []
+        self.failed = False
+        self._mode = "start"  # start | calls | content
+        self._head = ""
+        self._tracker: CallTracker | None = None
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._mode == "start":
+            self._head += text
+            head = self._head.lstrip()
+            if head.startswith(self.python_tag):
+                head = head[len(self.python_tag):].lstrip()
+            elif self.python_tag.startswith(head):
+                return out  # may still become the tag
+            if not head:
+                return out
+            if head[0] != "{":
+                self._mode = "content"
+                out.content = self._head
+                return out
+            self._mode, text = "calls", head
+        if self._mode == "content" or self.failed:
+            out.content += text
+            return out
+        i = 0
+        while i < len(text):
+            if self._tracker is None or self._tracker.done:
+                if text[i] in " \t\n\r;":
+                    i += 1
+                    continue
+                if text[i] != "{":
+                    self._fail(out, text[i:])
+                    return out
+                if self._tracker is not None:
+                    self._tracker.drain(out.calls)
+                self._tracker = CallTracker(self.calls, arg_keys=("parameters", "arguments"),
+                                            max_calls=self.max_calls)
+            start = self._tracker.scanner.pos
+            try:
+                i += self._tracker.feed_until_done(text[i:])
+            except JsonScanError:
+                self._fail(out, text[i + self._tracker.scanner.pos - start + 1:])
+                return out
+        self._tracker.drain(out.calls)
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self._mode == "start":
+            out.content = self._head
+        elif self._mode == "calls" and not self.failed and not self._tracker.done:
+            self._fail(out, "")
+        return out
+
+    def _fail(self, out: ParsedDelta, rest: str) -> None:
+        self.failed = True
+        if self._tracker is not None:
+            self._tracker.drain(out.calls)
+            for c in self._tracker.mine:
+                c.finished = True
+        out.content += rest
+
+
+AUTO_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+
+
+def parse_whole(parser, text: str) -> tuple[str, list[dict]]:
+    """Non-streamed result: (content, tool calls in OpenAI's message form)."""
+    content, calls = "", {}
+    for delta in (parser.feed(text), parser.finish()):
+        content += delta.content
+        for d in delta.calls:
+            if d.id is not None:
+                calls[d.index] = {"id": d.id, "type": "function",
+                                  "function": {"name": d.name, "arguments": d.arguments}}
+            else:
+                calls[d.index]["function"]["arguments"] += d.arguments
+    return content, [calls[i] for i in sorted(calls)]

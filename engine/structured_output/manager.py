@@ -1,0 +1,114 @@
+"""Grammars for the engine core: validated at request time, compiled in a thread, cached by spec,
+and each step's token bitmask built for the constrained rows that sample.
+
+Compiling a grammar for the vocabulary takes from a few ms to about a second (xgrammar, JSON
+schemas with string formats); it runs in one background thread (the library releases the GIL),
+so the event loop and the other requests' steps never wait for it. A request whose grammar is
+still compiling is held by EngineCore outside the scheduler until its future is done.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_output.constraint import SeqConstraint, bad_word_token_seqs, ids_to_row, words_for
+from engine.structured_output.xgrammar_backend import GrammarError, XGrammarBackend
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # distinct grammars kept (compiled and validated)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, backend=None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.words = words_for(vocab_size)
+        self.backend = backend or XGrammarBackend(tokenizer, vocab_size)
+        self._validated: OrderedDict[tuple, object] = OrderedDict()  # key -> Grammar | GrammarError
+        self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
+        self._lock = threading.Lock()  # validate() may run in the app's pool and on the loop
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.num_compiles = 0
+
+    # ---- request time -----------------------------------------------------------------------
+
+    def validate(self, spec: StructuredOutputsParams):
+        """The spec's grammar (cached); raises GrammarError with the library's reason."""
+        key = spec.key
+        with self._lock:
+            hit = self._validated.get(key)
+            if hit is not None:
+                self._validated.move_to_end(key)
+        if hit is None:
+            try:
+                hit = self.backend.validate(spec)
+            except GrammarError as e:
+                hit = e
+            with self._lock:
+                self._validated[key] = hit
+                if len(self._validated) > CACHE_SIZE:
+                    self._validated.popitem(last=False)
+        if isinstance(hit, GrammarError):
+            raise GrammarError(str(hit))
+        return hit
+
+    def check(self, params: SamplingParams) -> None:
+        """Everything about a request's token constraint that can be refused (HTTP 400)."""
+        if params.allowed_token_ids:
+            bad = [t for t in params.allowed_token_ids if t >= self.vocab_size]
+            if bad:
+                raise GrammarError(f"allowed_token_ids holds token id {bad[0]}, past the vocabulary "
+                                   f"(ids 0..{self.vocab_size - 1})")
+        if params.structured_outputs is not None:
+            self.validate(params.structured_outputs)
+
+    def compiled(self, spec: StructuredOutputsParams) -> concurrent.futures.Future:
+        """A future of the compiled grammar: done at once on a cache hit, else compiled in the
+        background thread (one compile per distinct spec, however many requests ask)."""
+        key = spec.key
+        with self._lock:
+            fut = self._compiled.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                self._compiled.move_to_end(key)
+                return fut
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
+            fut = self._pool.submit(self._compile, spec)
+            self._compiled[key] = fut
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return fut
+
+    def _compile(self, spec: StructuredOutputsParams):
+        grammar = self.validate(spec)
+        self.num_compiles += 1
+        return self.backend.compile(grammar)
+
+    def new_constraint(self, params: SamplingParams) -> SeqConstraint:
+        allowed = ids_to_row(params.allowed_token_ids, self.vocab_size) if params.allowed_token_ids else None
+        bad = bad_word_token_seqs(self.tokenizer, params.bad_words) if params.bad_words else None
+        return SeqConstraint(allowed, bad)
+
+    def attach_matcher(self, constraint: SeqConstraint, compiled) -> None:
+        constraint.matcher = self.backend.new_matcher(compiled)
+
+    # ---- each step --------------------------------------------------------------------------
+
+    def step_masks(self, constraints: list[SeqConstraint], seqs: list) -> bytes:
+        """The packed int32 bitmask of constrained sampling sequences (one row each)."""
+        mask = np.empty((len(constraints), self.words), dtype=np.int32)
+        for r, (c, seq) in enumerate(zip(constraints, seqs)):
+            c.fill(mask, r, seq.token_ids, seq.num_prompt_tokens)
+        return mask.tobytes()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+

@@ -1,0 +1,105 @@
+"""The engine core's side of token constraints: which requests wait for their grammar, when they
+may be scheduled, and the bitmask of each step's constrained rows.
+
+A request with a grammar that is not compiled yet is held here, outside the scheduler: the
+scheduler never sees it, so other requests' steps go on as if it did not exist. Once its compile
+is done (``on_ready`` wakes the engine loop from the compile thread), the core admits it, with
+one matcher per sequence. Matchers advance only on tokens the engine accepts; a preempted
+sequence keeps its generated tokens and so its matcher state stays right through recompute.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.structured_output.manager import StructuredOutputManager
+from gpu.messages import pack_ints
+
+logger = logging.getLogger(__name__)
+
+
+class ConstraintTracker:
+    def __init__(self, tokenizer, vocab_size: int):
+        self.manager = StructuredOutputManager(tokenizer, vocab_size)
+        self.compiling: dict[str, Request] = {}
+        # Called from the compile thread when a grammar is ready (AsyncEngine: wake the loop).
+        self.on_ready: Callable[[], None] | None = None
+
+    def check(self, params: SamplingParams) -> None:
+        """Raises GrammarError (a ValueError) for a constraint that can never be honoured."""
+        self.manager.check(params)
+
+    def prepare(self, req: Request) -> bool:
+        """Give the request's sequences their constraints; True when they can be scheduled now,
+        False when the request waits for its grammar (held here)."""
+        params = req.params
+        for seq in req.seqs:
+            seq.constraint = self.manager.new_constraint(params)
+        spec = params.structured_outputs
+        if spec is None:
+            return True
+        fut = self.manager.compiled(spec)
+        if fut.done() and fut.exception() is None:
+            self._attach(req, fut.result())
+            return True
+        req.grammar_future = fut
+        req.compiling = True
+        self.compiling[req.request_id] = req
+        fut.add_done_callback(self._done)
+        return False
+
+    def _done(self, _fut: concurrent.futures.Future) -> None:
+        if self.on_ready is not None:
+            try:
+                self.on_ready()
+            except RuntimeError:  # the loop is closed (shutting down)
+                pass
+
+    def _attach(self, req: Request, compiled) -> None:
+        for seq in req.seqs:
+            self.manager.attach_matcher(seq.constraint, compiled)
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Requests whose compile finished: (ready to schedule, failed with a reason)."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        for rid in [r for r, req in self.compiling.items() if req.grammar_future.done()]:
+            req = self.compiling.pop(rid)
+            fut, req.grammar_future = req.grammar_future, None
+            exc = fut.exception()
+            if exc is not None:  # stays "compiling" (outside the scheduler) until it is finished
+                failed.append((req, str(exc)))
+            else:
+                req.compiling = False
+                self._attach(req, fut.result())
+                ready.append(req)
+        return ready, failed
+
+    def forget(self, req: Request) -> None:
+        self.compiling.pop(req.request_id, None)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a pending compile is done (offline engine with nothing else to run)."""
+        futures = [req.grammar_future for req in self.compiling.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def attach_masks(self, scheduled) -> None:
+        """Put the bitmask of the step's constrained sampling rows into its StepInput."""
+        rows: list[int] = []
+        cons = []
+        seqs = []
+        for i, (seq, samples) in enumerate(zip(scheduled.seqs, scheduled.samples)):
+            if samples and seq.constraint is not None:
+                rows.append(i)
+                cons.append(seq.constraint)
+                seqs.append(seq)
+        if not rows:
+            return
+        step = scheduled.step_input
+        step.token_mask_rows_buf = pack_ints(rows)
+        step.token_mask_buf = self.manager.step_masks(cons, seqs)

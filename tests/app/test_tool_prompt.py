@@ -1,0 +1,80 @@
+"""Tool turns in real chat templates (engine.tokenizer): a template that knows tools gets them
+natively; the default model's template gets the same text written out by app/tools/prompt.py."""
+from __future__ import annotations
+
+import pytest
+
+from app.protocol import ChatCompletionRequest
+from app.tools.prompt import template_knows_tools, template_messages, with_default_tool_prompt
+
+# Qwen 2.5's chat template (tools part), trimmed to what this test uses.
+QWEN_LIKE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are Qwen.' }}{%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Lima?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lima"}'}}]},
+    {"role": "tool", "tool_call_id": "a", "content": "21 C"},
+    {"role": "tool", "tool_call_id": "b", "content": "18 C"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_model()
+
+
+def messages():
+    return ChatCompletionRequest.model_validate({"messages": CONVERSATION}).messages
+
+
+def test_template_detection(tokenizer):
+    assert template_knows_tools(QWEN_LIKE) and not template_knows_tools(tokenizer.chat_template)
+
+
+def test_written_out_turns_match_what_a_tools_template_renders(tokenizer):
+    tokenizer_qwen = _with_template(tokenizer, QWEN_LIKE)
+    native = tokenizer_qwen.apply_chat_template(template_messages(messages(), native=True), tools=TOOLS)
+    written = tokenizer.apply_chat_template(with_default_tool_prompt(template_messages(messages(), native=False),
+                                                                     TOOLS))
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n' in native
+    assert native == written  # the default tool prompt is Qwen 2.5's, byte for byte
+    assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\n18 C\n" in written
+
+
+def _with_template(tokenizer, source):
+    import copy
+
+    t = copy.copy(tokenizer)
+    t.chat_template = source
+    return t
