@@ -71,6 +71,10 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.model = load_model(self.config.model, self.device, self.dtype)
+        if self.device.type == "cpu":
+            from kernels import fused
+
+            fused.library()  # build (first run on this machine) or load now, not in the first step
         logger.info("loaded model in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype, self.device)
         self.sampler = Sampler()
         self.num_blocks = self._num_blocks()
