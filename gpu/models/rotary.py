@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from gpu.models.errors import ModelLoadError
+from kernels import fused
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def rope_params_from_config(cfg: dict) -> tuple[float, dict | None]:
@@ -68,6 +70,26 @@ class RotaryEmbedding(nn.Module):
         # [P, rotary_dim]: cos half then sin half.
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """What every layer's ``apply_`` needs for this step, computed once per forward: the
+        positions for the fused CPU op (which reads the fp32 table itself), else cos and sin."""
+        if (positions.device.type == "cpu" and dtype in _FUSED_DTYPES and fused.available()
+                and (positions.numel() == 0 or int(positions.max()) < self.cos_sin_cache.shape[0])):
+            return (None, None, positions.to(torch.int64).contiguous())  # out of range: eager raises
+        cos, sin = self.cos_sin(positions, dtype)
+        return (cos, sin, None)
+
+    def apply_(self, x: torch.Tensor, rope: tuple) -> torch.Tensor:
+        """Rotate x ``[T, H, D]`` in place with ``prepare``'s output; x may be a strided view
+        (e.g. the q and k heads of a fused qkv output)."""
+        cos, sin, positions = rope
+        if positions is not None and x.dtype in _FUSED_DTYPES and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            fused.rotary_neox_(x, x.shape[1], x.shape[2], self.rotary_dim, self.cos_sin_cache, positions)
+            return x
+        if cos is None:
+            cos, sin = self.cos_sin(positions, x.dtype)
+        return self.rotate_(x, cos, sin)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, rotary_dim / 2]`` for a step's positions; computed once per forward."""

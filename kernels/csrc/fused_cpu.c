@@ -1,0 +1,251 @@
+/* Fused CPU ops for small-batch decode: each replaces 3-8 eager torch ops (one allocation and
+ * one dispatch each, ~5-40 us apiece at batch 1) with one pass over a few KB.
+ *
+ *   fz_add_rms_norm    residual += x; x = rms_norm(residual) * w      (in place, both)
+ *   fz_rms_norm        out = rms_norm(x) * w
+ *   fz_rotary_neox     q/k heads rotated in place, cos/sin read from the fp32 table by position
+ *   fz_silu_mul        out = silu(gate) * up over the halves of a fused gate/up row
+ *   fz_gemv_bf16       y = x @ W^T for M <= 16 rows, bf16 in/out, fp32 accumulation
+ *                      (AVX512-BF16 only: torch's bf16 GEMV reads weights at about half the
+ *                      rate of its fp32 one on these CPUs; see loadtest/PERF.md)
+ *
+ * Element types: dtype 0 = fp32, 1 = bf16 (stored as uint16, rounded to nearest even like torch).
+ * Arithmetic is fp32. The build is compiled with -ffp-contract=off so that a*b - c*d rounds the
+ * way the eager torch ops it replaces do (fp32 greedy outputs are tested against transformers).
+ * Vector width comes from the compiler flags (AVX-512 or AVX2 auto-vectorisation of the
+ * `omp simd` loops); the portable build has the same results up to summation order.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define FZ_BF16_GEMV 1
+#else
+#define FZ_BF16_GEMV 0
+#endif
+
+/* 2 = AVX512-BF16 GEMV available, 1 = vectorised elementwise only, 0 = portable */
+int fz_isa(void) {
+#if FZ_BF16_GEMV
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                             /* nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#define FZ_MAXH 16384 /* hidden sizes up to this use a stack row buffer */
+
+static inline void load_row(const void *src, int dtype, int64_t n, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else {
+        const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    }
+}
+
+static inline void store_row(void *dst, int dtype, int64_t n, const float *src) {
+    if (dtype == 0) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else {
+        uint16_t *d = (uint16_t *)dst;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    }
+}
+
+/* One row: out = v * rsqrt(mean(v^2) + eps) * w, in the order torch's rms_norm rounds
+ * (normalise, round to the input dtype for bf16, then scale by the weight). */
+static inline void norm_row(const float *v, const float *w, int64_t H, float eps, int dtype, void *out) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; i++) ss += v[i] * v[i];
+    float r = 1.0f / sqrtf(ss / (float)H + eps);
+    float buf[FZ_MAXH];
+#pragma omp simd
+    for (int64_t i = 0; i < H; i++) buf[i] = v[i] * r * w[i];
+    store_row(out, dtype, H, buf);
+}
+
+/* residual[M][H] += x[M][H]; x = rms_norm(residual) * w. w is fp32 [H]. Rows are contiguous. */
+int fz_add_rms_norm(void *x, void *residual, const float *w, int64_t M, int64_t H, float eps, int dtype) {
+    if (H > FZ_MAXH) return -1;
+    size_t es = dtype == 0 ? 4 : 2;
+    float a[FZ_MAXH], b[FZ_MAXH];
+    for (int64_t m = 0; m < M; m++) {
+        char *xr = (char *)x + (size_t)m * H * es, *rr = (char *)residual + (size_t)m * H * es;
+        load_row(xr, dtype, H, a);
+        load_row(rr, dtype, H, b);
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) a[i] += b[i];
+        store_row(rr, dtype, H, a);
+        if (dtype) load_row(rr, dtype, H, a); /* normalise the sum as stored (rounded to bf16) */
+        norm_row(a, w, H, eps, dtype, xr);
+    }
+    return 0;
+}
+
+/* out[M][H] = rms_norm(x[M][H]) * w; x rows are `x_stride` elements apart. */
+int fz_rms_norm(const void *x, int64_t x_stride, const float *w, void *out, int64_t M, int64_t H, float eps,
+                int dtype) {
+    if (H > FZ_MAXH) return -1;
+    size_t es = dtype == 0 ? 4 : 2;
+    float a[FZ_MAXH];
+    for (int64_t m = 0; m < M; m++) {
+        load_row((const char *)x + (size_t)m * x_stride * es, dtype, H, a);
+        norm_row(a, w, H, eps, dtype, (char *)out + (size_t)m * H * es);
+    }
+    return 0;
+}
+
+/* Rotate heads in place (neox layout: element i pairs with i + rot/2 within the first `rot`
+ * elements of each head). x: T rows `row_stride` elements apart, each holding `heads` heads of
+ * `head_dim` elements back to back. cs: fp32 table [P][rot] (cos half, then sin half). */
+void fz_rotary_neox(void *x, int64_t T, int64_t row_stride, int64_t heads, int64_t head_dim, int64_t rot,
+                    const float *cs, const int64_t *positions, int dtype) {
+    int64_t half = rot / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cs + positions[t] * rot, *s = c + half;
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t off = t * row_stride + h * head_dim;
+            if (dtype == 0) {
+                float *x1 = (float *)x + off, *x2 = x1 + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    float a = x1[i], b = x2[i];
+                    float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+                    x1[i] = ac - bs;
+                    x2[i] = bc + as;
+                }
+            } else {
+                uint16_t *x1 = (uint16_t *)x + off, *x2 = x1 + half;
+#pragma omp simd
+                for (int64_t i = 0; i < half; i++) {
+                    float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                    float ac = a * c[i], bs = b * s[i], bc = b * c[i], as = a * s[i];
+                    x1[i] = f32_to_bf16(ac - bs);
+                    x2[i] = f32_to_bf16(bc + as);
+                }
+            }
+        }
+    }
+}
+
+/* out[M][I] = silu(x[M][:I]) * x[M][I:]  (silu rounded to the dtype first, as F.silu does) */
+void fz_silu_mul(const void *x, void *out, int64_t M, int64_t I, int dtype) {
+    for (int64_t m = 0; m < M; m++) {
+        if (dtype == 0) {
+            const float *g = (const float *)x + m * 2 * I, *u = g + I;
+            float *o = (float *)out + m * I;
+            for (int64_t i = 0; i < I; i++) {
+                float sg = g[i] / (1.0f + expf(-g[i]));
+                o[i] = sg * u[i];
+            }
+        } else {
+            const uint16_t *g = (const uint16_t *)x + m * 2 * I, *u = g + I;
+            uint16_t *o = (uint16_t *)out + m * I;
+            for (int64_t i = 0; i < I; i++) {
+                float gv = bf16_to_f32(g[i]);
+                float sg = bf16_to_f32(f32_to_bf16(gv / (1.0f + expf(-gv))));
+                o[i] = f32_to_bf16(sg * bf16_to_f32(u[i]));
+            }
+        }
+    }
+}
+
+#if FZ_BF16_GEMV
+/* rows n0..n1 of y[M][N] = x[M][K] @ W[N][K]^T, M <= 16. FZ_ROWS weight rows at a time share
+ * each activation load; K is walked in 32-element (64-byte) steps, the tail masked. */
+#ifndef FZ_ROWS
+#define FZ_ROWS 2
+#endif
+#ifndef FZ_PREFETCH
+#define FZ_PREFETCH 2048 /* bytes ahead; 2 rows + 2 KiB measured best of 2/4/8 rows, 0/1/2 KiB */
+#endif
+static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int64_t N, uint16_t *y,
+                      int64_t n0, int64_t n1) {
+    int64_t kfull = K & ~(int64_t)31;
+    __mmask32 tail = (__mmask32)((1ull << (K - kfull)) - 1);
+    int64_t n = n0;
+    for (; n + FZ_ROWS <= n1; n += FZ_ROWS) {
+        const uint16_t *w0 = W + n * K;
+        __m512 acc[16][FZ_ROWS];
+        for (int64_t m = 0; m < M; m++)
+            for (int r = 0; r < FZ_ROWS; r++) acc[m][r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < kfull; k += 32) {
+            __m512bh wv[FZ_ROWS];
+            for (int r = 0; r < FZ_ROWS; r++) {
+                _mm_prefetch((const char *)(w0 + r * K + k) + FZ_PREFETCH, _MM_HINT_T0);
+                wv[r] = (__m512bh)_mm512_loadu_si512(w0 + r * K + k);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+                for (int r = 0; r < FZ_ROWS; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+            }
+        }
+        if (tail) {
+            __m512bh wv[FZ_ROWS];
+            for (int r = 0; r < FZ_ROWS; r++) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(tail, w0 + r * K + kfull);
+            for (int64_t m = 0; m < M; m++) {
+                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + kfull);
+                for (int r = 0; r < FZ_ROWS; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int r = 0; r < FZ_ROWS; r++) y[m * N + n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[m][r]));
+    }
+    for (; n < n1; n++) {
+        const uint16_t *w0 = W + n * K;
+        for (int64_t m = 0; m < M; m++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t k = 0; k < kfull; k += 32)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w0 + k),
+                                       (__m512bh)_mm512_loadu_si512(x + m * K + k));
+            if (tail)
+                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(tail, w0 + kfull),
+                                       (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + kfull));
+            y[m * N + n] = f32_to_bf16(_mm512_reduce_add_ps(acc));
+        }
+    }
+}
+#endif
+
+/* y[M][N] (bf16) = x[M][K] (bf16) @ W[N][K]^T (bf16). Returns -1 when this build lacks the
+ * AVX512-BF16 path or M > 16 (the caller then uses torch). Rows of W split over threads in
+ * 64-row chunks. */
+int fz_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int64_t N, uint16_t *y,
+                 int nthreads) {
+#if FZ_BF16_GEMV
+    if (M < 1 || M > 16) return -1;
+    int64_t chunks = (N + 63) / 64;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t n0 = c * 64, n1 = n0 + 64 < N ? n0 + 64 : N;
+        gemv_rows(x, M, K, W, N, y, n0, n1);
+    }
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)W; (void)N; (void)y; (void)nthreads;
+    return -1;
+#endif
+}
