@@ -123,3 +123,24 @@ def test_int8_from_a_q4_file_is_close_to_the_file(default_models):
         w = reference[name].weight
         d = packed[name].tensors[1].float().repeat_interleave(32, dim=1)
         assert ((packed[name].dequantize() - w).abs() <= d * (0.5 + 127 * 2.0**-11)).all()
+
+
+AUTO_FLOOR = 0.9  # greedy agreement of the packed default model with its dequantized fp32 self
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_model_as_the_file_says_decodes_like_the_dequantized_model(dtype):
+    """Same weights bit for bit; only the kernel's 15-bit activation rounding (and bf16, for the
+    bf16 run) differs, so greedy tokens must nearly all agree (full figures: loadtest/PERF.md)."""
+    from engine.llm import LLM
+    from loadtest.quant_accuracy import PROMPTS, agreement, greedy_tokens
+
+    runs = {}
+    for mode, dt in (("none", "float32"), ("auto", dtype)):
+        llm = LLM(dtype=dt, quantization=mode, kv_cache_memory_gib=1 / 16)
+        try:
+            runs[mode] = greedy_tokens(llm, PROMPTS[:4], 16)
+        finally:
+            llm.shutdown()
+    same, _ = agreement(runs["none"], runs["auto"])
+    assert same >= AUTO_FLOOR, f"auto/{dtype}: greedy agreement {same:.3f} < {AUTO_FLOOR}"
