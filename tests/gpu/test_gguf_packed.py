@@ -144,3 +144,16 @@ def test_default_model_as_the_file_says_decodes_like_the_dequantized_model(dtype
             llm.shutdown()
     same, _ = agreement(runs["none"], runs["auto"])
     assert same >= AUTO_FLOOR, f"auto/{dtype}: greedy agreement {same:.3f} < {AUTO_FLOOR}"
+
+
+def test_auto_is_none_off_cpu_and_int_modes_need_a_cpu():
+    from gpu.models.errors import ModelLoadError
+    from gpu.models.loader import resolve_quantization
+
+    assert resolve_quantization(None, "cpu") == "auto"
+    assert resolve_quantization("auto", "cuda") == "none"
+    assert resolve_quantization("none", "cuda") == "none"
+    with pytest.raises(ModelLoadError, match="CPU only"):
+        resolve_quantization("int4", "cuda")
+    with pytest.raises(ModelLoadError, match="unknown quantization"):
+        resolve_quantization("int3", "cpu")
