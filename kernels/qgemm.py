@@ -8,10 +8,10 @@ kernel keeps the weights packed and widens them in registers (figures in loadtes
 The shared library is cached under ``$PAGEDSERVE_KERNEL_CACHE`` (default
 ``~/.cache/pagedserve/kernels``), keyed by the source, the flags and the compiler, so a second
 process (or a tensor-parallel worker) loads it without compiling. The path is chosen from
-/proc/cpuinfo: AVX-512 F+BW (``-mavx512f -mavx512bw``, one 512-bit multiply-add per group of 32),
-else AVX2+FMA (``-mavx2 -mfma``), else the portable scalar build, with a warning; explicit flags,
-not ``-march=native``, so a cached build stays valid on any CPU with those extensions.
-``PAGEDSERVE_QGEMM_ISA=avx2|scalar`` forces a lower path (tests, benchmarks).
+/proc/cpuinfo: AVX2+FMA (``-mavx2 -mfma``), else the portable scalar build, with a warning; explicit
+flags, not ``-march=native``, so a cached build stays valid on any CPU with those extensions.
+``PAGEDSERVE_QGEMM_ISA=avx512`` builds the AVX-512 path where the CPU has it (measured no faster,
+see build_flags); ``avx2|scalar`` force a lower path (tests, benchmarks).
 """
 from __future__ import annotations
 
@@ -79,17 +79,19 @@ def _compile(cc: str, flags: list[str], out: Path) -> None:
 
 
 def build_flags(cpu: set[str], forced: str | None = None) -> tuple[str, list[str]]:
-    """(path, extra compiler flags) for a CPU with these /proc/cpuinfo flags: 'avx512' with
-    AVX-512 F+BW, 'avx2' with AVX2+FMA, else 'scalar'. ``forced`` (PAGEDSERVE_QGEMM_ISA) picks a
-    lower path on purpose (tests, benchmarks); it never picks one the CPU lacks."""
+    """(path, extra compiler flags) for a CPU with these /proc/cpuinfo flags: 'avx2' with
+    AVX2+FMA, else 'scalar'. The AVX-512 path (F+BW) is built only when asked for with
+    ``PAGEDSERVE_QGEMM_ISA=avx512`` on a CPU that has it: measured on an AVX-512/AMX box it was
+    no faster for q8_0 and ~20 % slower for q4_1 than the AVX2 path (loadtest/PERF.md), decode
+    being bound by the weight stream and the per-group scaling, not by vector width.
+    ``forced`` may also pick a lower path (tests, benchmarks), never one the CPU lacks."""
     order = ["scalar", "avx2", "avx512"]
-    best = "scalar"
+    have = "scalar"
     if {"avx2", "fma"} <= cpu:
-        best = "avx2"
-        if {"avx512f", "avx512bw"} <= cpu:
-            best = "avx512"
-    if forced in order and order.index(forced) < order.index(best):
-        best = forced
+        have = "avx512" if {"avx512f", "avx512bw"} <= cpu else "avx2"
+    best = "avx2" if have == "avx512" else have
+    if forced in order:
+        best = forced if order.index(forced) <= order.index(have) else have
     flags: list[str] = []
     if best in ("avx2", "avx512"):
         flags += ["-mavx2", "-mfma"]
