@@ -125,25 +125,39 @@ def test_int8_from_a_q4_file_is_close_to_the_file(default_models):
         assert ((packed[name].dequantize() - w).abs() <= d * (0.5 + 127 * 2.0**-11)).all()
 
 
-AUTO_FLOOR = 0.9  # greedy agreement of the packed default model with its dequantized fp32 self
+AUTO_FLOOR = 0.9  # fp32: greedy agreement of the packed default model with its dequantized fp32 self
+BF16_MARGIN = 0.15  # bf16: at most this far below plain bf16's own agreement with fp32
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_default_model_as_the_file_says_decodes_like_the_dequantized_model(dtype):
-    """Same weights bit for bit; only the kernel's 15-bit activation rounding (and bf16, for the
-    bf16 run) differs, so greedy tokens must nearly all agree (full figures: loadtest/PERF.md)."""
+def _greedy(mode: str, dtype: str):
     from engine.llm import LLM
-    from loadtest.quant_accuracy import PROMPTS, agreement, greedy_tokens
+    from loadtest.quant_accuracy import PROMPTS, greedy_tokens
 
-    runs = {}
-    for mode, dt in (("none", "float32"), ("auto", dtype)):
-        llm = LLM(dtype=dt, quantization=mode, kv_cache_memory_gib=1 / 16)
-        try:
-            runs[mode] = greedy_tokens(llm, PROMPTS[:4], 16)
-        finally:
-            llm.shutdown()
-    same, _ = agreement(runs["none"], runs["auto"])
-    assert same >= AUTO_FLOOR, f"auto/{dtype}: greedy agreement {same:.3f} < {AUTO_FLOOR}"
+    llm = LLM(dtype=dtype, quantization=mode, kv_cache_memory_gib=1 / 16)
+    try:
+        return greedy_tokens(llm, PROMPTS[:4], 16)
+    finally:
+        llm.shutdown()
+
+
+def test_default_model_as_the_file_says_decodes_like_the_dequantized_model():
+    """Same weights bit for bit; only the kernel's 15-bit activation rounding differs, so greedy
+    tokens must nearly all agree (full figures: loadtest/PERF.md)."""
+    from loadtest.quant_accuracy import agreement
+
+    same, _ = agreement(_greedy("none", "float32"), _greedy("auto", "float32"))
+    assert same >= AUTO_FLOOR, f"auto/fp32: greedy agreement {same:.3f} < {AUTO_FLOOR}"
+
+
+def test_default_model_as_the_file_says_in_bf16_is_as_close_to_fp32_as_plain_bf16():
+    """bf16 rounding alone moves greedy tokens (plain bf16 agrees ~0.7 with fp32 over 16x32), so
+    the packed model in bf16 is held to plain bf16's agreement, less a margin."""
+    from loadtest.quant_accuracy import agreement
+
+    reference = _greedy("none", "float32")
+    plain, _ = agreement(reference, _greedy("none", "bfloat16"))
+    packed, _ = agreement(reference, _greedy("auto", "bfloat16"))
+    assert packed >= plain - BF16_MARGIN, f"auto/bf16 {packed:.3f} vs plain bf16 {plain:.3f}"
 
 
 def test_auto_is_none_off_cpu_and_int_modes_need_a_cpu():
