@@ -14,9 +14,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="HF config overrides as JSON or a JSON file; with --load-format dummy this is the "
                         "model (random weights), e.g. a tiny config for tests")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    g.add_argument("--quantization", "-q", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the linear layers (CPU): int8 per output channel, "
-                        "int4 in groups of 32 with scale and minimum")
+    g.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization of the linear layers (CPU): auto keeps a GGUF file's "
+                        "quantization (Q4_0/Q4_1/Q4_K as int4, Q8_0 and others as int8; full precision "
+                        "for other checkpoints), none dequantizes to --dtype, int8 in groups of 32 with a "
+                        "scale (GGUF Q8_0), int4 in groups of 32 with scale and minimum (GGUF Q4_1)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -55,7 +57,7 @@ def engine_config_from_args(args: argparse.Namespace, default_executor: str | No
         model=args.model,
         load_format=args.load_format,
         dtype=args.dtype,
-        quantization=getattr(args, "quantization", "none"),
+        quantization=getattr(args, "quantization", "auto"),
         max_model_len=args.max_model_len,
         seed=args.seed,
         hf_config=_json_arg(args.hf_config),

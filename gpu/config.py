@@ -42,8 +42,10 @@ class ModelConfig:
     load_format: str = "auto"
     # auto (bf16 where the CPU has avx512_bf16 or on CUDA, else fp32) | bfloat16 | float16 | float32
     dtype: str = "auto"
-    # none | int8 | int4: weight-only quantization of every linear layer after loading (CPU kernel)
-    quantization: str = "none"
+    # auto | none | int8 | int4: weight-only quantization of the linear layers (CPU kernel). auto keeps
+    # a GGUF file's quantization (packed as stored; vLLM's behaviour) and is none for
+    # full-precision checkpoints and on GPUs; int8 / int4 quantize everything (gpu/models/quantization.py)
+    quantization: str = "auto"
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seed of dummy weights
     # A Hugging Face config dict; for load_format=dummy without a model path, it is the model.

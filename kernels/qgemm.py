@@ -7,10 +7,11 @@ kernel keeps the weights packed and widens them in registers (figures in loadtes
 
 The shared library is cached under ``$PAGEDSERVE_KERNEL_CACHE`` (default
 ``~/.cache/pagedserve/kernels``), keyed by the source, the flags and the compiler, so a second
-process (or a tensor-parallel worker) loads it without compiling. The AVX2+FMA path is compiled
-only when this CPU has both (explicit ``-mavx2 -mfma``, not ``-march=native``, so a cached build
-stays valid on any AVX2 machine); otherwise the portable scalar build is used, with a warning
-(``PAGEDSERVE_QGEMM_ISA=scalar`` forces it, for tests).
+process (or a tensor-parallel worker) loads it without compiling. The path is chosen from
+/proc/cpuinfo: AVX2+FMA (``-mavx2 -mfma``), else the portable scalar build, with a warning; explicit
+flags, not ``-march=native``, so a cached build stays valid on any CPU with those extensions.
+``PAGEDSERVE_QGEMM_ISA=avx512`` builds the AVX-512 path where the CPU has it (measured no faster,
+see build_flags); ``avx2|scalar`` force a lower path (tests, benchmarks).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-GROUP = 32  # int4: values per fp16 (scale, min) pair, as in GGUF Q4_1
+GROUP = 32  # values per fp16 scale (and minimum) in q8_0 / q4_1, as in GGUF Q8_0 / Q4_1
 FUSED_MAX_M = 16  # above this many rows, dequantize blocks of W and use the BLAS matmul
 _DEQUANT_ROWS = 2048  # rows of W widened at a time on the large-M path (bounded scratch)
 _SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
@@ -77,6 +78,33 @@ def _compile(cc: str, flags: list[str], out: Path) -> None:
             os.unlink(tmp)
 
 
+def build_flags(cpu: set[str], forced: str | None = None) -> tuple[str, list[str]]:
+    """(path, extra compiler flags) for a CPU with these /proc/cpuinfo flags: 'avx2' with
+    AVX2+FMA, else 'scalar'. The AVX-512 path (F+BW) is built only when asked for with
+    ``PAGEDSERVE_QGEMM_ISA=avx512`` on a CPU that has it: measured on an AVX-512/AMX box it was
+    no faster for q8_0 and ~20 % slower for q4_1 than the AVX2 path (loadtest/PERF.md), decode
+    being bound by the weight stream and the per-group scaling, not by vector width.
+    ``forced`` may also pick a lower path (tests, benchmarks), never one the CPU lacks."""
+    order = ["scalar", "avx2", "avx512"]
+    have = "scalar"
+    if {"avx2", "fma"} <= cpu:
+        have = "avx512" if {"avx512f", "avx512bw"} <= cpu else "avx2"
+    best = "avx2" if have == "avx512" else have
+    if forced in order:
+        best = forced if order.index(forced) <= order.index(have) else have
+    flags: list[str] = []
+    if best in ("avx2", "avx512"):
+        flags += ["-mavx2", "-mfma"]
+        if "f16c" in cpu:  # every AVX2 CPU so far has it: fp16 scales in one instruction
+            flags.append("-mf16c")
+    if best == "avx512":
+        flags += ["-mavx512f", "-mavx512bw"]
+    return best, flags
+
+
+_ISA_NAMES = {0: "scalar", 2: "avx2", 3: "avx512"}
+
+
 @functools.cache
 def library() -> ctypes.CDLL:
     """The compiled kernel, built on first use. Raises QuantKernelError without a C compiler."""
@@ -86,12 +114,8 @@ def library() -> ctypes.CDLL:
         raise QuantKernelError(f"--quantization int8/int4 builds a C kernel on first use and needs a C compiler: "
                                f"{cc!r} is not on PATH (install gcc, set CC, or use --quantization none)")
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp"]
-    cpu = _cpu_flags()
-    simd = {"avx2", "fma"} <= cpu and os.environ.get("PAGEDSERVE_QGEMM_ISA") != "scalar"  # override: tests
-    if simd:
-        flags += ["-mavx2", "-mfma"]
-        if "f16c" in cpu:  # every AVX2 CPU so far has it: int4's fp16 scales in one instruction
-            flags.append("-mf16c")
+    path_name, extra = build_flags(_cpu_flags(), os.environ.get("PAGEDSERVE_QGEMM_ISA"))
+    flags += extra
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join(flags).encode() + cc_path.encode()).hexdigest()[:16]
     path = _cache_dir() / f"qgemm-{key}.so"
@@ -102,31 +126,41 @@ def library() -> ctypes.CDLL:
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.qg_isa.restype = I
     lib.qg_isa.argtypes = []
-    lib.qg_int8_mm.restype = I
-    lib.qg_int8_mm.argtypes = [P, I64, I64, P, P, P, P, I64, I]
-    lib.qg_int8_dequant.restype = None
-    lib.qg_int8_dequant.argtypes = [P, P, I64, I64, I64, P, I]
+    for name in ("qg_int8_mm", "qg_q8_mm"):
+        getattr(lib, name).restype = I
+        getattr(lib, name).argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
     lib.qg_int4_mm.restype = I
-    lib.qg_int4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I]
+    lib.qg_int4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I, I]
+    for name in ("qg_int8_dequant", "qg_q8_dequant"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [P, P, I64, I64, I64, P, I, I]
     lib.qg_int4_dequant.restype = None
-    lib.qg_int4_dequant.argtypes = [P, P, P, I64, I64, I64, P, I]
-    if lib.qg_isa() == 2:
-        logger.info("quantized kernel: AVX2+FMA path")
-    else:
+    lib.qg_int4_dequant.argtypes = [P, P, P, I64, I64, I64, P, I, I]
+    lib.qg_q8_rows.restype = None
+    lib.qg_q8_rows.argtypes = [P, P, I64, I64, P, I64, P, I]
+    lib.qg_int4_rows.restype = None
+    lib.qg_int4_rows.argtypes = [P, P, P, I64, I64, P, I64, P, I]
+    got = _ISA_NAMES.get(lib.qg_isa(), "scalar")
+    if got != path_name:
+        raise QuantKernelError(f"the quantized kernel built for {path_name} reports {got} ({path})")
+    if got == "scalar":
         logger.warning("quantized kernel: this CPU lacks AVX2/FMA, so the portable scalar code runs; "
                        "int8/int4 weights will likely decode slower than --quantization none")
+    else:
+        logger.info("quantized kernel: %s path", got)
     return lib
 
 
 def isa() -> str:
-    """'avx2' or 'scalar': which path the loaded build runs."""
-    return "avx2" if library().qg_isa() == 2 else "scalar"
+    """'avx512', 'avx2' or 'scalar': which path the loaded build runs."""
+    return _ISA_NAMES.get(library().qg_isa(), "scalar")
 
 
 # ------------------------------------------------------------------ quantize / reference
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (w8 [N, K] int8, scale [N] fp32)."""
+    """Symmetric per-output-channel int8 (layout int8c, for input sizes that are not a multiple
+    of 32): (w8 [N, K] int8, scale [N] fp32)."""
     w = w.detach().float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
@@ -136,6 +170,27 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return w8.float() * scale[:, None]
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 in groups of 32 along K with an fp16 scale (GGUF Q8_0: d = amax / 127,
+    q = round(w / d), d as stored in fp16): (w8 [N, K] int8, d [N, K/32] fp16). K a multiple of 32."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"q8_0 needs the input size to be a multiple of {GROUP}, got {k}")
+    g = w.detach().float().reshape(n, k // GROUP, GROUP)
+    d16 = (g.abs().amax(dim=2) / 127.0).half()
+    if not torch.isfinite(d16).all():
+        raise ValueError("q8_0: a weight group's range does not fit the fp16 scale (|w| > 65504)")
+    d = d16.float()  # the codes are chosen against the scale as stored
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp(torch.round(g * inv[..., None]), -127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), d16.contiguous()
+
+
+def dequantize_q8_0(w8: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = w8.shape
+    return (w8.float().reshape(n, k // GROUP, GROUP) * d.float()[..., None]).reshape(n, k)
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,67 +218,110 @@ def dequantize_int4(w4: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch
     return (q * d.float()[..., None] + m.float()[..., None]).reshape(n, half * 2)
 
 
+# Packed layouts: name -> (dtypes of the tensors, the reference dequantize). Every tensor is
+# [N, something proportional to K], so a layout can be cut by rows (and by groups of columns).
+LAYOUTS = {
+    "int8c": ((torch.int8, torch.float32), dequantize_int8),
+    "q8_0": ((torch.int8, torch.float16), dequantize_q8_0),
+    "q4_1": ((torch.uint8, torch.float16, torch.float16), dequantize_int4),
+}
+
+
+def packed_shapes(layout: str, n: int, k: int) -> list[tuple[int, ...]]:
+    """Shapes of ``layout``'s tensors for an [n, k] weight."""
+    if layout == "int8c":
+        return [(n, k), (n,)]
+    if k % GROUP:
+        raise ValueError(f"{layout} needs the input size to be a multiple of {GROUP}, got {k}")
+    return [(n, k), (n, k // GROUP)] if layout == "q8_0" else [(n, k // 2), (n, k // GROUP), (n, k // GROUP)]
+
+
+def quantize(w: torch.Tensor, layout: str) -> tuple[torch.Tensor, ...]:
+    return {"int8c": quantize_int8, "q8_0": quantize_q8_0, "q4_1": quantize_int4}[layout](w)
+
+
+def dequantize(layout: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return LAYOUTS[layout][1](*tensors)
+
+
 # ------------------------------------------------------------------ matmuls
+
+X_BF16, Y_BF16 = 1, 2  # the kernel's flags: activations in / outputs out as bf16 (else fp32)
+
 
 class PackedLinear:
     """y = x @ W^T + bias for one packed weight, with everything the kernel call needs resolved
     once (pointers, the C function): a decode step makes ~120 of these calls, so the per-call
-    Python work is kept to allocating ``y`` and one ctypes call."""
+    Python work is kept to allocating ``y`` and one ctypes call. fp32 and bf16 activations go to
+    the kernel as they are and come back in the same dtype; others are computed in fp32."""
 
-    __slots__ = ("mode", "tensors", "bias", "n", "k", "_mm", "_dequant", "_wargs", "_bp")
+    __slots__ = ("mode", "tensors", "bias", "n", "k", "_mm", "_dequant", "_rows", "_wargs", "_bp")
 
     def __init__(self, mode: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None):
         lib = library()
+        if mode == "int4":
+            mode = "q4_1"
+        if mode not in LAYOUTS:
+            raise ValueError(f"unknown packed mode {mode!r}")
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             raise ValueError("the bias of a quantized linear must be contiguous float32")
         for t in tensors:
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError("packed weights must be contiguous CPU tensors")
+        expected = LAYOUTS[mode][0]
+        if tuple(t.dtype for t in tensors) != expected:
+            raise ValueError(f"{mode} packed weights must be {expected}, got {tuple(t.dtype for t in tensors)}")
         self.mode, self.tensors, self.bias = mode, tensors, bias
         self._bp = None if bias is None else bias.data_ptr()
-        expected = {"int8": (torch.int8, torch.float32), "int4": (torch.uint8, torch.float16, torch.float16)}
-        if mode in expected and tuple(t.dtype for t in tensors) != expected[mode]:
-            raise ValueError(f"{mode} packed weights must be {expected[mode]}, got {tuple(t.dtype for t in tensors)}")
-        if mode == "int8":
-            w8, scale = tensors
-            self.n, self.k = w8.shape
+        self._wargs = tuple(t.data_ptr() for t in tensors)
+        self._rows = None
+        if mode == "int8c":
+            self.n, self.k = tensors[0].shape
             self._mm, self._dequant = lib.qg_int8_mm, lib.qg_int8_dequant
-            self._wargs = (w8.data_ptr(), scale.data_ptr())
-        elif mode == "int4":
-            w4, d, mn = tensors
-            self.n, self.k = w4.shape[0], w4.shape[1] * 2
-            self._mm, self._dequant = lib.qg_int4_mm, lib.qg_int4_dequant
-            self._wargs = (w4.data_ptr(), d.data_ptr(), mn.data_ptr())
+        elif mode == "q8_0":
+            self.n, self.k = tensors[0].shape
+            self._mm, self._dequant, self._rows = lib.qg_q8_mm, lib.qg_q8_dequant, lib.qg_q8_rows
         else:
-            raise ValueError(f"unknown packed mode {mode!r}")
+            self.n, self.k = tensors[0].shape[0], tensors[0].shape[1] * 2
+            self._mm, self._dequant, self._rows = lib.qg_int4_mm, lib.qg_int4_dequant, lib.qg_int4_rows
+        if mode != "int8c" and tuple(tensors[1].shape) != (self.n, self.k // GROUP):
+            raise ValueError(f"{mode}: scales of shape {tuple(tensors[1].shape)} for a {self.n}x{self.k} weight")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype is torch.float32 and x.is_contiguous() and x.shape[1] == self.k:
+        dt = x.dtype
+        if x.dim() == 2 and (dt is torch.float32 or dt is torch.bfloat16) and x.is_contiguous() \
+                and x.shape[1] == self.k:
             x2 = x
         else:
             if x.shape[-1] != self.k:
                 raise ValueError(f"input has {x.shape[-1]} features, the quantized weight expects {self.k}")
-            x2 = x.reshape(-1, self.k).to(torch.float32).contiguous()
+            if dt is not torch.bfloat16:
+                dt = torch.float32
+            x2 = x.reshape(-1, self.k).to(dt).contiguous()
+        flags = X_BF16 | Y_BF16 if dt is torch.bfloat16 else 0
         m = x2.shape[0]
         if m > FUSED_MAX_M:
             y = self._blocked(x2)
         else:
-            y = torch.empty((m, self.n), dtype=torch.float32)
+            y = torch.empty((m, self.n), dtype=dt)
             if self._mm(x2.data_ptr(), m, self.k, *self._wargs, self._bp, y.data_ptr(), self.n,
-                        torch.get_num_threads()):
+                        torch.get_num_threads(), flags):
                 raise MemoryError(f"qgemm: no memory for the {self.mode} kernel's activation scratch")
         return y if x2 is x else y.reshape(*x.shape[:-1], self.n)
 
     def _blocked(self, x2: torch.Tensor) -> torch.Tensor:
-        """Large M (prefill): widen W a block of rows at a time and let the BLAS matmul do the FLOPs."""
+        """Large M (prefill): widen W a block of rows at a time, in x's dtype (bf16 matmuls run on
+        AMX / AVX-512 bf16 where the CPU has them), and let torch's matmul do the FLOPs."""
         n, k = self.n, self.k
         nt = torch.get_num_threads()
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        scratch = torch.empty(min(n, _DEQUANT_ROWS), k, dtype=torch.float32)
+        dt = x2.dtype
+        flags = Y_BF16 if dt is torch.bfloat16 else 0
+        y = torch.empty(x2.shape[0], n, dtype=dt)
+        scratch = torch.empty(min(n, _DEQUANT_ROWS), k, dtype=dt)
         for n0 in range(0, n, _DEQUANT_ROWS):
             n1 = min(n, n0 + _DEQUANT_ROWS)
             w = scratch[: n1 - n0]
-            self._dequant(*self._wargs, k, n0, n1, w.data_ptr(), nt)
+            self._dequant(*self._wargs, k, n0, n1, w.data_ptr(), nt, flags)
             if n1 - n0 == n:
                 torch.matmul(x2, w.t(), out=y)
             else:
@@ -232,17 +330,35 @@ class PackedLinear:
             y += self.bias
         return y
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantized rows ``ids`` of W (an embedding lookup on a quantized table); ids outside
+        [0, N) give zero rows."""
+        if self._rows is None:
+            raise ValueError(f"{self.mode} weights have no row lookup")
+        if dtype is not torch.bfloat16:
+            dtype = torch.float32
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), self.k, dtype=dtype)
+        self._rows(*self._wargs, self.k, self.n, flat.data_ptr(), flat.numel(), out.data_ptr(),
+                   Y_BF16 if dtype is torch.bfloat16 else 0)
+        return out.reshape(*ids.shape, self.k)
+
 
 def int8_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
-    """x @ (w8 * scale[:, None]).T + bias, in fp32 (x of any leading shape)."""
-    return PackedLinear("int8", (w8, scale), bias)(x)
+    """x @ (w8 * scale[:, None]).T + bias (per-channel int8), in x's dtype (fp32 or bf16)."""
+    return PackedLinear("int8c", (w8, scale), bias)(x)
+
+
+def q8_mm(x: torch.Tensor, w8: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dequantize_q8_0(w8, d).T + bias."""
+    return PackedLinear("q8_0", (w8, d), bias)(x)
 
 
 def int4_mm(x: torch.Tensor, w4: torch.Tensor, d: torch.Tensor, mn: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dequantize_int4(w4, d, mn).T + bias, in fp32."""
-    return PackedLinear("int4", (w4, d, mn), bias)(x)
+    """x @ dequantize_int4(w4, d, mn).T + bias."""
+    return PackedLinear("q4_1", (w4, d, mn), bias)(x)
 
 
 if __name__ == "__main__":  # `python -m kernels.qgemm`: build now (install step), print the path taken

@@ -1,7 +1,11 @@
 """Accuracy of --quantization against the unquantized model: greedy token agreement over a fixed
 prompt set and the perplexity of a fixed text.
 
-    .venv/bin/python -m loadtest.quant_accuracy [--modes int8 int4] [--tokens 32] [--text README.md]
+    .venv/bin/python -m loadtest.quant_accuracy [--modes auto int8 int4] [--dtype float32] [--tokens 32]
+        [--text README.md]
+
+The reference is always ``--quantization none`` in fp32 (the file dequantized, as transformers
+reads it); ``--dtype bfloat16`` runs the quantized modes with bf16 activations against it.
 
 Agreement is position by position over ``--tokens`` greedy tokens of each of the 16 prompts (a
 divergence usually changes the rest of that continuation, so it is a strict measure); the mean
@@ -75,7 +79,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
-    parser.add_argument("--modes", nargs="+", default=["int8", "int4"])
+    parser.add_argument("--modes", nargs="+", default=["auto", "int8", "int4"])
+    parser.add_argument("--dtype", default="float32", help="activations of the quantized modes")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--text", default="README.md", help="text whose perplexity is measured")
     args = parser.parse_args()
@@ -84,15 +89,17 @@ def main() -> None:
     results = {}
     for mode in ["none", *args.modes]:
         t0 = time.perf_counter()
-        llm = LLM(model=args.model, dtype="float32", quantization=mode, kv_cache_memory_gib=0.25)
+        dtype = "float32" if mode == "none" and "none" not in results else args.dtype
+        llm = LLM(model=args.model, dtype=dtype, quantization=mode, kv_cache_memory_gib=0.25)
         try:
             toks = greedy_tokens(llm, PROMPTS, args.tokens)
             ppl = perplexity(llm, text)
         finally:
             llm.shutdown()
-        results[mode] = toks
-        line = f"{mode:5s} perplexity({args.text}) {ppl:8.3f}"
-        if mode != "none":
+        first = "none" not in results
+        results[mode if first else f"{mode}/{dtype}"] = toks
+        line = f"{mode:5s} {dtype:9s} perplexity({args.text}) {ppl:8.3f}"
+        if not first:
             same, prefix = agreement(results["none"], toks)
             line += f"  greedy agreement {same:.3f} (mean common prefix {prefix:.3f}) over {len(PROMPTS)}x{args.tokens}"
         print(f"{line}  [{time.perf_counter() - t0:.1f} s]", flush=True)

@@ -54,8 +54,10 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def iter_gguf_weights(path: str, hf_config: dict, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass ``reader`` (gpu.models.gguf_file.read_gguf of ``path``) to skip parsing the file again."""
+def iter_gguf_weights(path: str, hf_config: dict, reader=None, only: set[str] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass ``reader`` (gpu.models.gguf_file.read_gguf of ``path``) to skip parsing the file again;
+    ``only``: the GGUF names to read (the others are loaded packed, gpu.models.gguf_packed)."""
     from gpu.models.gguf_quants import dequantize
 
     if reader is None:
@@ -66,6 +68,8 @@ def iter_gguf_weights(path: str, hf_config: dict, reader=None) -> Iterator[tuple
     arch = arch_field.contents() if arch_field is not None else "llama"
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
     for t in reader.tensors:
+        if only is not None and t.name not in only:
+            continue
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
             raise ModelLoadError(f"{path}: tensor {t.name!r} has no counterpart in the model")

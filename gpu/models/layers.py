@@ -231,12 +231,17 @@ class VocabParallelEmbedding(nn.Module):
         if n < param.shape[0]:
             param.data[n:].zero_()
 
+    qweight = None  # a packed table (gpu.models.quantization.QuantizedWeight): lookups read its rows
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.qweight is None else self.qweight.rows(ids)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.start) | (input_ids >= self.end)
         local = torch.where(outside, 0, input_ids - self.start)
-        out = F.embedding(local, self.weight)
+        out = self._lookup(local)
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return tp_all_reduce(out)
 

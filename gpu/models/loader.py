@@ -91,27 +91,55 @@ def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Modu
             hf_config = gguf_to_hf_config(path, reader)
         else:
             hf_config = load_hf_config(path)
+    quantization = resolve_quantization(getattr(model_config, "quantization", "auto"), device)
     model = build_model(hf_config, device, dtype)
+    packed = {}
     if fmt == "dummy":
         _fill_dummy(model, model_config.seed)
     else:
         tracker = WeightTracker(model)
         with torch.no_grad():
             if fmt == "gguf":
-                from gpu.models.gguf_loader import iter_gguf_weights
-
-                tracker.load_all(iter_gguf_weights(path, model.config, reader), source=path)
+                packed = _load_gguf(model, reader, path, tracker, quantization)
                 tracker.check_complete(path)
             else:
                 _load_safetensors(tracker, path)
-    quantization = getattr(model_config, "quantization", "none")
-    if quantization not in (None, "none"):
-        from gpu.models.quantization import quantize_model
+    from gpu.models.quantization import quantize_model
 
-        quantize_model(model, quantization, device)
-    logger.info("loaded %s (%s, %s weights, quantization %s) in %.1f s", path or "dummy model", fmt, dtype,
-                quantization or "none", time.perf_counter() - t0)
+    quantize_model(model, quantization, device)  # full-precision layers under int8/int4 (none, auto: no-op)
+    logger.info("loaded %s (%s, %s weights, quantization %s%s) in %.1f s", path or "dummy model", fmt, dtype,
+                quantization, f", packed from the file: {packed}" if packed else "", time.perf_counter() - t0)
     return model
+
+
+def resolve_quantization(mode: str | None, device) -> str:
+    """``auto`` keeps a GGUF file's quantization on CPU (vLLM's behaviour; nothing to keep in a
+    full-precision checkpoint) and is ``none`` on other devices; int8 / int4 need a CPU."""
+    from gpu.models.quantization import check_mode
+
+    mode = mode or "auto"
+    if mode == "auto" and torch.device(device).type != "cpu":
+        return "none"
+    check_mode(mode, device)
+    return mode
+
+
+def _load_gguf(model, reader, path: str, tracker: WeightTracker, quantization: str) -> dict[str, int]:
+    """Quantized tensors into packed weights where ``quantization`` keeps or asks for them (one
+    tensor at a time, no full-precision copy), everything else dequantized into the parameters."""
+    from gpu.models.gguf_loader import iter_gguf_weights
+
+    if quantization != "none":
+        from gpu.models import gguf_packed
+
+        plan = gguf_packed.plan_layouts(model, reader, quantization)
+        if plan:
+            from kernels import qgemm
+
+            qgemm.library()  # a missing compiler fails here, naming what to install
+            return gguf_packed.load(model, reader, path, model.config, tracker, plan)
+    tracker.load_all(iter_gguf_weights(path, model.config, reader), source=path)
+    return {}
 
 
 def _safetensors_files(path: str) -> list[str]:

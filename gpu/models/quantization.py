@@ -1,12 +1,18 @@
-"""``--quantization int8|int4``: after the weights are loaded, every linear layer (q/k/v, o, gate/up,
-down and the LM head, tied or not) swaps its full-precision weight for a packed low-bit copy, and
-its forward calls the CPU kernel in kernels/qgemm.py.
+"""Weight-only quantized linear layers on CPU: ``--quantization auto|none|int8|int4``.
 
-Why after loading: each rank quantizes exactly the shard it holds, so tensor parallelism and every
-checkpoint format work unchanged. int8 is symmetric per output channel; int4 keeps a scale and a
-minimum per group of 32 inputs (the GGUF Q4_1 scheme; the LM head stays int8). Activations and
-outputs stay in the model's dtype. The token embedding stays full precision (a lookup reads one
-row, not the table).
+A quantized layer (q/k/v, o, gate/up, down, the LM head; a tied or quantized-in-the-file token
+embedding too) holds a packed low-bit copy of its weight (``module.qweight``) instead of a
+full-precision one, and its forward calls the CPU kernel in kernels/qgemm.py. Packed layouts:
+- ``q8_0``: int8 in groups of 32 with an fp16 scale (GGUF Q8_0) — ``int8``;
+- ``q4_1``: 4-bit codes in groups of 32 with an fp16 scale and minimum (GGUF Q4_1; Q4_0 loads as
+  it with minimum -8 d) — ``int4``; the LM head stays q8_0 (4 bits there cost most of the accuracy);
+- ``int8c``: int8 with one scale per output channel, for input sizes that are not a multiple of 32.
+
+GGUF files load straight into these layouts (gpu/models/gguf_packed.py), one tensor at a time,
+without a full-precision copy; ``auto`` keeps what the file says (vLLM's behaviour). A full
+precision checkpoint (safetensors, or ``none``) under int8/int4 is quantized after loading
+(``quantize_model``), each rank quantizing the shard it holds. Activations and outputs stay in the
+model's dtype (fp32 or bf16).
 """
 from __future__ import annotations
 
@@ -19,96 +25,132 @@ from gpu.models.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-MODES = ("none", "int8", "int4")
+MODES = ("auto", "none", "int8", "int4")
 
 
 class QuantizedWeight:
-    """The packed weight of one linear layer (this rank's shard) and the matmul that reads it."""
+    """The packed weight of one linear layer or embedding table (this rank's shard), the matmul
+    that reads it and its row lookup."""
 
-    __slots__ = ("mode", "tensors", "bias", "out_features", "in_features", "_linear")
+    __slots__ = ("mode", "tensors", "bias", "out_features", "in_features", "dtype", "_linear")
 
-    def __init__(self, mode: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None,
-                 out_features: int, in_features: int):
+    def __init__(self, mode: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32):
         from kernels.qgemm import PackedLinear
 
-        self.mode, self.tensors, self.bias = mode, tensors, bias
-        self.out_features, self.in_features = out_features, in_features
         self._linear = PackedLinear(mode, tensors, bias)
+        self.mode, self.tensors, self.bias = self._linear.mode, tensors, bias
+        self.out_features, self.in_features = self._linear.n, self._linear.k
+        self.dtype = dtype  # the model's dtype: what the row lookup returns
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, mode: str, bias: torch.Tensor | None = None) -> "QuantizedWeight":
+        """``mode``: a layout (q8_0, q4_1, int8c) or a user mode (int8, int4)."""
         from kernels import qgemm
 
-        n, k = weight.shape
-        if mode == "int8":
-            tensors = qgemm.quantize_int8(weight)
-        elif mode == "int4":
-            tensors = qgemm.quantize_int4(weight)
-        else:
+        k = weight.shape[1]
+        layout = {"int8": layout_for("int8", k), "int4": layout_for("int4", k)}.get(mode, mode)
+        if layout not in qgemm.LAYOUTS:
             raise ValueError(f"unknown quantization mode {mode!r}")
         b = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        return cls(mode, tensors, b, n, k)
+        return cls(layout, qgemm.quantize(weight, layout), b, weight.dtype)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x)
-        return y if x.dtype is torch.float32 else y.to(x.dtype)
+        return y if y.dtype is x.dtype else y.to(x.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """An embedding lookup on the packed table, in the model's dtype."""
+        y = self._linear.rows(ids, self.dtype)
+        return y if y.dtype is self.dtype else y.to(self.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The weight this layer now computes with, in fp32 (tests and accuracy checks)."""
         from kernels import qgemm
 
-        fn = qgemm.dequantize_int8 if self.mode == "int8" else qgemm.dequantize_int4
-        return fn(*self.tensors)
+        return qgemm.dequantize(self.mode, self.tensors)
 
 
-def _quantizable():
+def layout_for(mode: str, in_features: int, head: bool = False) -> str:
+    """The packed layout ``--quantization mode`` gives a layer with this input size."""
+    from kernels.qgemm import GROUP
+
+    if in_features % GROUP:
+        return "int8c"  # grouped layouts need whole groups of 32 inputs
+    if mode == "int4" and not head:
+        return "q4_1"
+    return "q8_0"  # int8; and int4's LM head (measured: an int4 head cut greedy agreement to 0.32)
+
+
+def check_mode(mode: str | None, device) -> None:
+    if mode in (None, "none", "auto"):
+        return
+    if mode not in MODES:
+        raise ModelLoadError(f"unknown quantization {mode!r}; use one of {', '.join(MODES)}")
+    if torch.device(device).type != "cpu":
+        raise ModelLoadError(f"--quantization {mode} runs on CPU only; use --quantization none on {device}")
+
+
+def quantizable_types():
     from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
     return ColumnParallelLinear, RowParallelLinear, ParallelLMHead
 
 
+def drop_weight(module: nn.Module) -> None:
+    """Free a packed module's full-precision weight (an empty parameter keeps attribute access)."""
+    w = module.weight
+    module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+
+
+def attach(model: nn.Module, name: str, module: nn.Module, qweight: QuantizedWeight) -> None:
+    """Make ``module`` compute with ``qweight``; a tied head and embedding share one packed table
+    (the lookup reads its rows), so the full-precision table goes too."""
+    from gpu.models.layers import ParallelLMHead, VocabParallelEmbedding
+
+    module.qweight = qweight
+    tied = getattr(model, "tie_word_embeddings", False)
+    if tied and isinstance(module, VocabParallelEmbedding):
+        head, embedding = model.lm_head, model.model.embed_tokens
+        if qweight.mode == "int8c":  # no row lookup: the embedding keeps its table
+            if isinstance(module, ParallelLMHead):
+                return
+        else:
+            head.qweight = embedding.qweight = qweight
+            drop_weight(embedding)
+            head.weight = embedding.weight
+            return
+    drop_weight(module)
+
+
 def quantize_model(model: nn.Module, mode: str, device: torch.device | str = "cpu") -> nn.Module:
-    """Swap every linear layer's weight for a packed ``mode`` copy, in place; ``none`` leaves the
-    model untouched. Raises ModelLoadError for an unknown mode or a non-CPU device."""
-    if mode in (None, "none"):
+    """Swap every linear layer's full-precision weight for a packed ``mode`` copy, in place;
+    ``none`` and ``auto`` (nothing in the checkpoint to keep) leave the model untouched. Raises
+    ModelLoadError for an unknown mode or a non-CPU device."""
+    check_mode(mode, device)
+    if mode in (None, "none", "auto"):
         return model
-    if mode not in MODES:
-        raise ModelLoadError(f"unknown quantization {mode!r}; use one of {', '.join(MODES)}")
-    if torch.device(device).type != "cpu":
-        raise ModelLoadError(f"--quantization {mode} runs on CPU only; use --quantization none on {device}")
     from kernels import qgemm
 
     qgemm.library()  # build (or load) the kernel now: a missing compiler fails the load, not a step
-    column, row, head = _quantizable()
+    column, row, head = quantizable_types()
     before = after = 0
-    fell_back = []
+    counts: dict[str, int] = {}
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if not isinstance(module, (column, row, head)):
+        for name, module in list(model.named_modules()):
+            if not isinstance(module, (column, row, head)) or module.qweight is not None:
                 continue
             weight = module.weight
-            layer_mode = mode
-            if mode == "int4" and isinstance(module, head):
-                # The output projection decides every token: int4 there costs most of the accuracy
-                # (measured: the default model's greedy agreement 0.32 with an int4 head), so it
-                # stays int8, as llama.cpp keeps its output tensor at 6-8 bits in Q4 files.
-                layer_mode = "int8"
-            elif mode == "int4" and weight.shape[1] % qgemm.GROUP:
-                layer_mode = "int8"  # int4 groups need the input size to be a multiple of 32
-                fell_back.append(name)
+            layout = layout_for(mode, weight.shape[1], head=isinstance(module, head))
             bias = None if isinstance(module, row) else module.bias
-            module.qweight = QuantizedWeight.from_float(weight, layer_mode, bias)
+            qweight = QuantizedWeight.from_float(weight, layout, bias)
             before += weight.numel() * weight.element_size()
-            after += module.qweight.nbytes()
-            tied = isinstance(module, head) and getattr(model, "tie_word_embeddings", False)
-            if not tied:  # a tied head shares the embedding table, which the lookup still needs
-                module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
-    if fell_back:
-        logger.warning("--quantization int4: %d layers have an input size that is not a multiple of %d and "
-                       "use int8 instead: %s", len(fell_back), qgemm.GROUP, ", ".join(fell_back[:5]))
-    logger.info("quantized linear weights to %s (%s kernel): %.1f MB -> %.1f MB", mode, qgemm.isa(),
-                before / 1e6, after / 1e6)
+            after += qweight.nbytes()
+            counts[layout] = counts.get(layout, 0) + 1
+            attach(model, name, module, qweight)
+    logger.info("quantized linear weights to %s (%s kernel; layouts %s): %.1f MB -> %.1f MB", mode, qgemm.isa(),
+                counts, before / 1e6, after / 1e6)
     return model

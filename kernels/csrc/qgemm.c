@@ -1,21 +1,23 @@
 /* Weight-only quantized matmul for CPU decode: y[M,N] = x[M,K] @ dequant(W)[N,K]^T (+ bias).
  *
- * Why hand-written: on AVX2 machines PyTorch's packed int8/int4 CPU kernels are slower than a
- * plain fp32 GEMV (see docs / loadtest/PERF.md). Single-stream decode is bound by the bytes of
- * weights read per token, so the weights stay packed in memory and are widened to fp32 in
- * registers right before the FMA; activations and accumulation stay fp32 (weight-only
- * quantization, no activation rounding).
+ * Why hand-written: PyTorch's packed int8/int4 CPU kernels are slower than a plain fp32 GEMV
+ * (see loadtest/PERF.md). Single-stream decode is bound by the bytes of weights read per token,
+ * so the weights stay packed in memory and are widened in registers right before the multiply.
  *
- * Layouts (row n = output channel, contiguous along K):
- *   int8: w8[N][K] int8, scale[N] fp32; W[n][k] = scale[n] * w8[n][k]            (symmetric)
- *   int4: w4[N][K/2] uint8, d[N][K/32], m[N][K/32] fp16; per group g of 32 values,
- *         byte j of the group holds value j in its low nibble and value j+16 in its high
- *         nibble (the order of GGUF Q4_1 blocks); W[n][32g+i] = d[n][g] * q + m[n][g], q 0..15.
+ * Layouts (row n = output channel, contiguous along K; G = K/32 groups per row):
+ *   int8c (per channel): w8[N][K] int8, scale[N] fp32; W[n][k] = scale[n] * w8[n][k]
+ *   q8_0 (GGUF Q8_0):    w8[N][K] int8, d[N][G] fp16;  W[n][32g+i] = d[n][g] * w8[n][32g+i]
+ *   q4_1 (GGUF Q4_1):    w4[N][K/2] uint8, d[N][G], m[N][G] fp16; byte j of a group holds value j
+ *                        in its low nibble and value j+16 in its high nibble; W = d * q + m, q 0..15
+ *                        (GGUF Q4_0 loads as q4_1 with m = -8 d)
  *
- * The AVX2+FMA path is compiled when the build defines __AVX2__ and __FMA__ (the loader passes
- * -mavx2 -mfma only when the CPU has them); otherwise the portable scalar loops are used.
- * qg_isa() says which one this build is. Rows of W are split over OpenMP threads; the caller
- * passes the thread count (torch.get_num_threads()).
+ * Activations x (fp32 or bf16, flag QG_X_BF16) are rounded to int16 per row (x ~= xq * xs) so the
+ * inner loop is integer multiply-adds (vpmaddwd); outputs are written as fp32 or bf16 (QG_Y_BF16).
+ *
+ * Paths: QG_AVX512 (AVX-512 F+BW, -mavx512f -mavx512bw: one 512-bit multiply-add per group of 32),
+ * QG_AVX2 (AVX2+FMA), else portable scalar loops. qg_isa() says which one this build is. The
+ * loader passes the -m flags only when the CPU has them. Rows of W are split over OpenMP threads;
+ * the caller passes the thread count (torch.get_num_threads()).
  */
 #include <float.h>
 #include <math.h>
@@ -31,10 +33,83 @@
 #else
 #define QG_AVX2 0
 #endif
+#if QG_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define QG_AVX512 1
+#else
+#define QG_AVX512 0
+#endif
 
 #define QG_GROUP 32
+#define QG_X_BF16 1
+#define QG_Y_BF16 2
 
-int qg_isa(void) { return QG_AVX2 ? 2 : 0; }
+int qg_isa(void) { return QG_AVX512 ? 3 : QG_AVX2 ? 2 : 0; }
+
+/* ---------------------------------------------------------------- conversions ---------- */
+
+static inline float bf2f(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t f2bf(float f) { /* round to nearest even, NaN stays NaN */
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline void put(void *y, int64_t idx, float v, int flags) {
+    if (flags & QG_Y_BF16)
+        ((uint16_t *)y)[idx] = f2bf(v);
+    else
+        ((float *)y)[idx] = v;
+}
+
+/* n values of buf to out[off..] as fp32 or bf16: straight loops the compiler vectorizes (the
+ * prefill path widens every weight through here; per-element put() measured ~5 ns/weight). */
+static inline void store_run(void *out, int64_t off, const float *buf, int n, int flags) {
+    if (flags & QG_Y_BF16) {
+        uint16_t *o = (uint16_t *)out + off;
+        const uint32_t *u = (const uint32_t *)buf;
+        for (int j = 0; j < n; j++) {
+            uint32_t r = (u[j] + 0x7fffu + ((u[j] >> 16) & 1u)) >> 16;
+            o[j] = (uint16_t)(((u[j] & 0x7fffffffu) > 0x7f800000u) ? ((u[j] >> 16) | 0x40u) : r);
+        }
+    } else {
+        memcpy((float *)out + off, buf, sizeof(float) * (size_t)n);
+    }
+}
+
+/* IEEE half to float. Without F16C: shifting the 15 exponent+mantissa bits into float position
+ * and scaling by 2^112 rebiases the exponent and handles subnormals; inf/NaN get the all-ones
+ * exponent back. */
+static inline float h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);  /* one vcvtph2ps: the bit trick below costs int4 ~40 % on AVX2 */
+#else
+    union { uint32_t u; float f; } v;
+    uint32_t em = h & 0x7fffu;
+    v.u = em << 13;
+    v.f *= 0x1p112f;
+    if (em >= 0x7c00u) v.u |= 0x7f800000u;
+    v.u |= (uint32_t)(h & 0x8000u) << 16;
+    return v.f;
+#endif
+}
+
+/* x as fp32: the input itself, or a converted copy in *owned (caller frees). NULL on no memory. */
+static const float *x_as_f32(const void *x, int64_t M, int64_t K, int flags, float **owned) {
+    *owned = NULL;
+    if (!(flags & QG_X_BF16)) return (const float *)x;
+    float *f = (float *)malloc(sizeof(float) * (size_t)(M * K + 1));
+    if (!f) return NULL;
+    const uint16_t *h = (const uint16_t *)x;
+    for (int64_t i = 0; i < M * K; i++) f[i] = bf2f(h[i]);
+    *owned = f;
+    return f;
+}
 
 #if QG_AVX2
 static inline float hsum8(__m256 v) {
@@ -43,13 +118,11 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-
 #endif
 
-/* Activations are rounded to int16 per row (x[i][k] ~= xq[i][k] * xs[i]) so that the AVX2 inner
- * loop is one widen + one vpmaddwd + one add per 16 weights, half the work of widening weights to
- * fp32. With 15 bits the rounding error is at most 3e-5 of the row's largest value, far below the
- * int8 weight rounding (about 4e-3), so the result stays weight-only quality. */
+/* Activations are rounded to int16 per row (x[i][k] ~= xq[i][k] * xs[i]). With 15 bits the
+ * rounding error is at most 3e-5 of the row's largest value, far below the int8 weight rounding
+ * (about 4e-3), so the result stays weight-only quality. */
 #define XQ_MAX 16383
 /* int32 lane sums stay below 2^31: KCHUNK/16 pair sums of at most 2*127*16383 each */
 #define KCHUNK 4096
@@ -101,6 +174,35 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t Kp, int1
     }
 }
 
+/* The scratch every SIMD matmul needs: x as fp32 (converted from bf16 if need be), rounded to
+ * int16 rows of Kp values, and the row scales. Returns 0 or -1 (no memory). */
+typedef struct {
+    float *xf_owned;
+    int16_t *xq;
+    float *xs;
+} xscratch;
+
+static int xscratch_make(xscratch *s, const void *x, int64_t M, int64_t K, int64_t Kp, int flags) {
+    s->xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * Kp + 32));
+    s->xs = (float *)malloc(sizeof(float) * (size_t)(M + 1));
+    const float *xf = x_as_f32(x, M, K, flags, &s->xf_owned);
+    if (!s->xq || !s->xs || !xf) {
+        free(s->xq);
+        free(s->xs);
+        free(s->xf_owned);
+        return -1;
+    }
+    quantize_rows(xf, M, K, Kp, s->xq, s->xs);
+    free(s->xf_owned);
+    s->xf_owned = NULL;
+    return 0;
+}
+
+static void xscratch_free(xscratch *s) {
+    free(s->xq);
+    free(s->xs);
+}
+
 static inline __m256i w8x16(const int8_t *p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
 }
@@ -145,80 +247,163 @@ static void i8_row(const int16_t *xq, int64_t Kp, int64_t K, const int8_t *wr, i
 }
 #endif
 
+/* ---------------------------------------------------------------- int8c (per channel) -- */
+
 /* Returns 0, or -1 when the activation scratch cannot be allocated. */
-int qg_int8_mm(const float *x, int64_t M, int64_t K, const int8_t *w8, const float *scale,
-               const float *bias, float *y, int64_t N, int nthreads) {
+int qg_int8_mm(const void *x, int64_t M, int64_t K, const int8_t *w8, const float *scale,
+               const float *bias, void *y, int64_t N, int nthreads, int flags) {
     if (nthreads < 1) nthreads = 1;
 #if QG_AVX2
     int64_t Kp = (K + 15) & ~(int64_t)15;
-    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * Kp + 16));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(M + 1));
-    if (!xq || !xs) {
-        free(xq);
-        free(xs);
-        return -1;
-    }
-    quantize_rows(x, M, K, Kp, xq, xs);
+    xscratch s;
+    if (xscratch_make(&s, x, M, K, Kp, flags)) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wr = w8 + n * K;
         float out[2];
         for (int64_t m0 = 0; m0 < M; m0 += 2) {
             int mr = (int)(M - m0 < 2 ? M - m0 : 2);
-            i8_row(xq, Kp, K, wr, m0, mr, out);
+            i8_row(s.xq, Kp, K, wr, m0, mr, out);
             for (int i = 0; i < mr; i++)
-                y[(m0 + i) * N + n] = out[i] * xs[m0 + i] * scale[n] + (bias ? bias[n] : 0.0f);
+                put(y, (m0 + i) * N + n, out[i] * s.xs[m0 + i] * scale[n] + (bias ? bias[n] : 0.0f), flags);
         }
     }
-    free(xq);
-    free(xs);
+    xscratch_free(&s);
 #else
+    float *owned;
+    const float *xf = x_as_f32(x, M, K, flags, &owned);
+    if (!xf) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wr = w8 + n * K;
         for (int64_t i = 0; i < M; i++) {
-            const float *xr = x + i * K;
+            const float *xr = xf + i * K;
             float s = 0.0f;
             for (int64_t k = 0; k < K; k++) s += xr[k] * (float)wr[k];
-            y[i * N + n] = s * scale[n] + (bias ? bias[n] : 0.0f);
+            put(y, i * N + n, s * scale[n] + (bias ? bias[n] : 0.0f), flags);
         }
     }
+    free(owned);
 #endif
     return 0;
 }
 
-void qg_int8_dequant(const int8_t *w8, const float *scale, int64_t K, int64_t n0, int64_t n1, float *out,
-                     int nthreads) {
+void qg_int8_dequant(const int8_t *w8, const float *scale, int64_t K, int64_t n0, int64_t n1, void *out,
+                     int nthreads, int flags) {
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *wr = w8 + n * K;
-        float *o = out + (n - n0) * K;
-        float s = scale[n];
-        for (int64_t k = 0; k < K; k++) o[k] = s * (float)wr[k];
+        float s = scale[n], buf[64];
+        for (int64_t k0 = 0; k0 < K; k0 += 64) {
+            int c = (int)(K - k0 < 64 ? K - k0 : 64);
+            for (int j = 0; j < c; j++) buf[j] = s * (float)wr[k0 + j];
+            store_run(out, (n - n0) * K + k0, buf, c, flags);
+        }
     }
 }
 
-/* ---------------------------------------------------------------- int4 ---------------- */
+/* ---------------------------------------------------------------- q8_0 (grouped) -------- */
 
-/* IEEE half to float without F16C (one group's scale or minimum per 32 weights: cheap enough).
- * Shifting the 15 exponent+mantissa bits into float position and scaling by 2^112 rebiases the
- * exponent and handles subnormals; inf/NaN get the all-ones exponent back. */
-static inline float h2f(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);  /* one vcvtph2ps: the bit trick below costs int4 ~40 % on AVX2 */
-#else
-    union { uint32_t u; float f; } v;
-    uint32_t em = h & 0x7fffu;
-    v.u = em << 13;
-    v.f *= 0x1p112f;
-    if (em >= 0x7c00u) v.u |= 0x7f800000u;
-    v.u |= (uint32_t)(h & 0x8000u) << 16;
-    return v.f;
+#if QG_AVX512
+/* One group of 32 int8 weights against 32 int16 activations: 16 int32 lane sums as fp32. */
+static inline __m512 q8_group_dot512(const int8_t *wg, const int16_t *xg) {
+    __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)wg));
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512((const void *)xg)));
+}
 #endif
+
+int qg_q8_mm(const void *x, int64_t M, int64_t K, const int8_t *w8, const uint16_t *d,
+             const float *bias, void *y, int64_t N, int nthreads, int flags) {
+    int64_t G = K / QG_GROUP;
+    if (nthreads < 1) nthreads = 1;
+#if QG_AVX2
+    xscratch s;
+    if (xscratch_make(&s, x, M, K, K, flags)) return -1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wr = w8 + n * K;
+        const uint16_t *dr = d + n * G;
+        for (int64_t i = 0; i < M; i += 2) {
+            const int16_t *x0 = s.xq + i * K;
+            const int two = i + 1 < M;
+            const int16_t *x1 = two ? x0 + K : x0;
+#if QG_AVX512
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+            for (int64_t g = 0; g < G; g++) {
+                if (!(g & 1)) _mm_prefetch((const char *)(wr + g * 32 + QG_PREFETCH), _MM_HINT_T0);
+                __m512 dg = _mm512_set1_ps(h2f(dr[g]));
+                __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wr + g * 32)));
+                a0 = _mm512_fmadd_ps(dg, _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x0 + g * 32))), a0);
+                if (two)
+                    a1 = _mm512_fmadd_ps(dg, _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x1 + g * 32))), a1);
+            }
+            float r0 = _mm512_reduce_add_ps(a0), r1 = _mm512_reduce_add_ps(a1);
+#else
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+            for (int64_t g = 0; g < G; g++) {
+                if (!(g & 1)) _mm_prefetch((const char *)(wr + g * 32 + QG_PREFETCH), _MM_HINT_T0);
+                __m256 dg = _mm256_set1_ps(h2f(dr[g]));
+                __m256i v0 = w8x16(wr + g * 32), v1 = w8x16(wr + g * 32 + 16);
+                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256((const __m256i *)(x0 + g * 32))),
+                                             _mm256_madd_epi16(v1, _mm256_loadu_si256((const __m256i *)(x0 + g * 32 + 16))));
+                a0 = _mm256_fmadd_ps(dg, _mm256_cvtepi32_ps(p), a0);
+                if (two) {
+                    p = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256((const __m256i *)(x1 + g * 32))),
+                                         _mm256_madd_epi16(v1, _mm256_loadu_si256((const __m256i *)(x1 + g * 32 + 16))));
+                    a1 = _mm256_fmadd_ps(dg, _mm256_cvtepi32_ps(p), a1);
+                }
+            }
+            float r0 = hsum8(a0), r1 = hsum8(a1);
+#endif
+            float b = bias ? bias[n] : 0.0f;
+            put(y, i * N + n, r0 * s.xs[i] + b, flags);
+            if (two) put(y, (i + 1) * N + n, r1 * s.xs[i + 1] + b, flags);
+        }
+    }
+    xscratch_free(&s);
+#else
+    float *owned;
+    const float *xf = x_as_f32(x, M, K, flags, &owned);
+    if (!xf) return -1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wr = w8 + n * K;
+        for (int64_t i = 0; i < M; i++) {
+            const float *xr = xf + i * K;
+            float s = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                float sg = 0.0f;
+                for (int j = 0; j < QG_GROUP; j++) sg += xr[g * QG_GROUP + j] * (float)wr[g * QG_GROUP + j];
+                s += h2f(d[n * G + g]) * sg;
+            }
+            put(y, i * N + n, s + (bias ? bias[n] : 0.0f), flags);
+        }
+    }
+    free(owned);
+#endif
+    return 0;
 }
 
-/* sum_k x[k] * q[k] over one group, q the raw 0..15 codes (scalar build and reference). */
+void qg_q8_dequant(const int8_t *w8, const uint16_t *d, int64_t K, int64_t n0, int64_t n1, void *out,
+                   int nthreads, int flags) {
+    int64_t G = K / QG_GROUP;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *wr = w8 + n * K;
+        float buf[QG_GROUP];
+        for (int64_t g = 0; g < G; g++) {
+            float dg = h2f(d[n * G + g]);
+            for (int j = 0; j < QG_GROUP; j++) buf[j] = dg * (float)wr[g * QG_GROUP + j];
+            store_run(out, (n - n0) * K + g * QG_GROUP, buf, QG_GROUP, flags);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- q4_1 ------------------ */
+
+/* sum_k x[k] * q[k] over one group, q the raw 0..15 codes (scalar build). */
 static inline float q4_group_dot_scalar(const float *xg, const uint8_t *p) {
     float s = 0.0f;
     for (int j = 0; j < 16; j++) {
@@ -245,37 +430,77 @@ static inline __m256 q4_group_dot(__m256i lo, __m256i hi, const int16_t *xg) {
 }
 #endif
 
+#if QG_AVX512
+/* One group's 32 codes as 32 int16 in value order (low nibbles, then high nibbles). */
+static inline __m512i q4_unpack32(const uint8_t *p) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i v = _mm_loadu_si128((const __m128i *)p);
+    __m256i b = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+    return _mm512_cvtepu8_epi16(b);
+}
+#endif
+
 /* Returns 0, or -1 when the scratch for the activations cannot be allocated. */
-int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const uint16_t *d, const uint16_t *mn,
-               const float *bias, float *y, int64_t N, int nthreads) {
+int qg_int4_mm(const void *x, int64_t M, int64_t K, const uint8_t *w4, const uint16_t *d, const uint16_t *mn,
+               const float *bias, void *y, int64_t N, int nthreads, int flags) {
     int64_t G = K / QG_GROUP;
+    float *owned;
+    const float *xf = x_as_f32(x, M, K, flags, &owned);
     /* per x row and group: the plain sum of x, which the group minimum multiplies */
     float *xsum = (float *)malloc(sizeof(float) * (size_t)(M * G + 1));
-    if (!xsum) return -1;
+    if (!xsum || !xf) {
+        free(xsum);
+        free(owned);
+        return -1;
+    }
     for (int64_t i = 0; i < M; i++)
         for (int64_t g = 0; g < G; g++) {
             float s = 0.0f;
-            for (int j = 0; j < QG_GROUP; j++) s += x[i * K + g * QG_GROUP + j];
+            for (int j = 0; j < QG_GROUP; j++) s += xf[i * K + g * QG_GROUP + j];
             xsum[i * G + g] = s;
         }
 #if QG_AVX2
-    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K + 16));
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K + 32));
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M + 1));
     if (!xq || !xs) {
         free(xq);
         free(xs);
         free(xsum);
+        free(owned);
         return -1;
     }
-    quantize_rows(x, M, K, K, xq, xs);  /* K is a multiple of 32: no padding */
+    quantize_rows(xf, M, K, K, xq, xs);  /* K is a multiple of 32: no padding */
 #endif
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wr = w4 + n * (K / 2);
         const uint16_t *dr = d + n * G, *mr = mn + n * G;
+        float b = bias ? bias[n] : 0.0f;
         int64_t i = 0;
-#if QG_AVX2
+#if QG_AVX512
+        for (; i < M; i += 2) {
+            const int two = i + 1 < M;
+            const int16_t *x0 = xq + i * K, *x1 = two ? x0 + K : x0;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+            for (int64_t g = 0; g < G; g++) {
+                if (!(g & 3)) _mm_prefetch((const char *)(wr + g * 16 + QG_PREFETCH), _MM_HINT_T0);
+                __m512i w = q4_unpack32(wr + g * 16);
+                __m512 dg = _mm512_set1_ps(h2f(dr[g]));
+                a0 = _mm512_fmadd_ps(dg, _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x0 + g * 32))), a0);
+                if (two)
+                    a1 = _mm512_fmadd_ps(dg, _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512(x1 + g * 32))), a1);
+            }
+            float m0 = 0.0f, m1 = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                float mg = h2f(mr[g]);
+                m0 += mg * xsum[i * G + g];
+                if (two) m1 += mg * xsum[(i + 1) * G + g];
+            }
+            put(y, i * N + n, _mm512_reduce_add_ps(a0) * xs[i] + m0 + b, flags);
+            if (two) put(y, (i + 1) * N + n, _mm512_reduce_add_ps(a1) * xs[i + 1] + m1 + b, flags);
+        }
+#elif QG_AVX2
         for (; i + 2 <= M; i += 2) {
             const int16_t *x0 = xq + i * K, *x1 = x0 + K;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0;
@@ -292,8 +517,8 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const ui
                 m0 += h2f(mr[g]) * xsum[i * G + g];
                 m1 += h2f(mr[g]) * xsum[(i + 1) * G + g];
             }
-            y[i * N + n] = hsum8(a0) * xs[i] + m0 + (bias ? bias[n] : 0.0f);
-            y[(i + 1) * N + n] = hsum8(a1) * xs[i + 1] + m1 + (bias ? bias[n] : 0.0f);
+            put(y, i * N + n, hsum8(a0) * xs[i] + m0 + b, flags);
+            put(y, (i + 1) * N + n, hsum8(a1) * xs[i + 1] + m1 + b, flags);
         }
         for (; i < M; i++) {
             const int16_t *x0 = xq + i * K;
@@ -314,15 +539,15 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const ui
             }
             float m0 = 0.0f;
             for (g = 0; g < G; g++) m0 += h2f(mr[g]) * xsum[i * G + g];
-            y[i * N + n] = hsum8(_mm256_add_ps(a0, a1)) * xs[i] + m0 + (bias ? bias[n] : 0.0f);
+            put(y, i * N + n, hsum8(_mm256_add_ps(a0, a1)) * xs[i] + m0 + b, flags);
         }
 #else
         for (; i < M; i++) {
-            const float *x0 = x + i * K;
+            const float *x0 = xf + i * K;
             float s = 0.0f;
             for (int64_t g = 0; g < G; g++)
                 s += h2f(dr[g]) * q4_group_dot_scalar(x0 + g * QG_GROUP, wr + g * 16) + h2f(mr[g]) * xsum[i * G + g];
-            y[i * N + n] = s + (bias ? bias[n] : 0.0f);
+            put(y, i * N + n, s + b, flags);
         }
 #endif
     }
@@ -331,23 +556,67 @@ int qg_int4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w4, const ui
     free(xs);
 #endif
     free(xsum);
+    free(owned);
     return 0;
 }
 
 void qg_int4_dequant(const uint8_t *w4, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t n0, int64_t n1,
-                     float *out, int nthreads) {
+                     void *out, int nthreads, int flags) {
     int64_t G = K / QG_GROUP;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wr = w4 + n * (K / 2);
-        float *o = out + (n - n0) * K;
+        int64_t o = (n - n0) * K;
+        float buf[QG_GROUP];
         for (int64_t g = 0; g < G; g++) {
             float dg = h2f(d[n * G + g]), mg = h2f(mn[n * G + g]);
             const uint8_t *p = wr + g * 16;
             for (int j = 0; j < 16; j++) {
-                o[g * QG_GROUP + j] = dg * (float)(p[j] & 0x0F) + mg;
-                o[g * QG_GROUP + j + 16] = dg * (float)(p[j] >> 4) + mg;
+                buf[j] = dg * (float)(p[j] & 0x0F) + mg;
+                buf[j + 16] = dg * (float)(p[j] >> 4) + mg;
+            }
+            store_run(out, o + g * QG_GROUP, buf, QG_GROUP, flags);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- embedding rows -------- */
+
+/* out[i] = dequantized row ids[i] of a q8_0 / q4_1 table (a quantized embedding's lookup).
+ * Ids outside [0, N) give zero rows (the tensor-parallel caller masks them anyway). */
+void qg_q8_rows(const int8_t *w8, const uint16_t *d, int64_t K, int64_t N, const int64_t *ids, int64_t n_ids,
+                void *out, int flags) {
+    int64_t G = K / QG_GROUP;
+    for (int64_t i = 0; i < n_ids; i++) {
+        int64_t r = ids[i];
+        if (r < 0 || r >= N) {
+            for (int64_t k = 0; k < K; k++) put(out, i * K + k, 0.0f, flags);
+            continue;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float dg = h2f(d[r * G + g]);
+            for (int j = 0; j < QG_GROUP; j++)
+                put(out, i * K + g * QG_GROUP + j, dg * (float)w8[r * K + g * QG_GROUP + j], flags);
+        }
+    }
+}
+
+void qg_int4_rows(const uint8_t *w4, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t N,
+                  const int64_t *ids, int64_t n_ids, void *out, int flags) {
+    int64_t G = K / QG_GROUP;
+    for (int64_t i = 0; i < n_ids; i++) {
+        int64_t r = ids[i];
+        if (r < 0 || r >= N) {
+            for (int64_t k = 0; k < K; k++) put(out, i * K + k, 0.0f, flags);
+            continue;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float dg = h2f(d[r * G + g]), mg = h2f(mn[r * G + g]);
+            const uint8_t *p = w4 + r * (K / 2) + g * 16;
+            for (int j = 0; j < 16; j++) {
+                put(out, i * K + g * QG_GROUP + j, dg * (float)(p[j] & 0x0F) + mg, flags);
+                put(out, i * K + g * QG_GROUP + j + 16, dg * (float)(p[j] >> 4) + mg, flags);
             }
         }
     }

@@ -25,7 +25,8 @@ PARIS_IDS = [7042, 30]  # " Paris."
 def default_pair(default_model_path):
     from transformers import AutoModelForCausalLM
 
-    ours = load_model(ModelConfig(), "cpu", torch.float32)  # model=None -> the default GGUF
+    # model=None -> the default GGUF, dequantized as transformers does (auto would keep it packed)
+    ours = load_model(ModelConfig(quantization="none"), "cpu", torch.float32)
     d, f = os.path.split(default_model_path)
     ref = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
     return ours, ref

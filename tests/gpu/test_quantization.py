@@ -16,7 +16,7 @@ import torch
 
 import gpu.models.loader as loader
 from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from gpu.models.quantization import quantize_model
+from gpu.models.quantization import layout_for, quantize_model
 from kernels import qgemm
 from loadtest.quant_accuracy import PROMPTS, agreement, greedy_tokens
 from tests.tiny import tiny_llm
@@ -37,11 +37,8 @@ def _snap(mode: str):
                 if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
                     continue
                 w = module.weight
-                head = isinstance(module, ParallelLMHead)
-                if mode == "int4" and not head and w.shape[1] % qgemm.GROUP == 0:
-                    w.copy_(qgemm.dequantize_int4(*qgemm.quantize_int4(w)))
-                else:  # int8, and the head under int4 (which stays int8)
-                    w.copy_(qgemm.dequantize_int8(*qgemm.quantize_int8(w)))
+                layout = layout_for(mode, w.shape[1], head=isinstance(module, ParallelLMHead))
+                w.copy_(qgemm.dequantize(layout, qgemm.quantize(w, layout)))
 
     return snapped
 
@@ -91,7 +88,7 @@ def test_every_linear_layer_is_quantized_and_its_full_weight_freed():
     assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
     for m in layers:
         assert m.qweight is not None and m.weight.numel() == 0
-        assert m.qweight.mode == ("int8" if isinstance(m, ParallelLMHead) else "int4")
+        assert m.qweight.mode == ("q8_0" if isinstance(m, ParallelLMHead) else "q4_1")
     assert model.model.embed_tokens.weight.numel() > 0  # the lookup table stays
 
 

@@ -51,6 +51,52 @@ def test_int8_matches_dequantize_then_matmul(monkeypatch, m, k, n):
 
 
 @pytest.mark.parametrize("m,k,n", [s for s in SHAPES if s[1] % qgemm.GROUP == 0])
+def test_q8_0_matches_dequantize_then_matmul(monkeypatch, m, k, n):
+    _poisoned_kernel_output(monkeypatch)
+    gen = torch.Generator().manual_seed(m * 1000 + k + n + 2)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen)
+    w8, d = qgemm.quantize_q8_0(w)
+    ref = x @ qgemm.dequantize_q8_0(w8, d).t() + bias
+    _check(qgemm.q8_mm(x, w8, d, bias), ref)
+    _check(qgemm.q8_mm(x, w8, d), ref - bias)
+
+
+@pytest.mark.parametrize("layout", ["int8c", "q8_0", "q4_1"])
+@pytest.mark.parametrize("m", [1, 2, 5, 33])
+def test_bf16_activations_in_bf16_out(layout, m):
+    """bf16 machines hand bf16 activations to the kernel: same sums, output rounded to bf16."""
+    gen = torch.Generator().manual_seed(m + len(layout))
+    k, n = 576, 97
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen)
+    packed = qgemm.quantize(w, layout)
+    ref = x.float() @ qgemm.dequantize(layout, packed).t() + bias
+    y = qgemm.PackedLinear(layout, packed, bias)(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # bf16 output: 8 bits of mantissa, half an ulp of the largest output plus the kernel's error;
+    # above FUSED_MAX_M rows the weights are widened to bf16 for torch's bf16 matmul, as an
+    # unquantized bf16 model holds them, which adds their rounding (2^-9 each, summed over K)
+    bound = 4e-3 if m <= qgemm.FUSED_MAX_M else 1e-2
+    assert (y.float() - ref).abs().max().item() <= bound * ref.abs().max().item() + 1e-6
+
+
+@pytest.mark.parametrize("layout", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_lookup_is_the_dequantized_row(layout, dtype):
+    w = torch.randn(40, 96)
+    packed = qgemm.quantize(w, layout)
+    ids = torch.tensor([[3, 0], [39, 40]])
+    rows = qgemm.PackedLinear(layout, packed).rows(ids, dtype)
+    full = qgemm.dequantize(layout, packed).to(dtype)
+    assert rows.shape == (2, 2, 96) and rows.dtype == dtype
+    assert torch.equal(rows[0, 0], full[3]) and torch.equal(rows[0, 1], full[0]) and torch.equal(rows[1, 0], full[39])
+    assert (rows[1, 1] == 0).all()  # outside the table: zeros
+
+
+@pytest.mark.parametrize("m,k,n", [s for s in SHAPES if s[1] % qgemm.GROUP == 0])
 def test_int4_matches_dequantize_then_matmul(monkeypatch, m, k, n):
     _poisoned_kernel_output(monkeypatch)
     gen = torch.Generator().manual_seed(m * 1000 + k + n + 1)
@@ -67,6 +113,12 @@ def test_quantization_error_is_what_the_scheme_allows():
     w = torch.randn(64, 256, generator=gen)
     w8, scale = qgemm.quantize_int8(w)
     assert ((qgemm.dequantize_int8(w8, scale) - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    w8g, dg = qgemm.quantize_q8_0(w)
+    err8 = (qgemm.dequantize_q8_0(w8g, dg) - w).abs().reshape(64, -1, qgemm.GROUP)
+    # half a step, plus what rounding the group's largest value against the fp16 scale moves
+    assert (err8 <= dg.float()[..., None] * (0.5 + 127 * 2.0**-11)).all()
+    # grouped scales fit each group: smaller mean error than one scale per row
+    assert err8.mean() < 0.8 * (qgemm.dequantize_int8(w8, scale) - w).abs().mean()
     w4, d, mn = qgemm.quantize_int4(w)
     err = (qgemm.dequantize_int4(w4, d, mn) - w).abs().reshape(64, -1, qgemm.GROUP)
     d, mn = d.float(), mn.float()
@@ -115,7 +167,26 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 def test_the_build_on_this_machine_uses_simd_when_the_cpu_has_it():
     flags = qgemm._cpu_flags()
+    if os.environ.get("PAGEDSERVE_QGEMM_ISA"):
+        pytest.skip("a path is forced")
     assert qgemm.isa() == ("avx2" if {"avx2", "fma"} <= flags else "scalar")
+
+
+AVX2_BOX = {"avx2", "fma", "f16c", "sse4_2"}
+AVX512_BOX = AVX2_BOX | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16"}
+
+
+def test_the_path_follows_the_cpu_and_is_never_forced_beyond_it():
+    # AVX-512 boxes run the AVX2 path unless asked (measured no faster: loadtest/PERF.md)
+    assert qgemm.build_flags(AVX512_BOX) == ("avx2", ["-mavx2", "-mfma", "-mf16c"])
+    assert qgemm.build_flags(AVX512_BOX, "avx512") == ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f",
+                                                                  "-mavx512bw"])
+    assert qgemm.build_flags(AVX2_BOX) == ("avx2", ["-mavx2", "-mfma", "-mf16c"])
+    assert qgemm.build_flags(AVX2_BOX, "avx512")[0] == "avx2"  # never a path the CPU lacks
+    assert qgemm.build_flags({"sse4_2", "avx"}) == ("scalar", [])
+    assert qgemm.build_flags({"sse4_2", "avx"}, "avx2") == ("scalar", [])
+    assert qgemm.build_flags({"avx512f", "avx512bw"}) == ("scalar", [])  # no FMA/AVX2 flags: no SIMD build
+    assert qgemm.build_flags(AVX512_BOX, "scalar") == ("scalar", [])
 
 
 def check_half_conversion() -> None:
@@ -126,7 +197,7 @@ def check_half_conversion() -> None:
     mn = torch.zeros(n, g, dtype=torch.float16)
     w4 = torch.full((n, g * 16), 0x11, dtype=torch.uint8)
     out = torch.empty(n, g * 32)
-    qgemm.library().qg_int4_dequant(w4.data_ptr(), d.data_ptr(), mn.data_ptr(), g * 32, 0, n, out.data_ptr(), 1)
+    qgemm.library().qg_int4_dequant(w4.data_ptr(), d.data_ptr(), mn.data_ptr(), g * 32, 0, n, out.data_ptr(), 1, 0)
     got, want = out[:, ::32], d.float()
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     finite = ~torch.isnan(want)
@@ -137,30 +208,38 @@ def test_fp16_scales_convert_exactly():
     check_half_conversion()
 
 
-def test_the_portable_scalar_build_is_right_too(tmp_path):
-    """The path a CPU without AVX2 runs, built and checked in a fresh process."""
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_every_path_is_right(tmp_path, path):
+    """Each build (no SIMD, AVX2, opt-in AVX-512) checked in a fresh process where the CPU has it."""
+    cpu = qgemm._cpu_flags()
+    if path != "scalar" and qgemm.build_flags(cpu, path)[0] != path:
+        pytest.skip(f"this CPU cannot run the {path} path")
     import subprocess
     import sys
 
     code = (
         "import torch\n"
         "from kernels import qgemm\n"
-        "assert qgemm.isa() == 'scalar', qgemm.isa()\n"
+        f"assert qgemm.isa() == {path!r}, qgemm.isa()\n"
         "g = torch.Generator().manual_seed(1)\n"
+        "def close(y, ref, rel): return (y.float() - ref).abs().max() <= rel * max(1.0, ref.abs().max())\n"
         "for m, k, n in ((1, 577, 33), (3, 64, 7), (16, 96, 130)):\n"
         "    x = torch.randn(m, k, generator=g); w = torch.randn(n, k, generator=g); b = torch.randn(n, generator=g)\n"
         "    w8, s = qgemm.quantize_int8(w)\n"
         "    ref = x @ qgemm.dequantize_int8(w8, s).t() + b\n"
-        "    assert torch.allclose(qgemm.int8_mm(x, w8, s, b), ref, rtol=1e-4, atol=1e-3)\n"
-        "    if k % 32 == 0:\n"
-        "        p = qgemm.quantize_int4(w)\n"
-        "        ref = x @ qgemm.dequantize_int4(*p).t() + b\n"
-        "        assert torch.allclose(qgemm.int4_mm(x, *p, b), ref, rtol=1e-4, atol=1e-3)\n"
+        "    assert close(qgemm.int8_mm(x, w8, s, b), ref, 2e-3)\n"
+        "    for lay in (('q8_0', 'q4_1') if k % 32 == 0 else ()):\n"
+        "        p = qgemm.quantize(w, lay)\n"
+        "        ref = x @ qgemm.dequantize(lay, p).t() + b\n"
+        "        assert close(qgemm.PackedLinear(lay, p, b)(x), ref, 2e-3)\n"
+        "        yb = qgemm.PackedLinear(lay, p, b)(x.bfloat16())\n"
+        "        refb = x.bfloat16().float() @ qgemm.dequantize(lay, p).t() + b\n"
+        "        assert yb.dtype == torch.bfloat16 and close(yb, refb, 8e-3)\n"
         "from tests.kernels.test_qgemm import check_half_conversion\n"
         "check_half_conversion()\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "PAGEDSERVE_QGEMM_ISA": "scalar", "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
+    env = {**os.environ, "PAGEDSERVE_QGEMM_ISA": path, "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=root)
