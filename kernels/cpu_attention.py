@@ -23,7 +23,7 @@ from kernels.torch_attention import paged_attention_torch, prefill_attention_tor
 logger = logging.getLogger(__name__)
 
 IMPL_ENV = "PAGEDSERVE_CPU_ATTENTION"  # "torch": the torch path only
-ISA_ENV = "PAGEDSERVE_ATTN_ISA"  # avx512 | avx2 | scalar: force a build (tests)
+ISA_ENV = "PAGEDSERVE_ATTN_ISA"  # avx512bf16 | avx512 | avx2 | scalar: force a build (tests)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Below this many multiply-adds (tokens x heads x head_dim, Q.K and P.V) a decode call runs on
 # one thread: an OpenMP region costs more than it saves, and on a busy box it waits for the
@@ -58,7 +58,7 @@ def isa() -> str:
     lib = library()
     if lib is None:
         return "torch"
-    return {3: "avx512", 2: "avx2"}.get(lib.pa_isa(), "scalar")
+    return {4: "avx512bf16", 3: "avx512", 2: "avx2"}.get(lib.pa_isa(), "scalar")
 
 
 def _kernel_for(q: torch.Tensor, k_cache: torch.Tensor) -> ctypes.CDLL | None:
@@ -150,3 +150,8 @@ def paged_attention_cpu(
     decode_attention_c(lib, q[:num_decodes], k_cache, v_cache, meta, scale, out[:num_decodes])
     prefill_attention_torch(q, k_cache, v_cache, meta, scale, out)
     return out
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build now (install step), print the path taken
+    logging.basicConfig(level=logging.INFO)
+    print(f"CPU attention kernel ready: {isa()} build")
