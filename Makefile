@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	$(PY) -m kernels.qgemm  # build the int8/int4 CPU kernel now (else on first --quantization use)
 	$(PY) -m kernels.fused  # build the fused CPU decode ops now (else at the first model load)
+	$(PY) -m kernels.cpu_attention  # build the CPU decode-attention kernel now (else on the first decode)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,4 +1,5 @@
-"""Dispatch for the paged-KV ops: Triton kernels for CUDA tensors, torch everywhere else."""
+"""Dispatch for the paged-KV ops: Triton kernels for CUDA tensors; on CPU the C decode kernel
+(kernels.cpu_attention) with torch SDPA for prefill chunks and as the fall-back."""
 from __future__ import annotations
 
 import functools
@@ -6,7 +7,8 @@ import functools
 import torch
 
 from kernels.metadata import AttentionMetadata
-from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+from kernels.cpu_attention import paged_attention_cpu
+from kernels.torch_attention import write_kv_cache_torch
 
 __all__ = ["write_kv_cache", "paged_attention", "triton_available"]
 
@@ -58,4 +60,4 @@ def paged_attention(
         from kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, out)
-    return paged_attention_torch(q, k_cache, v_cache, meta, scale, out)
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, out)

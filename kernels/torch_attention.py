@@ -310,16 +310,28 @@ def paged_attention_torch(
         raise TypeError(f"KV cache dtype {k_cache.dtype} differs from query dtype {q.dtype}")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} KV heads")
-    starts = meta.query_start_loc_host
-    seq_lens = meta.seq_lens_host
     num_decodes = meta.num_decodes
     if num_decodes > 0:
         _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, out[:num_decodes])
-    for r in range(num_decodes, meta.num_requests):
+    prefill_attention_torch(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def prefill_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The requests after the decodes (prefill chunks), one SDPA call each, into ``out``."""
+    starts = meta.query_start_loc_host
+    seq_lens = meta.seq_lens_host
+    for r in range(meta.num_decodes, meta.num_requests):
         start, end = starts[r], starts[r + 1]
         if end == start:
             continue
         out[start:end] = _prefill_attention(
             q[start:end], k_cache, v_cache, meta.block_tables[r], seq_lens[r], scale
         )
-    return out

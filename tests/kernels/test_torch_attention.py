@@ -13,6 +13,12 @@ from kernels.torch_attention import paged_attention_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
 
 
+@pytest.fixture(autouse=True)
+def _torch_path(monkeypatch):
+    """These tests pin the torch path (the oracle); tests/kernels/test_cpu_attention.py covers the C kernel."""
+    monkeypatch.setenv("PAGEDSERVE_CPU_ATTENTION", "torch")
+
+
 def _run_poisoned(batch, scale: float) -> torch.Tensor:
     out = torch.full_like(batch.q, float("nan"))
     result = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=out)

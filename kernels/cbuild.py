@@ -1,0 +1,108 @@
+"""Build a C source in kernels/csrc into a shared library on first use and cache it on disk.
+
+The library lands in ``$PAGEDSERVE_KERNEL_CACHE`` (default ``~/.cache/pagedserve/kernels``) under
+a name keyed by the source, the flags and the compiler, so another process (a restarted server, a
+tensor-parallel worker) loads it without compiling. The vector ISA is chosen from this CPU's flags
+with explicit ``-m`` options (never ``-march=native``), so a cached build stays valid on any
+machine with the same extensions. (kernels/qgemm.py carries the same logic for its own kernel.)
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+
+# Vector ISAs a kernel can be built for, best first: (name, CPU flags required, compiler flags).
+ISAS: list[tuple[str, frozenset[str], list[str]]] = [
+    ("avx512bf16", frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"}),
+     ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16"]),
+    ("avx512", frozenset({"avx512f", "avx512bw", "avx2", "fma"}), ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw"]),
+    ("avx2", frozenset({"avx2", "fma"}), ["-mavx2", "-mfma"]),
+    ("scalar", frozenset(), []),
+]
+
+
+class KernelBuildError(RuntimeError):
+    """A C kernel cannot be built or loaded; the message says what to install or change."""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (from /proc/cpuinfo; torch's dispatch level elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX512":  # (no way to tell bf16 support from torch's level)
+        return {"avx2", "fma", "avx512f", "avx512bw"}
+    return {"avx2", "fma"} if cap == "AVX2" else set()
+
+
+def pick_isa(forced: str | None = None) -> tuple[str, list[str]]:
+    """The best ISA this CPU runs, or ``forced`` (for tests) if the CPU runs that one too."""
+    flags = cpu_flags()
+    for name, needs, cflags in ISAS:
+        if forced and name != forced:
+            continue
+        if needs <= flags:
+            return name, cflags
+    raise KernelBuildError(f"this CPU cannot run the {forced!r} build")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PAGEDSERVE_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pagedserve" / "kernels"
+
+
+def build(source_name: str, extra_flags: list[str]) -> ctypes.CDLL:
+    """Compile ``csrc/<source_name>`` with ``extra_flags`` (once per source+flags+compiler) and load it."""
+    cc = os.environ.get("CC", "gcc")
+    cc_path = shutil.which(cc)
+    if cc_path is None:
+        raise KernelBuildError(f"building {source_name} needs a C compiler: {cc!r} is not on PATH "
+                               "(install gcc or set CC)")
+    source = CSRC / source_name
+    flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *extra_flags]
+    src = source.read_bytes()
+    key = hashlib.sha256(src + " ".join(flags).encode() + cc_path.encode()).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if not out.is_file():
+        logger.info("building %s: %s %s -> %s", source_name, cc, " ".join(flags), out)
+        _compile(cc, flags, source, out)
+    return ctypes.CDLL(str(out))
+
+
+def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError as e:
+        raise KernelBuildError(f"cannot write the kernel build cache {out.parent}: {e} "
+                               "(set PAGEDSERVE_KERNEL_CACHE to a writable directory)") from None
+    os.close(fd)
+    cmd = [cc, *flags, str(source), "-o", tmp]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise KernelBuildError(f"building {source.name} failed ({' '.join(cmd)}):\n{proc.stderr}")
+        os.replace(tmp, out)  # atomic: a concurrent builder or loader sees the whole file or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

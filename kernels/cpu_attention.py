@@ -1,0 +1,157 @@
+"""CPU paged attention: decodes through the C kernel in csrc/paged_attn.c, prefill chunks through
+torch SDPA (kernels.torch_attention, which stays the oracle and the fall-back).
+
+Why a kernel: the torch decode path copies every block it reads into a scratch buffer and, in
+bf16, spends Hkv times the FLOPs on a block-diagonal GQA query. The C kernel reads K/V rows where
+they are in the cache, once for all the query heads of a KV head, with an online softmax
+(figures in loadtest/PERF.md). ``PAGEDSERVE_CPU_ATTENTION=torch`` selects the torch path; a
+machine without a C compiler falls back to it with one warning.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from kernels import cbuild
+from kernels.metadata import AttentionMetadata
+from kernels.torch_attention import paged_attention_torch, prefill_attention_torch
+
+logger = logging.getLogger(__name__)
+
+IMPL_ENV = "PAGEDSERVE_CPU_ATTENTION"  # "torch": the torch path only
+ISA_ENV = "PAGEDSERVE_ATTN_ISA"  # avx512bf16 | avx512 | avx2 | scalar: force a build (tests)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Below this many multiply-adds (tokens x heads x head_dim, Q.K and P.V) a decode call runs on
+# one thread: an OpenMP region costs more than it saves, and on a busy box it waits for the
+# second thread to be scheduled.
+PARALLEL_MIN_MACS = 1 << 20
+# With fewer (request, KV head) items than this many per thread, split each request's tokens
+# into parts (flash-decoding) so that every thread has work.
+ITEMS_PER_THREAD = 4
+
+
+@functools.cache
+def library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The decode kernel for this CPU (or the forced ``isa``); None when it cannot be built."""
+    try:
+        name, flags = cbuild.pick_isa(isa or os.environ.get(ISA_ENV) or None)
+        lib = cbuild.build("paged_attn.c", flags)
+    except cbuild.KernelBuildError as e:
+        logger.warning("CPU attention kernel unavailable, using the torch path: %s", e)
+        return None
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for fn in ("pa_isa", "pa_width", "pa_max_group", "pa_max_head_dim"):
+        getattr(lib, fn).restype = I
+        getattr(lib, fn).argtypes = []
+    lib.pa_decode.restype = I
+    lib.pa_decode.argtypes = [P, I64, P, P, P, I64, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64, I, I64, I]
+    logger.info("CPU attention kernel: %s build (%d fp32 lanes)", name, lib.pa_width())
+    return lib
+
+
+def isa() -> str:
+    """Which build runs here: 'avx512', 'avx2', 'scalar', or 'torch' (no kernel)."""
+    lib = library()
+    if lib is None:
+        return "torch"
+    return {4: "avx512bf16", 3: "avx512", 2: "avx2"}.get(lib.pa_isa(), "scalar")
+
+
+def _kernel_for(q: torch.Tensor, k_cache: torch.Tensor) -> ctypes.CDLL | None:
+    """The library when the kernel handles these shapes and dtypes, else None (torch path)."""
+    if os.environ.get(IMPL_ENV) == "torch" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    head_dim = k_cache.shape[3]
+    group = q.shape[1] // k_cache.shape[2]
+    if head_dim % lib.pa_width() or head_dim > lib.pa_max_head_dim() or group > lib.pa_max_group():
+        return None
+    return lib
+
+
+def _threads_and_parts(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                       block_size: int) -> tuple[int, int]:
+    """(threads, tokens per part; 0 = no split) for one decode call."""
+    threads = torch.get_num_threads()
+    if threads <= 1 or 2 * sum(seq_lens) * num_heads * head_dim < PARALLEL_MIN_MACS:
+        return 1, 0
+    items = len(seq_lens) * num_kv_heads
+    if items >= ITEMS_PER_THREAD * threads:
+        return threads, 0
+    parts = -(-ITEMS_PER_THREAD * threads // items)
+    longest = max(seq_lens)
+    part = -(-longest // parts)
+    part = max(4 * block_size, -(-part // block_size) * block_size)  # whole blocks, not tiny
+    return threads, (part if part < longest else 0)
+
+
+def decode_attention_c(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """The first ``meta.num_decodes`` requests (one query row each): q ``[B, H, D]`` -> ``out``."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    target = out
+    if out.stride(2) != 1 or out.stride(1) != head_dim:
+        target = torch.empty_like(q)
+    tables = meta.block_tables
+    if tables.dtype != torch.int32 or tables.stride(1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    seq_lens = meta.seq_lens
+    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        seq_lens = seq_lens.to(torch.int32).contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the CPU attention kernel needs contiguous KV caches")
+    plan = meta.cpu_plan
+    key = ("c", batch, num_heads, num_kv_heads, head_dim, block_size)
+    if plan is not None and plan[0] == key:
+        threads, part = plan[1]
+    else:
+        threads, part = _threads_and_parts(meta.seq_lens_host[:batch], num_heads, num_kv_heads, head_dim,
+                                           block_size)
+        meta.cpu_plan = (key, (threads, part))
+    rc = lib.pa_decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                       tables.stride(0), seq_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
+                       block_size, scale, target.data_ptr(), target.stride(0), _DTYPES[q.dtype], part, threads)
+    if rc != 0:
+        raise RuntimeError(f"paged attention kernel rejected its arguments (B={batch} H={num_heads} "
+                           f"Hkv={num_kv_heads} D={head_dim} block={block_size}) or ran out of memory")
+    if target is not out:
+        out.copy_(target)
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as ``paged_attention_torch``; decodes through the C kernel when it applies."""
+    lib = _kernel_for(q, k_cache)
+    if lib is None or meta.num_decodes == 0:
+        return paged_attention_torch(q, k_cache, v_cache, meta, scale, out)
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} KV heads")
+    num_tokens = meta.num_tokens
+    if out is None:
+        out = torch.empty_like(q)
+    if q.shape[0] > num_tokens:
+        out[num_tokens:].zero_()
+    num_decodes = meta.num_decodes
+    decode_attention_c(lib, q[:num_decodes], k_cache, v_cache, meta, scale, out[:num_decodes])
+    prefill_attention_torch(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build now (install step), print the path taken
+    logging.basicConfig(level=logging.INFO)
+    print(f"CPU attention kernel ready: {isa()} build")
