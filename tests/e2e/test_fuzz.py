@@ -62,6 +62,8 @@ SEMANTIC_400_PARAMS = {
     "tool_choice",  # needs tools; "auto" needs --enable-auto-tool-choice; a named function in tools
     "tools",  # their parameters' $defs must agree; the grammar engine must accept the schemas
     "prompt_logprobs",  # not with stream: true
+    # the grammar engine must accept the spec (a valid regex, a compilable grammar, a schema it enforces)
+    "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }
 SEMANTIC_400_CODES = {"context_length_exceeded"}
 
