@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import APIError
+from app.json_types import AS_INT
 
-_TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
+_TokenId = Annotated[int, Field(ge=0, le=2**63 - 1), AS_INT]  # 1.0 is an integer in JSON, as elsewhere
 
 
 class _Model(BaseModel):

@@ -63,6 +63,7 @@ SEMANTIC_400_PARAMS = {
     "tools",  # their parameters' $defs must agree; the grammar engine must accept the schemas
     "prompt_logprobs",  # not with stream: true
     # the grammar engine must accept the spec (a valid regex, a compilable grammar, a schema it enforces)
+    "bad_words",  # each word must be non-empty
     "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }
 SEMANTIC_400_CODES = {"context_length_exceeded"}
