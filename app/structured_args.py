@@ -53,7 +53,8 @@ class StructuredFields(_Model):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    allowed_token_ids: list[_TokenId] | None = None
+    # vLLM refuses an empty list (nothing could be sampled); the schema says so too.
+    allowed_token_ids: list[_TokenId] | None = Field(default=None, min_length=1)
     bad_words: list[str] | None = None
 
     def structured_source(self) -> tuple[str, dict[str, Any]] | None:

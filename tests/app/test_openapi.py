@@ -139,6 +139,7 @@ COMPLETION_BODIES = [
     {"prompt": "x", "prompt_embeds": "AAAA"}, {"prompt": "x", "prompt_embeds": None},
     {"prompt": "x", "add_special_tokens": False}, {"prompt": "x", "use_beam_search": True},
     {"prompt": "x", "truncate_prompt_tokens": 2}, {"prompt": "x", "return_tokens_as_token_ids": True},
+    {"prompt": "x", "allowed_token_ids": []}, {"prompt": "x", "allowed_token_ids": [1.0]},  # fuzzer
 ]
 CHAT_BODIES = [
     {"messages": CHAT}, {"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
