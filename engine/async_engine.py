@@ -21,7 +21,8 @@ import logging
 import threading
 import time
 
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
+from engine.errors import (SHUTDOWN_ABORT_MESSAGE, EngineDeadError, EngineOverloadedError,
+                           EngineRestartingError)
 from engine.output_collector import OutputCollector
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
@@ -120,7 +121,7 @@ class AsyncEngine:
         while self._queues and self.is_healthy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for request_id, queue in list(self._queues.items()):
-            queue.put_nowait(EngineDeadError("the server is shutting down; the request was aborted"))
+            queue.put_nowait(EngineDeadError(SHUTDOWN_ABORT_MESSAGE))
             self._abort_now(request_id)
         if self._task is not None:
             self._task.cancel()

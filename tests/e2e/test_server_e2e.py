@@ -9,6 +9,7 @@ import json
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import httpx
@@ -318,5 +319,31 @@ def test_sigterm_timeout_aborts_and_still_exits_0():
             assert errors[0]["error"]["code"] == "engine_dead" and events[-1] == "[DONE]", events[-3:]
         assert "timeout graceful shutdown exceeded" in s.output()
         assert "shutdown complete" in s.output()
+    finally:
+        s.stop()
+
+
+def test_sigterm_timeout_answers_a_running_non_streaming_request_503():
+    """A non-streaming request cut by the shutdown gets what a cut stream gets: 503, engine_dead."""
+    s = ServerProcess(shutdown_timeout=1)
+    try:
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 2000, "ignore_eos": True}
+        with httpx.Client(base_url=s.url, timeout=60) as client:
+            pending = client.build_request("POST", "/v1/completions", json=body)
+            answer: list[httpx.Response] = []
+            t = threading.Thread(target=lambda: answer.append(client.send(pending)))
+            t.start()
+            # the request runs once the engine counts it
+            deadline = time.monotonic() + 30
+            while metrics(s.url).get("pagedserve:num_requests_running", 0) < 1:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.05)
+            s.proc.send_signal(signal.SIGTERM)
+            t.join(30)
+        assert answer and answer[0].status_code == 503, answer and answer[0].text
+        err = answer[0].json()["error"]
+        assert err["code"] == "engine_dead" and "shutting down" in err["message"]
+        assert s.proc.wait(30) == 0, s.output()
+        assert "timeout graceful shutdown exceeded" in s.output()
     finally:
         s.stop()
