@@ -307,7 +307,7 @@ class AsyncEngine:
             old.shutdown()
             if stop.wait(max(0.0, delay - (time.monotonic() - t0))):
                 raise EngineDeadError("the server is shutting down; the workers were not restarted")
-            parts = build_engine(config, tokenizer=tokenizer)
+            parts = build_engine(config, tokenizer=tokenizer, cancel=stop)  # shutdown kills the load
             logger.info("worker pool restarted in %.1f s", time.monotonic() - t0)
             return parts
 
