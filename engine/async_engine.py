@@ -111,6 +111,13 @@ class AsyncEngine:
         s.prefix_cache_hits += hits
         s.num_preemptions += preemptions
         s.num_worker_restarts = self.num_worker_restarts
+        if self.health_status() != "ok":
+            # Dead, or rebuilding a failed pool: the in-flight requests were failed with it. The
+            # core that still lists them is never stepped again, so the gauges say what is true:
+            # nothing runs, waits, or holds KV (counters above stay cumulative).
+            s.num_running = s.num_waiting = s.num_running_seqs = s.num_waiting_seqs = 0
+            s.kv_cache_usage = 0.0
+            s.num_free_blocks = s.num_blocks
         return s
 
     async def shutdown(self, timeout_s: float = 0.0) -> None:

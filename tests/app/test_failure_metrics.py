@@ -232,6 +232,42 @@ async def test_engine_death_is_counted(monkeypatch):
         await engine.shutdown()
 
 
+def gauges(m: dict) -> tuple[float, float, float]:
+    return (m[("pagedserve:num_requests_running", ())], m[("pagedserve:num_requests_waiting", ())],
+            m[("pagedserve:kv_cache_usage_perc", ())])
+
+
+async def test_gauges_drop_the_requests_an_engine_death_failed(monkeypatch):
+    """After the engine dies, /metrics shows no running or waiting request and no KV cache in
+    use: the requests it failed are gone (they were shown as running for ever)."""
+    from engine.errors import EngineDeadError
+    from engine.sampling_params import SamplingParams
+
+    built = patch_build_engine(monkeypatch)
+    engine = await started_engine(max_num_seqs=1)  # one runs, the other waits
+    try:
+        app = build_app(engine, served_model_name="m")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            params = SamplingParams(max_tokens=100, ignore_eos=True)
+            streams = [engine.generate([5, 6, 7, 8] * 10, params, f"r{i}") for i in range(2)]
+            await streams[0].__anext__()
+            running, waiting, kv = gauges(await scrape(c))
+            assert (running, waiting) == (1, 1) and kv > 0
+
+            async def broken(step):
+                raise RuntimeError("worker 0 died (test)")
+
+            built[0].executor.execute_async = broken
+            for st in streams:
+                with pytest.raises(EngineDeadError):
+                    async for _ in st:
+                        pass
+            assert engine.health_status() == "dead"
+            assert gauges(await scrape(c)) == (0, 0, 0)
+    finally:
+        await engine.shutdown()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_cancelled_before_reading_counts_abort(app, engine, stream):
     """A client gone before the first token is still an abort."""

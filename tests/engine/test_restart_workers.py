@@ -135,6 +135,28 @@ async def test_in_flight_fails_new_requests_wait_then_are_served(builds):
     assert builds.parts[1].executor in builds.shut_down
 
 
+async def test_while_restarting_the_failed_requests_are_not_counted_as_running(builds):
+    """The requests a worker failure failed hold no KV and run nowhere: the gauges say so while
+    the new pool loads, not only once it is there."""
+    engine = await started()
+    try:
+        builds.gate.clear()
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        stream = engine.generate(PROMPT, params, "victim")
+        await stream.__anext__()
+        s = engine.stats()
+        assert s.num_running == 1 and s.kv_cache_usage > 0
+        kill_workers(engine.parts.executor)
+        with pytest.raises(EngineDeadError):
+            await collect(stream)
+        await wait_status(engine, "restarting")
+        s = engine.stats()
+        assert (s.num_running, s.num_waiting, s.kv_cache_usage) == (0, 0, 0.0)
+    finally:
+        builds.gate.set()
+        await engine.shutdown()
+
+
 async def test_two_failures_in_a_row_restart_twice(builds):
     engine = await started()
     try:
