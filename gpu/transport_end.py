@@ -6,6 +6,7 @@ poll(), not select(): select() refuses fds >= 1024, which a busy server hands ou
 from __future__ import annotations
 
 import errno
+import math
 import os
 import select
 import time
@@ -86,6 +87,7 @@ class TransportEnd:
 # What select() counts as ready: readable also at hang-up or error (a read then says why),
 # writable also at error (a write then says why).
 _READ_EVENTS = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+_POLL_READ = select.POLLIN | select.POLLPRI
 _WRITE_EVENTS = select.POLLOUT | select.POLLERR
 
 
@@ -93,17 +95,19 @@ def wait_fds(read_fds: Sequence[int], write_fds: Sequence[int],
              timeout_s: float) -> tuple[list[int], list[int]]:
     """select()'s answer (the ready read fds, the ready write fds) from one poll(), which takes
     any fd number. A closed fd raises OSError(EBADF), as select() does."""
-    masks: dict[int, int] = {}
-    for fd in read_fds:
-        masks[fd] = masks.get(fd, 0) | select.POLLIN | select.POLLPRI
-    for fd in write_fds:
-        masks[fd] = masks.get(fd, 0) | select.POLLOUT
     poller = select.poll()
-    for fd, mask in masks.items():
-        poller.register(fd, mask)
-    events = dict(poller.poll(max(0, int(timeout_s * 1000 + 0.999))))
-    if any(ev & select.POLLNVAL for ev in events.values()):
-        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
-    readable = [fd for fd in read_fds if events.get(fd, 0) & _READ_EVENTS]
-    writable = [fd for fd in write_fds if events.get(fd, 0) & _WRITE_EVENTS]
+    for fd in read_fds:
+        poller.register(fd, _POLL_READ)
+    for fd in write_fds:  # (register again = modify: an fd in both lists is watched for both)
+        poller.register(fd, _POLL_READ | select.POLLOUT if fd in read_fds else select.POLLOUT)
+    events = poller.poll(max(0, math.ceil(timeout_s * 1000)))
+    readable: list[int] = []
+    writable: list[int] = []
+    for fd, ev in events:
+        if ev & select.POLLNVAL:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        if ev & _READ_EVENTS and fd in read_fds:
+            readable.append(fd)
+        if ev & _WRITE_EVENTS and fd in write_fds:
+            writable.append(fd)
     return readable, writable
