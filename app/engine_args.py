@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpu.config import EngineConfig
+from gpu.config import DEFAULT_STEP_TIMEOUT_S, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +33,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA-graph decode runner (the default on CPU)")
     g.add_argument("--model-seed", dest="seed", type=int, default=0, help="seed of dummy (random) weights")
-    g.add_argument("--step-timeout", type=float, default=300.0,
+    g.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
                    help="seconds a step may take before the workers count as hung and the engine fails "
                         "as for a dead worker (executor mp; the first steps get the startup timeout); "
-                        "0 = no limit")
+                        "0 = no limit (default: %(default)g)")
 
 
 def _json_arg(value: str | None) -> dict | None:
@@ -73,6 +73,6 @@ def engine_config_from_args(args: argparse.Namespace, default_executor: str | No
         max_num_batched_tokens=args.max_num_batched_tokens,
         policy=args.scheduling_policy,
         max_waiting_requests=getattr(args, "max_waiting_requests", 1024),
-        step_timeout_s=getattr(args, "step_timeout", 300.0),
+        step_timeout_s=getattr(args, "step_timeout", DEFAULT_STEP_TIMEOUT_S),
         restart_workers=getattr(args, "restart_workers", False),
     )

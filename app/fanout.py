@@ -134,7 +134,9 @@ class ChoiceFanOut:
     async def until_disconnect(self, request: Request, coro: Any, streams: list[Any],
                                choices: list[Choice] = ()) -> Any:
         """Run a non-streaming generation; if the client goes away first, cancel it and close the
-        engine streams (→ abort)."""
+        engine streams (→ abort). If this handler is cancelled instead (the server shutting down
+        past --shutdown-timeout), the choices end as the engine's shutdown ends them (engine_dead)
+        and the cancellation goes on to ``app.server``, which answers 503."""
         task = asyncio.ensure_future(coro)
 
         async def watch() -> None:
@@ -144,18 +146,30 @@ class ChoiceFanOut:
                     return
 
         watcher = asyncio.ensure_future(watch())
+        ended_by: BaseException = ClientDisconnected()
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            ended_by = shutdown_error()
+            raise
         finally:
+            watcher.cancel()
             if not task.done():
+                end_unfinished(choices, ended_by)  # first: the task counts a cancel as an abort
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                watcher.cancel()
                 await close_all(streams)  # the task may have been cancelled before it started
-                end_unfinished(choices, ClientDisconnected())
-                raise ClientDisconnected()
-            watcher.cancel()
+                if isinstance(ended_by, ClientDisconnected):
+                    raise ended_by
         return task.result()
+
+
+def shutdown_error() -> Exception:
+    """The error of a request the server cut while shutting down (the engine's own, so a cut stream
+    and a cut non-streaming request say the same: 503, engine_dead)."""
+    from engine.errors import SHUTDOWN_ABORT_MESSAGE, EngineDeadError
+
+    return EngineDeadError(SHUTDOWN_ABORT_MESSAGE)
 
 
 def end_unfinished(choices: Sequence[Choice], exc: BaseException) -> None:

@@ -8,6 +8,7 @@ OpenAI-format body; a stream that fails midway sends one error event, then ``[DO
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from app.completions_route import COMPLETIONS_DEFAULT_MAX_TOKENS  # noqa: F401  
 from app.completions_route import CompletionsRoute
 from app.errors import APIError, to_api_error
 from app.fanout import (  # noqa: F401  (re-exported)
-    Choice, ChoiceFanOut, ClientDisconnected, end_unfinished, normalize_logprob)
+    Choice, ChoiceFanOut, ClientDisconnected, end_unfinished, normalize_logprob, shutdown_error)
 from app.info_routes import InfoRoutes, openapi_route
 from app.logprob_format import LogprobFormat
 from app.metrics import HTTPErrorCounter, ServerMetrics
@@ -47,6 +48,13 @@ def _wrap(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
             return await handler(request)
         except (ClientDisconnected, ClientDisconnect):  # also gone in the middle of its body
             return Response(status_code=499)
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running when --shutdown-timeout runs out. The
+            # client is still there: tell it what a stream cut by the shutdown says (503).
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            return error_response(to_api_error(shutdown_error()))
         except Exception as e:  # noqa: BLE001 - every error leaves in OpenAI format
             return error_response(to_api_error(e))
 

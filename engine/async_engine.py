@@ -21,7 +21,8 @@ import logging
 import threading
 import time
 
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
+from engine.errors import (SHUTDOWN_ABORT_MESSAGE, EngineDeadError, EngineOverloadedError,
+                           EngineRestartingError)
 from engine.output_collector import OutputCollector
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
@@ -110,6 +111,13 @@ class AsyncEngine:
         s.prefix_cache_hits += hits
         s.num_preemptions += preemptions
         s.num_worker_restarts = self.num_worker_restarts
+        if self.health_status() != "ok":
+            # Dead, or rebuilding a failed pool: the in-flight requests were failed with it. The
+            # core that still lists them is never stepped again, so the gauges say what is true:
+            # nothing runs, waits, or holds KV (counters above stay cumulative).
+            s.num_running = s.num_waiting = s.num_running_seqs = s.num_waiting_seqs = 0
+            s.kv_cache_usage = 0.0
+            s.num_free_blocks = s.num_blocks
         return s
 
     async def shutdown(self, timeout_s: float = 0.0) -> None:
@@ -120,7 +128,7 @@ class AsyncEngine:
         while self._queues and self.is_healthy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for request_id, queue in list(self._queues.items()):
-            queue.put_nowait(EngineDeadError("the server is shutting down; the request was aborted"))
+            queue.put_nowait(EngineDeadError(SHUTDOWN_ABORT_MESSAGE))
             self._abort_now(request_id)
         if self._task is not None:
             self._task.cancel()
@@ -306,7 +314,7 @@ class AsyncEngine:
             old.shutdown()
             if stop.wait(max(0.0, delay - (time.monotonic() - t0))):
                 raise EngineDeadError("the server is shutting down; the workers were not restarted")
-            parts = build_engine(config, tokenizer=tokenizer)
+            parts = build_engine(config, tokenizer=tokenizer, cancel=stop)  # shutdown kills the load
             logger.info("worker pool restarted in %.1f s", time.monotonic() - t0)
             return parts
 

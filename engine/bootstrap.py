@@ -65,7 +65,9 @@ def load_tokenizer(config: EngineConfig):
     return Tokenizer.from_model(_tokenizer_path(config))
 
 
-def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
+def build_engine(config: EngineConfig, tokenizer=None, cancel=None) -> EngineParts:
+    """``cancel`` (a threading.Event): set by a shutdown, it stops a start still loading the model
+    (gpu.executor.create_executor), so a restart never holds the shutdown for a whole load."""
     from engine.core import EngineCore
     from gpu.executor import create_executor
 
@@ -79,7 +81,7 @@ def build_engine(config: EngineConfig, tokenizer=None) -> EngineParts:
         pending = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
         future = pending.submit(load_tokenizer, config)
     try:
-        executor = create_executor(config)
+        executor = create_executor(config, cancel=cancel)
     finally:
         if pending is not None:
             pending.shutdown(wait=True)

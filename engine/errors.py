@@ -10,6 +10,10 @@ class EngineDeadError(EngineError):
     """The engine loop stopped; nothing in flight can finish (HTTP 503)."""
 
 
+# What a request still running when the server shuts down is told, streamed or not.
+SHUTDOWN_ABORT_MESSAGE = "the server is shutting down; the request was aborted"
+
+
 class EngineOverloadedError(EngineError):
     """Too many requests are waiting; the client should retry later (HTTP 503 + Retry-After)."""
 

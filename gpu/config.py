@@ -62,6 +62,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
 
+# Seconds a step may take before its workers count as hung and the executor fails as for a dead
+# worker (mp executor); 0 or None = wait forever. Generous like vLLM's execute-model timeout; the
+# first steps after start get the (longer) worker startup timeout. The one copy of the default:
+# --step-timeout (app/engine_args.py) takes it from here.
+DEFAULT_STEP_TIMEOUT_S = 300.0
+
+
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -72,10 +79,8 @@ class ParallelConfig:
     # (False forces the padded static-buffer path on CPU too, as the tests do).
     enforce_eager: bool | None = None
     cuda_graph_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4] + list(range(8, 257, 8)))
-    # Seconds a step may take before its workers count as hung and the executor fails as for a
-    # dead worker (mp executor); 0 or None = wait forever. Generous like vLLM's execute-model
-    # timeout; the first steps after start get the (longer) worker startup timeout.
-    step_timeout_s: float | None = 300.0
+    # Seconds a step may take before its workers count as hung (DEFAULT_STEP_TIMEOUT_S says why).
+    step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S
     # After a worker death or a hung step, rebuild the worker pool instead of staying dead.
     restart_workers: bool = False
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import threading
 
 from gpu.config import EngineConfig
 from gpu.messages import StepInput, StepOutput
@@ -61,14 +62,20 @@ class InprocExecutor(Executor):
         self.runner = None
 
 
-def create_executor(config: EngineConfig) -> Executor:
+def create_executor(config: EngineConfig, cancel: threading.Event | None = None) -> Executor:
+    """``cancel`` set while the model loads (a shutdown during a restart) stops the start with
+    ExecutorError: worker processes are killed mid-load; an in-process load is undone after it."""
     kind = config.parallel.resolved_executor()
     if kind == "inproc":
         if config.parallel.tensor_parallel_size != 1:
             raise ExecutorError("tensor_parallel_size > 1 needs executor='mp'")
-        return InprocExecutor(config)
+        executor = InprocExecutor(config)
+        if cancel is not None and cancel.is_set():
+            executor.shutdown()
+            raise ExecutorError("the model load was cancelled (the server is shutting down)")
+        return executor
     if kind == "mp":
         from gpu.mp_executor import MultiprocExecutor
 
-        return MultiprocExecutor(config)
+        return MultiprocExecutor(config, cancel=cancel)
     raise ExecutorError(f"unknown executor {kind!r}: choose inproc or mp")

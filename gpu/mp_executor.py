@@ -48,6 +48,8 @@ DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_WORKER_STARTUP_TIME
 # The first steps after start may compile kernels or touch fresh memory: they get the startup
 # timeout instead of the step timeout.
 WARMUP_STEPS = 3
+# How often a start that can be cancelled looks at its cancel event while the workers load.
+CANCEL_POLL_S = 0.1
 RING_SLOTS = 64
 RING_SLOT_SIZE = 16384
 
@@ -60,8 +62,11 @@ def _free_port() -> int:
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, *, runner_factory: str | None = None,
-                 startup_timeout: float | None = None, num_threads: int | None = None):
-        """Spawn the workers and wait until each reports its KV block count (or an error)."""
+                 startup_timeout: float | None = None, num_threads: int | None = None,
+                 cancel: threading.Event | None = None):
+        """Spawn the workers and wait until each reports its KV block count (or an error).
+        ``cancel`` set meanwhile (a shutdown during a restart) ends the wait at once: the workers
+        are killed mid-load and ExecutorError is raised."""
         self.config = config
         self.world_size = config.parallel.tensor_parallel_size
         if self.world_size < 1:
@@ -81,7 +86,9 @@ class MultiprocExecutor(Executor):
             raise ExecutorError(f"--step-timeout must be >= 0 seconds (0 = no limit), got {step_timeout}")
         self._step_timeout = step_timeout or None
         self._steps_sent = 0
+        self._cancel = cancel
         try:
+            self._check_cancelled()
             self._start(runner_factory, self._startup_timeout, num_threads)
         except BaseException:
             self._res.close(graceful=False)
@@ -116,19 +123,24 @@ class MultiprocExecutor(Executor):
         logger.info("%d worker process(es) ready in %.1f s, %d KV blocks each", self.world_size,
                     time.monotonic() - t0, self.num_blocks)
 
+    def _check_cancelled(self) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise ExecutorError("the worker start was cancelled (the server is shutting down)")
+
     def _wait_ready(self, timeout: float) -> int:
         res = self._res
         pending = dict(enumerate(res.conns))
         blocks: dict[int, int] = {}
         deadline = time.monotonic() + timeout
         while pending:
+            self._check_cancelled()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ExecutorError(
                     f"worker(s) {sorted(pending)} did not report ready within {timeout:.0f} s; "
                     "raise PAGEDSERVE_WORKER_STARTUP_TIMEOUT if the model is slow to load")
             waitables = list(pending.values()) + [res.procs[r].sentinel for r in pending]
-            ready = wait(waitables, left)
+            ready = wait(waitables, left if self._cancel is None else min(left, CANCEL_POLL_S))
             for rank, conn in list(pending.items()):
                 proc = res.procs[rank]
                 if conn in ready or proc.sentinel in ready:

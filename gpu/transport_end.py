@@ -1,9 +1,12 @@
 """What one end of a step transport (ShmRing, PipeChannel) does the same way in both: pass its
 fds to a spawned worker (PassFd), close them, refuse use after close, act as a context manager,
-and block in select() over its own fds plus the peers' sentinel fds in short slices up to a
-deadline, re-checking the ``alive`` callback in between. One copy keeps the two transports' death and timeout behaviour identical."""
+and block in poll() over its own fds plus the peers' sentinel fds in short slices up to a
+deadline, re-checking the ``alive`` callback in between. One copy keeps the two transports' death and timeout behaviour identical.
+poll(), not select(): select() refuses fds >= 1024, which a busy server hands out."""
 from __future__ import annotations
 
+import errno
+import math
 import os
 import select
 import time
@@ -78,5 +81,33 @@ class TransportEnd:
             if left <= 0:
                 raise RingTimeout(timeout_message)
             slice_s = min(slice_s, left)
-        readable, writable, _ = select.select([*read_fds, *self.peer_fds], write_fds, [], slice_s)
-        return readable, writable
+        return wait_fds([*read_fds, *self.peer_fds], write_fds, slice_s)
+
+
+# What select() counts as ready: readable also at hang-up or error (a read then says why),
+# writable also at error (a write then says why).
+_READ_EVENTS = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+_POLL_READ = select.POLLIN | select.POLLPRI
+_WRITE_EVENTS = select.POLLOUT | select.POLLERR
+
+
+def wait_fds(read_fds: Sequence[int], write_fds: Sequence[int],
+             timeout_s: float) -> tuple[list[int], list[int]]:
+    """select()'s answer (the ready read fds, the ready write fds) from one poll(), which takes
+    any fd number. A closed fd raises OSError(EBADF), as select() does."""
+    poller = select.poll()
+    for fd in read_fds:
+        poller.register(fd, _POLL_READ)
+    for fd in write_fds:  # (register again = modify: an fd in both lists is watched for both)
+        poller.register(fd, _POLL_READ | select.POLLOUT if fd in read_fds else select.POLLOUT)
+    events = poller.poll(max(0, math.ceil(timeout_s * 1000)))
+    readable: list[int] = []
+    writable: list[int] = []
+    for fd, ev in events:
+        if ev & select.POLLNVAL:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        if ev & _READ_EVENTS and fd in read_fds:
+            readable.append(fd)
+        if ev & _WRITE_EVENTS and fd in write_fds:
+            writable.append(fd)
+    return readable, writable

@@ -4,7 +4,9 @@ The library lands in ``$PAGEDSERVE_KERNEL_CACHE`` (default ``~/.cache/pagedserve
 a name keyed by the source, the flags and the compiler, so another process (a restarted server, a
 tensor-parallel worker) loads it without compiling. The vector ISA is chosen from this CPU's flags
 with explicit ``-m`` options (never ``-march=native``), so a cached build stays valid on any
-machine with the same extensions. (kernels/qgemm.py carries the same logic for its own kernel.)
+machine with the same extensions. Every C kernel builds here: kernels/cpu_attention.py (ISA from
+``pick_isa``), kernels/qgemm.py and kernels/fused.py (each picks its own ISA flags, for reasons
+measured in their modules, from ``cpu_flags``).
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ ISAS: list[tuple[str, frozenset[str], list[str]]] = [
 
 class KernelBuildError(RuntimeError):
     """A C kernel cannot be built or loaded; the message says what to install or change."""
+
+
+class CompilerMissing(KernelBuildError):
+    """No C compiler on PATH (``$CC``, default gcc): the optional kernels turn off quietly."""
 
 
 def cpu_flags() -> set[str]:
@@ -76,8 +82,8 @@ def build(source_name: str, extra_flags: list[str]) -> ctypes.CDLL:
     cc = os.environ.get("CC", "gcc")
     cc_path = shutil.which(cc)
     if cc_path is None:
-        raise KernelBuildError(f"building {source_name} needs a C compiler: {cc!r} is not on PATH "
-                               "(install gcc or set CC)")
+        raise CompilerMissing(f"building {source_name} needs a C compiler: {cc!r} is not on PATH "
+                              "(install gcc or set CC)")
     source = CSRC / source_name
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *extra_flags]
     src = source.read_bytes()

@@ -1,5 +1,6 @@
 """CPU paged attention: decodes through the C kernel in csrc/paged_attn.c, prefill chunks through
-torch SDPA (kernels.torch_attention, which stays the oracle and the fall-back).
+torch SDPA (kernels.torch_attention, which stays the oracle and the fall-back, and owns the split
+of a step into decodes and prefill chunks: ``split_decode_prefill``).
 
 Why a kernel: the torch decode path copies every block it reads into a scratch buffer and, in
 bf16, spends Hkv times the FLOPs on a block-diagonal GQA query. The C kernel reads K/V rows where
@@ -18,7 +19,7 @@ import torch
 
 from kernels import cbuild
 from kernels.metadata import AttentionMetadata
-from kernels.torch_attention import paged_attention_torch, prefill_attention_torch
+from kernels.torch_attention import paged_attention_torch, split_decode_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -139,17 +140,7 @@ def paged_attention_cpu(
     lib = _kernel_for(q, k_cache)
     if lib is None or meta.num_decodes == 0:
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, out)
-    if q.shape[1] % k_cache.shape[2]:
-        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} KV heads")
-    num_tokens = meta.num_tokens
-    if out is None:
-        out = torch.empty_like(q)
-    if q.shape[0] > num_tokens:
-        out[num_tokens:].zero_()
-    num_decodes = meta.num_decodes
-    decode_attention_c(lib, q[:num_decodes], k_cache, v_cache, meta, scale, out[:num_decodes])
-    prefill_attention_torch(q, k_cache, v_cache, meta, scale, out)
-    return out
+    return split_decode_prefill(q, k_cache, v_cache, meta, scale, out, functools.partial(decode_attention_c, lib))
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build now (install step), print the path taken

@@ -6,41 +6,28 @@ the same arithmetic in one pass over a few KB. The bf16 GEMV (AVX512-BF16 CPUs) 
 at about twice the rate of torch's bf16 GEMV there (figures in loadtest/PERF.md).
 
 Everything is optional: without a C compiler, or with ``PAGEDSERVE_FUSED=0``, ``available()`` is
-False and the model runs its torch ops. The shared library is cached under
-``$PAGEDSERVE_KERNEL_CACHE`` (default ``~/.cache/pagedserve/kernels``) keyed by source, flags and
-compiler, like kernels/qgemm.py's.
+False and the model runs its torch ops. kernels/cbuild.py builds the shared library and caches it
+under ``$PAGEDSERVE_KERNEL_CACHE`` (default ``~/.cache/pagedserve/kernels``) keyed by source, flags
+and compiler, like every C kernel's.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
+from kernels import cbuild
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "fused_cpu.c"
+_SOURCE = "fused_cpu.c"  # in kernels/csrc
 # Rows the bf16 GEMV takes. Measured (120 decode GEMVs of the default model, one thread, CPU time,
 # vs F.linear): M=1 1.63x, 2 1.57x, 4 1.40x, 8 1.13x, 16 0.81x; past 8 rows oneDNN's tiles win.
 GEMV_MAX_M = 8
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _isa_flags(cpu: set[str]) -> list[str]:
@@ -52,49 +39,18 @@ def _isa_flags(cpu: set[str]) -> list[str]:
     return []
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("PAGEDSERVE_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedserve" / "kernels"
-
-
-def _build(cc: str, flags: list[str], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr.strip()[-2000:])
-        os.replace(tmp, out)  # atomic for concurrent builders
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled library, or None (no compiler, build failure, or PAGEDSERVE_FUSED=0)."""
     if os.environ.get("PAGEDSERVE_FUSED", "1") == "0":
         return None
-    cc = os.environ.get("CC", "gcc")
-    cc_path = shutil.which(cc)
-    if cc_path is None:
-        logger.info("fused CPU ops off: no C compiler %r on PATH", cc)
-        return None
-    flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off",
-             *_isa_flags(_cpu_flags())]
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode() + cc_path.encode()).hexdigest()[:16]
-    path = _cache_dir() / f"fused-{key}.so"
     try:
-        if not path.is_file():
-            logger.info("building fused CPU ops: %s %s -> %s", cc, " ".join(flags), path)
-            _build(cc, flags, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("fused CPU ops off: building %s failed: %s", _SOURCE.name, e)
+        lib = cbuild.build(_SOURCE, ["-ffp-contract=off", *_isa_flags(cbuild.cpu_flags())])
+    except cbuild.CompilerMissing as e:
+        logger.info("fused CPU ops off: %s", e)
+        return None
+    except (OSError, cbuild.KernelBuildError, subprocess.SubprocessError) as e:
+        logger.warning("fused CPU ops off: building %s failed: %s", _SOURCE, e)
         return None
     P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.fz_isa.restype, lib.fz_isa.argtypes = I, []

@@ -5,9 +5,9 @@ Why a kernel of our own: on AVX2 machines PyTorch's packed int8/int4 CPU ops are
 slower than an fp32 GEMV, while decode is bound by the bytes of weights read per token; this
 kernel keeps the weights packed and widens them in registers (figures in loadtest/PERF.md).
 
-The shared library is cached under ``$PAGEDSERVE_KERNEL_CACHE`` (default
-``~/.cache/pagedserve/kernels``), keyed by the source, the flags and the compiler, so a second
-process (or a tensor-parallel worker) loads it without compiling. The path is chosen from
+kernels/cbuild.py builds it and caches the shared library under ``$PAGEDSERVE_KERNEL_CACHE``
+(default ``~/.cache/pagedserve/kernels``), keyed by the source, the flags and the compiler, so a
+second process (or a tensor-parallel worker) loads it without compiling. The path is chosen from
 /proc/cpuinfo: AVX2+FMA (``-mavx2 -mfma``), else the portable scalar build, with a warning; explicit
 flags, not ``-march=native``, so a cached build stays valid on any CPU with those extensions.
 ``PAGEDSERVE_QGEMM_ISA=avx512`` builds the AVX-512 path where the CPU has it (measured no faster,
@@ -17,65 +17,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
+
+from kernels import cbuild
 
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # values per fp16 scale (and minimum) in q8_0 / q4_1, as in GGUF Q8_0 / Q4_1
 FUSED_MAX_M = 16  # above this many rows, dequantize blocks of W and use the BLAS matmul
 _DEQUANT_ROWS = 2048  # rows of W widened at a time on the large-M path (bounded scratch)
-_SOURCE = Path(__file__).parent / "csrc" / "qgemm.c"
+_SOURCE = "qgemm.c"  # in kernels/csrc
 
 
-class QuantKernelError(RuntimeError):
+class QuantKernelError(cbuild.KernelBuildError):
     """The quantized kernel cannot be built or loaded; the message says what to install or change."""
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    cap = torch.backends.cpu.get_cpu_capability()  # no /proc (not Linux): trust torch's dispatch
-    return {"avx2", "fma"} if cap in ("AVX2", "AVX512") else set()
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("PAGEDSERVE_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pagedserve" / "kernels"
-
-
-def _compile(cc: str, flags: list[str], out: Path) -> None:
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    except OSError as e:
-        raise QuantKernelError(f"cannot write the quantized kernel's build cache {out.parent}: {e} "
-                               "(set PAGEDSERVE_KERNEL_CACHE to a writable directory)") from None
-    os.close(fd)
-    cmd = [cc, *flags, str(_SOURCE), "-o", tmp]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise QuantKernelError(f"building the quantized kernel failed ({' '.join(cmd)}):\n{proc.stderr}")
-        os.replace(tmp, out)  # atomic: a concurrent builder or loader sees the whole file or none
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def build_flags(cpu: set[str], forced: str | None = None) -> tuple[str, list[str]]:
@@ -108,21 +66,14 @@ _ISA_NAMES = {0: "scalar", 2: "avx2", 3: "avx512"}
 @functools.cache
 def library() -> ctypes.CDLL:
     """The compiled kernel, built on first use. Raises QuantKernelError without a C compiler."""
-    cc = os.environ.get("CC", "gcc")
-    cc_path = shutil.which(cc)
-    if cc_path is None:
-        raise QuantKernelError(f"--quantization int8/int4 builds a C kernel on first use and needs a C compiler: "
-                               f"{cc!r} is not on PATH (install gcc, set CC, or use --quantization none)")
-    flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp"]
-    path_name, extra = build_flags(_cpu_flags(), os.environ.get("PAGEDSERVE_QGEMM_ISA"))
-    flags += extra
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(flags).encode() + cc_path.encode()).hexdigest()[:16]
-    path = _cache_dir() / f"qgemm-{key}.so"
-    if not path.is_file():
-        logger.info("building the quantized kernel: %s %s -> %s", cc, " ".join(flags), path)
-        _compile(cc, flags, path)
-    lib = ctypes.CDLL(str(path))
+    path_name, extra = build_flags(cbuild.cpu_flags(), os.environ.get("PAGEDSERVE_QGEMM_ISA"))
+    try:
+        lib = cbuild.build(_SOURCE, extra)
+    except cbuild.CompilerMissing as e:
+        raise QuantKernelError(f"--quantization int8/int4 builds a C kernel on first use: {e}, or use "
+                               "--quantization none") from None
+    except cbuild.KernelBuildError as e:
+        raise QuantKernelError(str(e)) from None
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.qg_isa.restype = I
     lib.qg_isa.argtypes = []
@@ -142,7 +93,7 @@ def library() -> ctypes.CDLL:
     lib.qg_int4_rows.argtypes = [P, P, P, I64, I64, P, I64, P, I]
     got = _ISA_NAMES.get(lib.qg_isa(), "scalar")
     if got != path_name:
-        raise QuantKernelError(f"the quantized kernel built for {path_name} reports {got} ({path})")
+        raise QuantKernelError(f"the quantized kernel built for {path_name} reports {got} ({lib._name})")
     if got == "scalar":
         logger.warning("quantized kernel: this CPU lacks AVX2/FMA, so the portable scalar code runs; "
                        "int8/int4 weights will likely decode slower than --quantization none")

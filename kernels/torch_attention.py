@@ -12,6 +12,8 @@ fine, NaN/Inf is not).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -301,18 +303,35 @@ def paged_attention_torch(
     Writes into ``out`` when given. Rows beyond ``meta.num_tokens`` (padding for static batch
     shapes) come back as zeros.
     """
+    return split_decode_prefill(q, k_cache, v_cache, meta, scale, out, _decode_attention)
+
+
+def split_decode_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None,
+    decode: Callable[..., None],
+) -> torch.Tensor:
+    """The one place a CPU step's flat batch is split (the torch path and kernels.cpu_attention's
+    C decode both go through it): the first ``meta.num_decodes`` requests have one query row each
+    and go to ``decode(q[:n], k_cache, v_cache, meta, scale, out[:n])``; the requests after them
+    are prefill chunks (``prefill_attention_torch``). Padding rows past ``meta.num_tokens`` are
+    zeroed; ``out`` is allocated when None."""
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"KV cache dtype {k_cache.dtype} differs from query dtype {q.dtype}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} KV heads")
     num_tokens = meta.num_tokens
     if out is None:
         out = torch.empty_like(q)
     if q.shape[0] > num_tokens:
         out[num_tokens:].zero_()
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"KV cache dtype {k_cache.dtype} differs from query dtype {q.dtype}")
-    if q.shape[1] % k_cache.shape[2]:
-        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} KV heads")
     num_decodes = meta.num_decodes
     if num_decodes > 0:
-        _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale, out[:num_decodes])
+        decode(q[:num_decodes], k_cache, v_cache, meta, scale, out[:num_decodes])
     prefill_attention_torch(q, k_cache, v_cache, meta, scale, out)
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,6 +70,51 @@ async def test_non_stream_disconnect_counts_abort_and_499(app, engine):
         m = await scrape(c)
     assert success(m, "abort") == 1 and success(m, "length") == 0
     assert http(m, 499) == 1
+
+
+async def cancel_mid_request(app, path: str, body: dict, after_s: float) -> tuple[int, dict]:
+    """Drive the ASGI app by hand and cancel its task midway, as uvicorn does to the requests still
+    running when --shutdown-timeout runs out; the client stays connected. Returns what was sent."""
+    sent: list[dict] = []
+    body_read = False
+
+    async def receive():
+        nonlocal body_read
+        if not body_read:
+            body_read = True
+            return {"type": "http.request", "body": orjson.dumps(body), "more_body": False}
+        await asyncio.Event().wait()  # the client never leaves
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "server": ("t", 80),
+             "client": ("c", 1), "root_path": ""}
+    task = asyncio.ensure_future(app(scope, receive, send))
+    await asyncio.sleep(after_s)
+    task.cancel()
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, orjson.loads(body)
+
+
+async def test_non_stream_cut_by_shutdown_is_503_engine_dead(app, engine):
+    """A non-streaming request still running when the server shuts down answers as a cut stream
+    ends: 503, OpenAI format, code engine_dead (not 499: the client did not leave)."""
+    engine.delay = 0.01
+    status, body = await cancel_mid_request(app, "/v1/completions", {"prompt": "x", "max_tokens": 30},
+                                            after_s=0.05)
+    assert status == 503, body
+    assert body["error"]["code"] == "engine_dead" and body["error"]["type"] == "server_error"
+    assert "shutting down" in body["error"]["message"]
+    assert engine.aborted == [c.request_id for c in engine.calls] and not engine.running
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        m = await scrape(c)
+    assert errors(m, "engine_dead") == 1 and success(m, "abort") == 0
+    assert http(m, 503) == 1 and http(m, 499) == 0
 
 
 async def test_finished_requests_are_not_aborts(client):
@@ -182,6 +228,42 @@ async def test_engine_death_is_counted(monkeypatch):
         assert m[("pagedserve:engine_deaths_total", ())] == 1
         assert errors(m, "engine_dead") == 1
         assert http(m, 503) == 1
+    finally:
+        await engine.shutdown()
+
+
+def gauges(m: dict) -> tuple[float, float, float]:
+    return (m[("pagedserve:num_requests_running", ())], m[("pagedserve:num_requests_waiting", ())],
+            m[("pagedserve:kv_cache_usage_perc", ())])
+
+
+async def test_gauges_drop_the_requests_an_engine_death_failed(monkeypatch):
+    """After the engine dies, /metrics shows no running or waiting request and no KV cache in
+    use: the requests it failed are gone (they were shown as running for ever)."""
+    from engine.errors import EngineDeadError
+    from engine.sampling_params import SamplingParams
+
+    built = patch_build_engine(monkeypatch)
+    engine = await started_engine(max_num_seqs=1)  # one runs, the other waits
+    try:
+        app = build_app(engine, served_model_name="m")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            params = SamplingParams(max_tokens=100, ignore_eos=True)
+            streams = [engine.generate([5, 6, 7, 8] * 10, params, f"r{i}") for i in range(2)]
+            await streams[0].__anext__()
+            running, waiting, kv = gauges(await scrape(c))
+            assert (running, waiting) == (1, 1) and kv > 0
+
+            async def broken(step):
+                raise RuntimeError("worker 0 died (test)")
+
+            built[0].executor.execute_async = broken
+            for st in streams:
+                with pytest.raises(EngineDeadError):
+                    async for _ in st:
+                        pass
+            assert engine.health_status() == "dead"
+            assert gauges(await scrape(c)) == (0, 0, 0)
     finally:
         await engine.shutdown()
 

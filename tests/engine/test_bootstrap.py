@@ -39,7 +39,7 @@ def test_tokenizer_loads_while_the_executor_starts(monkeypatch):
         seen["executor running meanwhile"] = executor_started.wait(WAIT_S)
         return FakeTokenizer()
 
-    def create_executor(config):
+    def create_executor(config, cancel=None):
         executor_started.set()
         seen["tokenizer running meanwhile"] = tokenizer_started.wait(WAIT_S)
         return _Executor(config)
@@ -57,7 +57,7 @@ def test_tokenizer_failure_shuts_the_started_executor_down(monkeypatch):
     def load_tokenizer(config):
         raise engine.bootstrap.ConfigError("no tokenizer here")
 
-    def create_executor(config):
+    def create_executor(config, cancel=None):
         made.append(_Executor(config))
         return made[-1]
 
@@ -75,7 +75,7 @@ def test_executor_failure_waits_for_the_tokenizer_and_raises(monkeypatch):
         done.set()
         return FakeTokenizer()
 
-    def create_executor(config):
+    def create_executor(config, cancel=None):
         raise gpu.executor.ExecutorError("worker 0 failed to start")
 
     monkeypatch.setattr(engine.bootstrap, "load_tokenizer", load_tokenizer)
@@ -86,7 +86,7 @@ def test_executor_failure_waits_for_the_tokenizer_and_raises(monkeypatch):
 
 
 def test_dummy_model_without_path_fails_before_any_worker_starts(monkeypatch):
-    def create_executor(config):
+    def create_executor(config, cancel=None):
         raise AssertionError("no worker may start without a tokenizer path")
 
     monkeypatch.setattr(gpu.executor, "create_executor", create_executor)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -26,14 +27,21 @@ class Builds:
         self.gate.set()
         self.fail_next: BaseException | None = None
         self.shut_down: list[FakeExecutor] = []
+        self.honour_cancel = True  # False: a load that cannot be cut short (goes on to the end)
+        self.cancelled = 0  # restarts cut short by their cancel event
 
-    def __call__(self, config, tokenizer=None):
+    def __call__(self, config, tokenizer=None, cancel=None):
         from engine.bootstrap import EngineParts
         from engine.core import EngineCore
 
         if self.parts:  # a restart: runs off the loop, may be held open by the test
             assert threading.current_thread() is not threading.main_thread()
-            assert self.gate.wait(10)
+            t0 = time.monotonic()
+            while not self.gate.wait(0.01):  # the model loads until the gate opens
+                if self.honour_cancel and cancel is not None and cancel.is_set():
+                    self.cancelled += 1  # as MultiprocExecutor: its workers are killed
+                    raise ExecutorError("the worker start was cancelled (the server is shutting down)")
+                assert time.monotonic() - t0 < 10, "the gate was never opened"
             if self.fail_next is not None:
                 raise self.fail_next
         tok = tokenizer or FakeTokenizer()
@@ -127,6 +135,28 @@ async def test_in_flight_fails_new_requests_wait_then_are_served(builds):
     assert builds.parts[1].executor in builds.shut_down
 
 
+async def test_while_restarting_the_failed_requests_are_not_counted_as_running(builds):
+    """The requests a worker failure failed hold no KV and run nowhere: the gauges say so while
+    the new pool loads, not only once it is there."""
+    engine = await started()
+    try:
+        builds.gate.clear()
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        stream = engine.generate(PROMPT, params, "victim")
+        await stream.__anext__()
+        s = engine.stats()
+        assert s.num_running == 1 and s.kv_cache_usage > 0
+        kill_workers(engine.parts.executor)
+        with pytest.raises(EngineDeadError):
+            await collect(stream)
+        await wait_status(engine, "restarting")
+        s = engine.stats()
+        assert (s.num_running, s.num_waiting, s.kv_cache_usage) == (0, 0, 0.0)
+    finally:
+        builds.gate.set()
+        await engine.shutdown()
+
+
 async def test_two_failures_in_a_row_restart_twice(builds):
     engine = await started()
     try:
@@ -171,7 +201,9 @@ async def test_without_the_flag_a_worker_failure_is_final(builds):
 
 
 async def test_shutdown_during_a_restart_stops_the_pool_being_built(builds):
+    """A load that cannot be cut short: the pool it builds is stopped once it is there."""
     engine = await started()
+    builds.honour_cancel = False
     builds.gate.clear()
     kill_workers(engine.parts.executor)
     await wait_status(engine, "restarting")
@@ -181,6 +213,22 @@ async def test_shutdown_during_a_restart_stops_the_pool_being_built(builds):
     await asyncio.wait_for(shutting, 10)
     assert len(builds.parts) == 2
     assert builds.parts[1].executor in builds.shut_down
+
+
+async def test_shutdown_during_a_restart_cancels_the_model_load(builds):
+    """Shutdown does not wait for the new pool's model load (minutes for a big model): it cancels
+    the restart, which kills the workers being started."""
+    engine = await started()
+    builds.gate.clear()  # the new pool's load never ends by itself
+    kill_workers(engine.parts.executor)
+    await wait_status(engine, "restarting")
+    for _ in range(500):  # the old pool is reaped, the new one is loading
+        if builds.shut_down:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(engine.shutdown(), 5)  # the load would hold it 10 s
+    assert builds.cancelled == 1 and len(builds.parts) == 1
+    builds.gate.set()
 
 
 TRACEBACK_DEATH = """step 9 failed on worker 0 while the other 1 rank(s) went on. Worker 0's error:
@@ -224,10 +272,8 @@ class DyingBuilds(Builds):
         super().__init__()
         self.times: list[float] = []
 
-    def __call__(self, config, tokenizer=None):
-        import time
-
-        parts = super().__call__(config, tokenizer)
+    def __call__(self, config, tokenizer=None, cancel=None):
+        parts = super().__call__(config, tokenizer, cancel)
         self.times.append(time.monotonic())
         if len(self.parts) > 1:
             kill_workers(parts.executor)

@@ -333,3 +333,44 @@ def test_pipe_channel_closes_every_fd_it_opened():
     w.close()
     w.close()
     assert _fds() <= before
+
+
+@pytest.fixture
+def high_fds():
+    """Hold every fd below 1100, so what the test opens next gets an fd past select()'s limit of
+    1024 (a server with many connections hands its rings such fds)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1400:
+        if hard != resource.RLIM_INFINITY and hard < 1400:
+            pytest.skip(f"the fd limit ({hard}) is too low to open fds past 1024")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1400, hard))
+    held = [os.open(os.devnull, os.O_RDONLY)]
+    while held[-1] < 1100:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+    yield
+    for fd in held:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_waits_work_with_fds_past_1024(transport, high_fds):
+    """A full channel, an empty one and a dead peer, all with fds >= 1024: select() raised
+    ValueError ("filedescriptor out of range") there."""
+    with _create(transport, 1, 4, 64, role="writer") as w:
+        r = attach_channel(w.spec, 0)
+        fitted = _fill_until_timeout(w, b"x" * 48)  # the writer waits for room, then times out
+        assert fitted >= 4
+        assert [bytes(r.recv(timeout=1)) for _ in range(fitted)] == [b"x" * 48] * fitted
+        with pytest.raises(RingTimeout):  # the reader waits for data, then times out
+            r.recv(timeout=0.05)
+        sentinel_r, sentinel_w = os.pipe()  # a peer's sentinel: readable once the peer is gone
+        assert sentinel_r >= 1024
+        w.peer_fds = [sentinel_r]
+        _fill_until_timeout(w, b"y" * 48)
+        os.close(sentinel_w)
+        with pytest.raises(RingPeerDied):
+            w.send(b"z" * 48, timeout=5)
+        os.close(sentinel_r)
+        r.close()

@@ -23,3 +23,21 @@ def test_a_step_timeout_that_is_no_limit_is_refused_at_start(bad):
     with pytest.raises(ExecutorError, match=r"--step-timeout must be >= 0"):
         ex = MultiprocExecutor(config, runner_factory=RUNNER, startup_timeout=60)
         ex.shutdown()  # reached only when the value was accepted
+
+
+def test_the_default_step_timeout_has_one_owner():
+    """gpu.config owns the default; the CLI flag and a Namespace without it take that value
+    (three copies of 300.0 could drift apart)."""
+    import argparse
+
+    from app.engine_args import add_engine_args, engine_config_from_args
+    from gpu.config import DEFAULT_STEP_TIMEOUT_S, ParallelConfig
+
+    assert ParallelConfig().step_timeout_s == DEFAULT_STEP_TIMEOUT_S
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args([])
+    assert args.step_timeout == DEFAULT_STEP_TIMEOUT_S
+    assert engine_config_from_args(args).parallel.step_timeout_s == DEFAULT_STEP_TIMEOUT_S
+    del args.step_timeout  # a command that does not offer the flag
+    assert engine_config_from_args(args).parallel.step_timeout_s == DEFAULT_STEP_TIMEOUT_S

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kernels import qgemm
+from kernels import cbuild, qgemm
 
 # The kernel rounds activations to 15 bits per row (AVX2 path); the error that adds is about
 # 3e-5 of the row's largest value times sqrt(K) terms, far inside this bound.
@@ -166,7 +166,7 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_the_build_on_this_machine_uses_simd_when_the_cpu_has_it():
-    flags = qgemm._cpu_flags()
+    flags = cbuild.cpu_flags()
     if os.environ.get("PAGEDSERVE_QGEMM_ISA"):
         pytest.skip("a path is forced")
     assert qgemm.isa() == ("avx2" if {"avx2", "fma"} <= flags else "scalar")
@@ -211,7 +211,7 @@ def test_fp16_scales_convert_exactly():
 @pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
 def test_every_path_is_right(tmp_path, path):
     """Each build (no SIMD, AVX2, opt-in AVX-512) checked in a fresh process where the CPU has it."""
-    cpu = qgemm._cpu_flags()
+    cpu = cbuild.cpu_flags()
     if path != "scalar" and qgemm.build_flags(cpu, path)[0] != path:
         pytest.skip(f"this CPU cannot run the {path} path")
     import subprocess
