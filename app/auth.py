@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.errors import APIError
 
 PROTECTED_PREFIXES = ("/v1/",)
-PROTECTED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
+PROTECTED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", "/score"})
 
 
 def is_protected(path: str) -> bool:

@@ -103,7 +103,8 @@ def openapi_route(engine: Any, name: str, api_key: str | None, max_body_bytes: i
         served_model_name=name, max_model_len=engine.max_model_len,
         vocab_size=getattr(engine.tokenizer, "vocab_size", None), api_key=bool(api_key),
         max_body_bytes=max_body_bytes, version=server_version(),
-        trust_request_chat_template=trust_request_chat_template))
+        trust_request_chat_template=trust_request_chat_template,
+        embedding_size=getattr(engine, "embedding_size", None)))
 
     async def openapi(request: Request) -> Response:
         return Response(body, media_type="application/json")

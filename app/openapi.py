@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from app.auth import is_protected
+from app.embeddings_protocol import EmbeddingRequest, ScoreRequest
 from app.protocol import (
     BOUND_KEY,
     ChatCompletionRequest,
@@ -46,6 +48,11 @@ _USAGE = {
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
     "properties": {k: {"type": "integer", "minimum": 0}
                    for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+}
+_POOLING_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "total_tokens"],
+    "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "total_tokens")},
 }
 _FINISH = {"type": ["string", "null"]}
 _TOOL_CALLS = {"type": "array", "items": {  # app/tools/output.py
@@ -87,6 +94,34 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                                                   "content": {"type": ["string", "null"]},
                                                   "tool_calls": _TOOL_CALLS}}},
     }),
+    "EmbeddingList": {
+        "type": "object", "required": ["id", "object", "created", "model", "data", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "list"}, "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "data": {"type": "array", "items": {
+                "type": "object", "required": ["object", "index", "embedding"],
+                "properties": {"object": {"const": "embedding"}, "index": {"type": "integer", "minimum": 0},
+                               "embedding": {"oneOf": [
+                                   {"type": "array", "items": {"type": "number"},
+                                    "description": "encoding_format float"},
+                                   {"type": "string", "contentEncoding": "base64",
+                                    "description": "encoding_format base64: float32 little-endian"}]}}}},
+            "usage": _POOLING_USAGE,
+        },
+    },
+    "ScoreList": {
+        "type": "object", "required": ["id", "object", "created", "model", "data", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "list"}, "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "data": {"type": "array", "items": {
+                "type": "object", "required": ["index", "object", "score"],
+                "properties": {"index": {"type": "integer", "minimum": 0}, "object": {"const": "score"},
+                               "score": {"type": "number"}}}},
+            "usage": _POOLING_USAGE,
+        },
+    },
     "ModelList": {
         "type": "object", "required": ["object", "data"],
         "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
@@ -206,22 +241,25 @@ def _fill_bounds(node: Any, bounds: dict[str, int | None]) -> None:
 
 def request_schemas() -> dict[str, Any]:
     """JSON Schemas of the request bodies (and the models they use), keyed by model name."""
-    models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+              EmbeddingRequest, ScoreRequest)
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     return defs["$defs"]
 
 
 def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int | None,
                   api_key: bool, max_body_bytes: int, version: str,
-                  trust_request_chat_template: bool = False) -> dict[str, Any]:
-    """The OpenAPI document of one server. ``api_key``: whether /v1/*, /tokenize and
-    /detokenize require a bearer token (they answer 401 without it). Every response carries
+                  trust_request_chat_template: bool = False,
+                  embedding_size: int | None = None) -> dict[str, Any]:
+    """The OpenAPI document of one server. ``api_key``: whether /v1/*, /tokenize,
+    /detokenize and /score require a bearer token (they answer 401 without it). Every response carries
     ``X-Request-Id``: the client's (header, or a generating route's ``request_id`` field) or a
     new one."""
     schemas = copy.deepcopy(request_schemas())
     # A token id is < vocab_size; a completion length leaves at least one prompt token.
+    # An embedding keeps at most the model's hidden size (``dimensions``).
     _fill_bounds(schemas, {"vocab": vocab_size - 1 if vocab_size else None,
-                           "context": max_model_len - 1})
+                           "context": max_model_len - 1, "embedding": embedding_size})
     schemas.update(copy.deepcopy(RESPONSE_SCHEMAS))
     if not trust_request_chat_template:  # a request's own template is a 400 then
         for name in ("ChatCompletionRequest", "TokenizeRequest"):
@@ -240,6 +278,14 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
             {"description": "The chat completion.",
              "content": {"application/json": {"schema": _ref("ChatCompletion")}, **_SSE}},
             generates=True, max_body_bytes=max_body_bytes)},
+        "/v1/embeddings": {"post": _post(
+            "Embeddings of the inputs (OpenAI's format; any served model, pooled per request).",
+            "EmbeddingRequest", _json("The embeddings.", "EmbeddingList"),
+            generates=True, max_body_bytes=max_body_bytes)},
+        **{path: {"post": _post(
+            "Scores of text pairs: the cosine of their embeddings (vLLM's /score).",
+            "ScoreRequest", _json("The scores.", "ScoreList"),
+            generates=True, max_body_bytes=max_body_bytes)} for path in ("/v1/score", "/score")},
         "/tokenize": {"post": _post(
             "Token ids of a prompt or of chat messages (after the chat template).", "TokenizeRequest",
             _json("The token ids.", "TokenizeResponse"), generates=False, max_body_bytes=max_body_bytes)},
@@ -266,7 +312,7 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in paths.items():
-            if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+            if is_protected(path):
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
                     op["responses"]["401"] = _error("Missing or wrong API key.", _WWW_AUTH)

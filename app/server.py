@@ -23,6 +23,7 @@ from app.auth import APIKeyMiddleware
 from app.chat_route import ChatRoute
 from app.completions_route import COMPLETIONS_DEFAULT_MAX_TOKENS  # noqa: F401  (re-exported)
 from app.completions_route import CompletionsRoute
+from app.embeddings_route import EmbeddingsRoute
 from app.errors import APIError, to_api_error
 from app.fanout import (  # noqa: F401  (re-exported)
     Choice, ChoiceFanOut, ClientDisconnected, end_unfinished, normalize_logprob, shutdown_error)
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-class OpenAIServer(RouteBase, ChoiceFanOut, LogprobFormat, CompletionsRoute, ChatRoute, InfoRoutes):
+class OpenAIServer(RouteBase, ChoiceFanOut, LogprobFormat, CompletionsRoute, ChatRoute, EmbeddingsRoute,
+                   InfoRoutes):
     """Every route's handler for one engine (``app.state.server``)."""
 
 
@@ -92,6 +94,9 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat_completions), methods=["POST"]),
+        Route("/v1/embeddings", _wrap(s.embeddings), methods=["POST"]),
+        Route("/v1/score", _wrap(s.score), methods=["POST"]),
+        Route("/score", _wrap(s.score), methods=["POST"]),  # vLLM serves both paths
         Route("/v1/models", _wrap(s.models), methods=["GET"]),
         Route("/tokenize", _wrap(s.tokenize), methods=["POST"]),
         Route("/detokenize", _wrap(s.detokenize), methods=["POST"]),

@@ -92,6 +92,11 @@ class AsyncEngine:
         return self.config.model.max_model_len
 
     @property
+    def embedding_size(self) -> int | None:
+        """Values in an embedding (the model's hidden size): the bound of ``dimensions``."""
+        return self.core.pooling_hidden_size
+
+    @property
     def num_blocks(self) -> int:
         return self.parts.executor.num_blocks
 
@@ -191,6 +196,13 @@ class AsyncEngine:
         self._wake.set()
         return RequestStream(self, request_id, queue)
 
+    def pool(self, prompt_token_ids: list[int], params, request_id: str, prompt: str | None = None,
+             priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """A pooling request (``params``: engine.pooling_params.PoolingParams): the same checks
+        and queue as ``generate``; its stream yields one PoolingRequestOutput, the final one."""
+        return self.generate(prompt_token_ids, params, request_id, prompt=prompt, priority=priority,
+                             cache_salt=cache_salt)
+
     async def check_constraint(self, params: SamplingParams) -> None:
         """Refuse, before ``generate``, a structured-output spec or token constraint the grammar
         engine cannot honour (RequestRejectedError with the library's reason: HTTP 400). Runs off
@@ -229,7 +241,7 @@ class AsyncEngine:
             queue = self._queues.get(out.request_id)
             if queue is None:
                 continue
-            for comp in out.outputs:
+            for comp in out.outputs if isinstance(out, RequestOutput) else ():  # not pooling's
                 if comp.token_ids and comp.token_times is None:
                     comp.token_times = [now] * len(comp.token_ids)
             queue.put_nowait(out)

@@ -27,6 +27,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, RequestRejectedError
 from engine.kv_blocks import BlockManager, model_hash_seed
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from engine.pooling_params import PoolingParams
+from engine.pooling_requests import PoolingRequests
 from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
@@ -56,7 +58,7 @@ class EngineStats:
     num_worker_restarts: int = 0  # worker pools rebuilt after a failure (set by AsyncEngine)
 
 
-class EngineCore(ConstrainedRequests):
+class EngineCore(ConstrainedRequests, PoolingRequests):
     def __init__(self, config: EngineConfig, executor, tokenizer):
         if config.model.max_model_len is None:
             raise EngineError("config.model.max_model_len must be set before building the engine core")
@@ -83,7 +85,7 @@ class EngineCore(ConstrainedRequests):
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> None:
         """``cache_salt``: requests share prefix-cache blocks only with requests of an equal
         salt (None is a salt of its own), so tenants never read each other's K/V."""
@@ -97,6 +99,9 @@ class EngineCore(ConstrainedRequests):
                 raise RequestRejectedError("a request needs a prompt or prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
+        if isinstance(params, PoolingParams):  # embeddings: engine/pooling_requests.py
+            return self.add_pooling_request(request_id, prompt, prompt_token_ids, params,
+                                            arrival_time, priority, cache_salt)
         self._check_fits(prompt_token_ids, params)
         if params.has_token_constraint:
             self.check_constraint(params)
@@ -217,6 +222,8 @@ class EngineCore(ConstrainedRequests):
             return [out for req in touched.values() if (out := self._make_output(req)) is not None]
 
         self.scheduler.step_done(scheduled)
+        if step_output.pooled:
+            self.take_pooled(step_output.pooled, touched)
         if step_output.prompt_logprobs:
             for pl in step_output.prompt_logprobs:
                 seq = self._seqs.get(pl.seq_id)
@@ -354,6 +361,8 @@ class EngineCore(ConstrainedRequests):
     # ---- outputs ----------------------------------------------------------------------------
 
     def _make_output(self, req: Request) -> RequestOutput | None:
+        if req.seqs and req.seqs[0].pooling is not None:
+            return self.make_pooling_output(req)
         outs: list[CompletionOutput] = []
         for seq in req.seqs:
             n_out = seq.num_output_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from engine.llm_pooling import PoolingLLM
 from engine.outputs import RequestOutput, merge_delta
 from engine.sampling_params import SamplingParams
 from gpu.config import EngineConfig
@@ -14,8 +15,9 @@ TQDM_MIN_REQUESTS = 16
 Prompt = str | list[int] | dict
 
 
-class LLM:
-    """Offline engine. ``model=None`` is the bundled default model (SmolLM2-135M-Instruct)."""
+class LLM(PoolingLLM):
+    """Offline engine. ``model=None`` is the bundled default model (SmolLM2-135M-Instruct).
+    ``encode`` / ``embed`` / ``score`` (engine/llm_pooling.py) serve embeddings from the same model."""
 
     def __init__(self, model: str | None = None, **engine_options):
         from engine.bootstrap import build_engine

@@ -46,6 +46,8 @@ class Sequence:
     # Token constraint (engine/structured_output SeqConstraint): grammar matcher, allowed ids,
     # bad words; None for a free sequence.
     constraint: Any = None
+    # gpu.messages.PoolingOptions of a pooling (embedding) sequence: prefill only, no tokens.
+    pooling: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +103,8 @@ class Request:
     # Set while the request's grammar compiles: its sequences are not in the scheduler yet.
     grammar_future: Any = None
     compiling: bool = False
+    # A pooling request (params is PoolingParams): its vector, float32 bytes, once computed.
+    pooled: bytes | None = None
 
     @property
     def all_finished(self) -> bool:

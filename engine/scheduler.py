@@ -191,6 +191,7 @@ class Scheduler:
                     num_computed_tokens=num_computed,
                     block_ids=list(table),
                     sampling=seq.options,
+                    pooling=seq.pooling,
                 ))
                 seq.on_worker = True
                 if seq.index == 0 and seq.request.num_cached_tokens == 0:

@@ -26,7 +26,9 @@ Worker-side order of operations for one ``StepInput``:
      ``token_ids[num_computed : num_computed + num_new_tokens[i]]``;
   5. a sequence whose ``num_computed`` reaches ``len(token_ids)`` samples one token, appends it
      to its own ``token_ids`` and reports it in ``StepOutput`` (a partial prefill chunk samples
-     nothing).
+     nothing). A pooling sequence (``NewSeq.pooling`` set: embeddings) samples nothing: each of
+     its prefill chunks feeds its pooler, and when its prompt is computed the pooled vector
+     goes back in ``StepOutput.pooled`` (gpu/pooling.py); the engine then finishes it.
 
 Structs are msgspec Structs so the multi-process executor can encode them with msgpack
 without pickling Python objects; the in-process executor passes them as they are.
@@ -81,6 +83,29 @@ class SamplingOptions(msgspec.Struct, frozen=True, array_like=True, omit_default
     min_tokens_blocked_ids: tuple[int, ...] = ()
 
 
+class PoolingOptions(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """A pooling sequence (embeddings): prefill only, one vector back instead of tokens.
+
+    ``pooling_type``: "last" (the last token's hidden state), "mean" (over the prompt) or "cls"
+    (the first token's). Hidden states are taken after the model's final norm; ``dimensions``
+    keeps the leading ones (Matryoshka truncation) before ``normalize`` (L2)."""
+
+    pooling_type: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+
+class PooledOutput(msgspec.Struct, array_like=True):
+    """One pooling sequence's result: float32 values, native byte order (one host)."""
+
+    seq_id: int
+    data_buf: bytes
+
+    @property
+    def data(self) -> memoryview:
+        return memoryview(self.data_buf).cast("f")
+
+
 class NewSeq(msgspec.Struct, array_like=True):
     seq_id: int
     token_ids: list[int]  # prompt + tokens already generated (a sequence resumed after preemption)
@@ -88,6 +113,7 @@ class NewSeq(msgspec.Struct, array_like=True):
     num_computed_tokens: int  # leading tokens whose K/V are already in the cache (prefix-cache hit)
     block_ids: list[int]  # initial block table
     sampling: SamplingOptions
+    pooling: PoolingOptions | None = None  # set for a pooling (embedding) sequence
 
 
 class StepInput(msgspec.Struct, array_like=True):
@@ -165,6 +191,8 @@ class StepOutput(msgspec.Struct, array_like=True):
     logprobs: list[SampledLogprobs | None] | None = None
     prompt_logprobs: list[PromptLogprobs] | None = None
     error: str | None = None  # set when the worker failed this step; the engine fails the requests
+    # Pooling sequences whose prompt was computed this step (they sample nothing); None = none.
+    pooled: list[PooledOutput] | None = None
 
     @classmethod
     def pack(cls, step_id: int, seq_ids: Iterable[int], token_ids: Iterable[int],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,7 +16,8 @@ from gpu.config import EngineConfig
 from gpu.device import resolve_device, resolve_dtype
 from gpu.forward_context import forward_context
 from gpu.kv_alloc import zeroed_tensor
-from gpu.messages import NewSeq, PromptLogprobs, SamplingOptions, StepInput, StepOutput
+from gpu.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
+from gpu.pooling import new_pooler
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ class SeqState:
     num_computed: int
     block_table: list[int]
     options: SamplingOptions
+    pooler: Any = None  # gpu.pooling.Pooler of a pooling (embedding) sequence: it samples nothing
 
 
 @dataclass(slots=True)
@@ -228,8 +231,15 @@ class ModelRunner:
         sample_states: list[SeqState] = []
         sample_batch_idx: list[int] = []
         prompt_logprobs: list[PromptLogprobs] = []
+        pooled: list[PooledOutput] = []
         for i, (seq_id, s) in enumerate(zip(step.seq_ids, states)):
             n = qsl[i + 1] - qsl[i]
+            if s.pooler is not None:  # embeddings: feed the pooler, never sample
+                s.num_computed += n
+                vector = s.pooler.add(hidden[qsl[i]:qsl[i + 1]], s.num_computed == len(s.token_ids))
+                if vector is not None:
+                    pooled.append(PooledOutput(seq_id, vector))
+                continue
             if s.options.prompt_logprobs is not None and s.num_computed < s.num_prompt_tokens:
                 prompt_logprobs.append(self._prompt_logprobs(seq_id, s, hidden[qsl[i]:qsl[i + 1]]))
             s.num_computed += n
@@ -254,7 +264,9 @@ class ModelRunner:
                 s.token_ids.append(token)
             token_ids = result.token_ids
             logprobs = result.logprobs
-        return StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None)
+        out = StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None)
+        out.pooled = pooled or None
+        return out
 
     @staticmethod
     def _token_mask(step: StepInput, sample_batch_idx: list[int]):
@@ -275,7 +287,7 @@ class ModelRunner:
 
     def _new_state(self, new: NewSeq) -> SeqState:
         return SeqState(list(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens,
-                        list(new.block_ids), new.sampling)
+                        list(new.block_ids), new.sampling, new_pooler(new))
 
     def _prompt_logprobs(self, seq_id: int, s: SeqState, hidden: torch.Tensor) -> PromptLogprobs:
         """Logprobs of prompt tokens start+1 .. end of this chunk, given the tokens before them."""

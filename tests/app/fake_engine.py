@@ -105,6 +105,7 @@ class FakeAsyncEngine:
         self.delay = 0.0
         self.first_output_gate: asyncio.Event | None = None
         self.fail_after: int | None = None
+        self.pool_error: str | None = None  # pooling requests fail with this engine error
         self.overloaded = False
         self.dead = False
         self.reject: str | None = None
@@ -148,6 +149,25 @@ class FakeAsyncEngine:
         self.running.add(request_id)
         return FakeStream(self, call)
 
+    embedding_size = 8
+
+    def pool(self, prompt_token_ids, params, request_id, prompt=None, priority=0,
+             cache_salt=None) -> FakeStream:
+        """A pooling request: one final output whose vector is ``fake_vector(ids, params)``."""
+        from engine.pooling_params import PoolingParams
+
+        if self.dead:
+            raise EngineDeadError("the engine stopped: test")
+        if self.overloaded:
+            raise EngineOverloadedError("3 requests are already waiting; retry shortly")
+        if self.reject:
+            raise RequestRejectedError(self.reject)
+        assert isinstance(params, PoolingParams)
+        call = Call(list(prompt_token_ids), params, request_id, prompt, priority, cache_salt)
+        self.calls.append(call)
+        self.running.add(request_id)
+        return FakeStream(self, call)
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
@@ -157,6 +177,27 @@ class FakeAsyncEngine:
     def stats(self) -> FakeStats:
         return self.stats_value
 
+    @staticmethod
+    def fake_vector(ids: list[int], params) -> list[float]:
+        """Deterministic per input: value k is the mean of (t * (k + 1)) % 7 - 3 over the ids."""
+        vec = [sum((t * (k + 1)) % 7 - 3 for t in ids) / len(ids) for k in range(FakeAsyncEngine.embedding_size)]
+        if params.dimensions is not None:
+            vec = vec[: params.dimensions]
+        if params.normalize:
+            norm = sum(v * v for v in vec) ** 0.5 or 1.0
+            vec = [v / norm for v in vec]
+        return vec
+
+    def pooled(self, call: Call):
+        from engine.pooling_outputs import PoolingOutput, PoolingRequestOutput, bytes_from_floats
+
+        if self.pool_error is not None:  # a worker error on this request's step
+            return PoolingRequestOutput(call.request_id, None, call.prompt_token_ids, True, call.prompt,
+                                        "error", error=self.pool_error)
+        vec = bytes_from_floats(self.fake_vector(call.prompt_token_ids, call.params))
+        return PoolingRequestOutput(call.request_id, PoolingOutput(vec), call.prompt_token_ids, True,
+                                    call.prompt, "stop")
+
     def reply_for(self, call: Call) -> str:
         """Sample i of a request answers the reply with its index in front (distinct choices)."""
         index = int(call.request_id.rsplit("-", 1)[1])
@@ -164,6 +205,8 @@ class FakeAsyncEngine:
 
     def script(self, call: Call) -> list[RequestOutput]:
         p = call.params
+        if not isinstance(p, SamplingParams):
+            return [self.pooled(call)]
         ids = list(self.reply_for(call).encode("utf-8"))
         finish, stop_reason = "stop", None
         text = bytes(ids).decode("utf-8", errors="replace")

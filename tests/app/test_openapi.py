@@ -11,14 +11,16 @@ from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate as validate_openapi
 
 from app.errors import APIError
+from app.embeddings_protocol import EmbeddingRequest, ScoreRequest
 from app.protocol import BOUND_KEY, ChatCompletionRequest, CompletionRequest, TokenizeRequest, parse
 from app.server import build_app
 from tests.app.fake_engine import FakeAsyncEngine
 
 CHAT = [{"role": "user", "content": "hi"}]
-GENERATE = {"/v1/completions", "/v1/chat/completions"}
+GENERATE = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/score"}
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
-PROTECTED = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"}
+PROTECTED = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+             "/v1/embeddings", "/v1/score", "/score"}
 
 
 async def fetch_doc(api_key: str | None = None, max_body_bytes: int = 4096) -> dict:
@@ -96,6 +98,8 @@ async def test_run_time_bounds_are_written_in():
     assert (tokens["minimum"], tokens["maximum"]) == (0, vocab - 1)
     max_tokens = schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0]
     assert (max_tokens["minimum"], max_tokens["maximum"]) == (1, ctx - 1)
+    dimensions = schemas["EmbeddingRequest"]["properties"]["dimensions"]["anyOf"][0]
+    assert (dimensions["minimum"], dimensions["maximum"]) == (1, FakeAsyncEngine.embedding_size)
 
 
 def body_validator(doc: dict, name: str) -> Draft202012Validator:
@@ -107,6 +111,8 @@ def server_accepts(model, body: dict) -> bool:
         req = parse(model, body)
         if isinstance(req, TokenizeRequest):
             req.check()
+        elif isinstance(req, (EmbeddingRequest, ScoreRequest)):
+            pass  # nothing beyond the model
         else:
             req.check_supported()
         for message in getattr(req, "messages", None) or []:
@@ -185,10 +191,28 @@ TOKENIZE_BODIES = [
 ]
 
 
+EMBEDDING_BODIES = [
+    {"input": "x"}, {"input": ""}, {"input": []}, {"input": [""]}, {"input": ["a", "b"]}, {"input": 5},
+    {"input": [0.0, 3]}, {"input": [1.5]}, {"input": [True]}, {"input": ["1"]}, {"input": [-1]},
+    {"input": [[1], []]}, {"input": [[1, 2], [3]]}, {"input": ["a"] * 2049}, {"input": [[1]] * 2049},
+    {"input": "x", "encoding_format": "base64"}, {"input": "x", "encoding_format": "int8"},
+    {"input": "x", "dimensions": 0}, {"input": "x", "dimensions": 2.0}, {"input": "x", "dimensions": "2"},
+    {"input": "x", "pooling_type": "mean"}, {"input": "x", "pooling_type": "max"},
+    {"input": "x", "normalize": False}, {"input": "x", "normalize": 0}, {"input": "x", "priority": 2**63},
+    {"input": "x", "user": "u"}, {"input": "x", "unknown": 1}, {},
+]
+SCORE_BODIES = [
+    {"text_1": "a", "text_2": "b"}, {"text_1": "a", "text_2": ["b", "c"]}, {"text_1": ["a"], "text_2": []},
+    {"text_1": "", "text_2": "b"}, {"text_1": ["a", ""], "text_2": "b"}, {"text_1": 1, "text_2": "b"},
+    {"text_1": "a"}, {"text_1": "a", "text_2": "b", "pooling_type": "cls"},
+]
+
+
 async def test_schema_and_models_agree():
     doc = await fetch_doc()
     for model, bodies in ((CompletionRequest, COMPLETION_BODIES), (ChatCompletionRequest, CHAT_BODIES),
-                          (TokenizeRequest, TOKENIZE_BODIES)):
+                          (TokenizeRequest, TOKENIZE_BODIES), (EmbeddingRequest, EMBEDDING_BODIES),
+                          (ScoreRequest, SCORE_BODIES)):
         validator = body_validator(doc, model.__name__)
         for body in bodies:
             assert validator.is_valid(body) == server_accepts(model, body), body

@@ -64,6 +64,7 @@ SEMANTIC_400_PARAMS = {
     "prompt_logprobs",  # not with stream: true
     # the grammar engine must accept the spec (a valid regex, a compilable grammar, a schema it enforces)
     "bad_words",  # each word must be non-empty
+    "text_2",  # /score: one text on a side, or two lists of the same length
     "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }
 SEMANTIC_400_CODES = {"context_length_exceeded"}
@@ -124,6 +125,7 @@ def test_subnormal_repetition_penalty_is_a_400_not_a_failed_step(fuzz_server):
 OPERATIONS = [
     ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
     ("POST", "/tokenize", True), ("POST", "/detokenize", True),
+    ("POST", "/v1/embeddings", True), ("POST", "/v1/score", True), ("POST", "/score", True),
     ("GET", "/v1/models", False), ("GET", "/health", False), ("GET", "/version", False),
     ("GET", "/metrics", False), ("GET", "/ping", False), ("POST", "/ping", False),
 ]
