@@ -126,3 +126,26 @@ def test_no_starvation_of_equal_priorities_under_a_stream_of_higher_ones():
             break
     mids = [r for r in finished if r.startswith("mid")]
     assert mids == ["mid0", "mid1", "mid2", "mid3"]
+
+
+def test_swap_outs_of_a_step_that_was_never_sent_are_carried_by_the_next():
+    # The high-priority request cannot be encoded: its step fails before reaching the worker,
+    # but the victim it swapped out must still get its K/V copied before anyone reuses its blocks.
+    core, ex = make_core(block_size=4, max_num_batched_tokens=64, max_num_seqs=1, num_blocks=64,
+                         policy="priority", preemption_mode="swap", num_swap_blocks=16)
+    core.add_request("low", None, prompt(0), greedy(12), priority=5)
+    tokens = {}
+    for _ in range(3):
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    bad = greedy(3)
+    bad.top_k = 2**64  # changed after validation: the step cannot be encoded
+    core.add_request("bad", None, prompt(1), bad, priority=0)
+    outs = core.step()
+    assert [o.outputs[0].finish_reason for o in outs if o.request_id == "bad"] == ["error"]
+    assert core.block_manager.swap.is_swapped(core.requests["low"].seqs[0].seq_id)
+    core.add_request("next", None, prompt(2), greedy(3), priority=0)  # reuses the victim's blocks
+    first, done, tokens = run(core, tokens=tokens)
+    assert any(s.blocks_to_swap_out for s in ex.steps), "the swap-out never reached the worker"
+    assert tokens["low"] == expected_tokens(prompt(0), 12)
+    assert tokens["next"] == expected_tokens(prompt(2), 3)
