@@ -5,8 +5,10 @@ is the case where the victim's blocks were evicted). For each repeat: a request 
 ``--context``-token prompt is prefilled and decodes a few tokens, is preempted, and the clock runs
 from the next step until it has its next token: the swap-out + swap-in copies and one decode for
 swap, the prefill of the whole context again for recompute. Modes are interleaved and the median
-is printed; so is a plain decode step, and the copies alone (host pool, all layers). Both modes
-must give the tokens of an unpreempted run, which is checked.
+is printed; so is a plain decode step, and the copies alone (host pool, all layers). Swap must
+give the tokens of an unpreempted run (it restores the K/V bit for bit), which is checked; for
+recompute the run says whether they matched: the context comes back through a prefill instead
+of the decodes that wrote it, equal only up to rounding outside fp32.
 
     python -m loadtest.bench_swap --context 2000 --repeats 7
 """
@@ -92,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = [rng.randrange(100, vocab - 100) for _ in range(args.context)]
         _, _, reference = one_run(engines["swap"], prompt_ids, preempt=False)
         resume = {m: [] for m in engines}
+        same = {m: 0 for m in engines}
         decode = []
         for _ in range(args.repeats):
             for mode, llm in engines.items():
                 r, d, tokens = one_run(llm, prompt_ids, preempt=True)
-                assert tokens == reference, f"{mode}: preemption changed the greedy tokens"
+                same[mode] += tokens == reference
+                assert mode != "swap" or tokens == reference, "swap changed the greedy tokens"
                 resume[mode].append(r)
                 decode.append(d)
         out_s, in_s = copies_alone(engines["swap"], args.context, args.repeats)
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.repeats} repeats (medians)")
         for mode, times in resume.items():
             print(f"  resume after preemption, {mode:9s}: {statistics.median(times) * 1e3:8.1f} ms  "
-                  f"(all: {', '.join(f'{t * 1e3:.0f}' for t in times)})")
+                  f"(all: {', '.join(f'{t * 1e3:.0f}' for t in times)}; "
+                  f"tokens as unpreempted in {same[mode]}/{args.repeats})")
         print(f"  plain decode step:                  {statistics.median(decode) * 1e3:8.1f} ms")
         print(f"  copies alone: swap-out {out_s * 1e3:.1f} ms, swap-in {in_s * 1e3:.1f} ms")
         print(f"  recompute / swap: {statistics.median(resume['recompute']) / statistics.median(resume['swap']):.1f}x")
