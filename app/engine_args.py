@@ -26,7 +26,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", dest="num_blocks", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: lower value first, and a waiting request preempts running ones of "
+                        "lower priority when blocks or slots run out")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="what a preempted request's KV blocks become: freed and recomputed on resume, "
+                        "or copied to a host swap pool and back (recompute when the pool is full)")
+    g.add_argument("--swap-space", type=float, default=4.0,
+                   help="host swap pool per worker in GiB (--preemption-mode swap; pinned on CUDA)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--executor", default=None, choices=["inproc", "mp"],
                    help="inproc (same process) or mp (worker processes over shared memory)")
@@ -72,6 +79,8 @@ def engine_config_from_args(args: argparse.Namespace, default_executor: str | No
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         policy=args.scheduling_policy,
+        preemption_mode=getattr(args, "preemption_mode", "recompute"),
+        swap_space_gib=getattr(args, "swap_space", 4.0),
         max_waiting_requests=getattr(args, "max_waiting_requests", 1024),
         step_timeout_s=getattr(args, "step_timeout", DEFAULT_STEP_TIMEOUT_S),
         restart_workers=getattr(args, "restart_workers", False),

@@ -58,6 +58,13 @@ class EngineStats:
     num_worker_restarts: int = 0  # worker pools rebuilt after a failure (set by AsyncEngine)
 
 
+def _swap_blocks(config: EngineConfig, executor) -> int:
+    """Host swap-pool blocks the workers allocated (0 unless --preemption-mode swap)."""
+    if getattr(config.scheduler, "preemption_mode", "recompute") != "swap":
+        return 0
+    return int(getattr(executor, "num_swap_blocks", 0) or 0)
+
+
 class EngineCore(ConstrainedRequests, PoolingRequests):
     def __init__(self, config: EngineConfig, executor, tokenizer):
         if config.model.max_model_len is None:
@@ -70,7 +77,8 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         self.vocab_size = int((config.model.hf_config or {}).get("vocab_size") or 0) or None
         self.block_manager = BlockManager(int(executor.num_blocks), config.cache.block_size,
                                           config.cache.enable_prefix_caching,
-                                          hash_seed=model_hash_seed(config.model))
+                                          hash_seed=model_hash_seed(config.model),
+                                          num_swap_blocks=_swap_blocks(config, executor))
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids: set[int] = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[str, Request] = {}

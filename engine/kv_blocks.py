@@ -40,6 +40,8 @@ import struct
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Protocol
 
+from engine.swap_space import SwapSpace
+
 if TYPE_CHECKING:
     from gpu.config import ModelConfig
 
@@ -100,8 +102,9 @@ def model_hash_seed(model: "ModelConfig") -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_seed: bytes = b""):
-        """``hash_seed`` identifies the model (``model_hash_seed``); the engine always passes it."""
+                 hash_seed: bytes = b"", num_swap_blocks: int = 0):
+        """``hash_seed`` identifies the model (``model_hash_seed``); the engine always passes it.
+        ``num_swap_blocks``: host swap pool blocks (0 = no swapping)."""
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         if block_size < 1:
@@ -118,6 +121,7 @@ class BlockManager:
         self._num_registered: dict[int, int] = {}  # seq id -> leading blocks already registered
         self.prefix_cache_queries = 0  # tokens looked up (cumulative)
         self.prefix_cache_hits = 0  # tokens found (cumulative)
+        self.swap = SwapSpace(num_swap_blocks)
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -258,6 +262,31 @@ class BlockManager:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
 
+    # ---- swapping (engine/swap_space.py holds the host side) -------------------------------
+
+    def swap_out(self, seq_id: int, num_computed_tokens: int) -> bool:
+        """Move a sequence's computed K/V to the host pool and free its device blocks; False
+        (nothing changed) when the pool cannot hold it."""
+        blocks = self.tables[seq_id][:self.blocks_for(num_computed_tokens)]
+        if not self.swap.swap_out(seq_id, blocks, num_computed_tokens):
+            return False
+        self.free(seq_id)  # the copies are done before any later write into these blocks
+        return True
+
+    def swap_in(self, seq: SequenceLike, num_tokens: int) -> tuple[list[int], int] | None:
+        """Give a swapped-out sequence fresh device blocks for ``num_tokens`` tokens and schedule
+        the copy back. Returns (table, computed tokens restored), or None (nothing changed) when
+        the free blocks do not suffice."""
+        if seq.seq_id in self.tables:
+            raise RuntimeError(f"sequence {seq.seq_id} already has a block table")
+        need = self.blocks_for(num_tokens)
+        if need > len(self._free):
+            return None
+        table = [self._pop_free() for _ in range(need)]
+        self.tables[seq.seq_id] = table
+        self._num_registered[seq.seq_id] = 0  # fresh blocks: publish them again once back
+        return table, self.swap.swap_in(seq.seq_id, table)
+
     # ---- checks (tests, debugging) ----------------------------------------------------------
 
     def check_invariants(self) -> None:
@@ -280,3 +309,5 @@ class BlockManager:
         for block in self.blocks:
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) == block.block_id
+        self.swap.check_invariants()
+        assert not set(self.swap.tables) & set(self.tables), "a sequence is both swapped and on the device"

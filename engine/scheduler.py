@@ -4,13 +4,18 @@ One ``schedule()`` call builds one step:
   1. RUNNING sequences, in order, each gets what it still has to compute (1 token for a decode,
      the next chunk for a prefill in progress), capped by the step's remaining token budget.
      When the block manager has no block for one, the victim (lowest priority, then latest
-     arrival) is preempted: its blocks are freed, its generated tokens kept, and it goes back to
-     the front of the waiting queue; it is recomputed later (cheaply when its blocks are still
-     in the prefix cache). A victim already scheduled this step gives its tokens back.
+     arrival) is preempted: its generated tokens are kept and it goes back to the front of the
+     waiting queue. Recompute mode frees its blocks (recomputed later, cheaply when they are
+     still in the prefix cache); swap mode copies its computed K/V to the host swap pool
+     (engine/swap_space.py) and back when it resumes, falling back to recompute when the pool
+     is full. A victim already scheduled this step gives its tokens back.
   2. If nobody was preempted, WAITING sequences are admitted in order (fcfs: arrival, preempted
      first; priority: (priority, arrival)) while budget, ``max_num_seqs`` and free blocks allow.
      A prompt longer than the remaining budget is split into chunks over several steps. The
-     queue stops at the first sequence that does not fit (no overtaking of a big request).
+     queue stops at the first sequence that does not fit (no overtaking of a big request),
+     except under the priority policy: there a waiting sequence that does not fit preempts
+     running sequences of strictly lower priority (lowest, then latest, first) until it fits;
+     equal priorities never preempt each other, so they keep FCFS order.
 
 Bookkeeping mirrors the worker (gpu/messages.py): ``num_computed_tokens`` grows by the tokens
 scheduled; a sequence samples when it reaches its token count, and the engine appends the
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 from engine.kv_blocks import BlockManager
 from engine.request import Sequence, SeqStatus
 from gpu.config import SchedulerConfig
-from gpu.messages import NewSeq, StepInput
+from gpu.messages import NewSeq, StepInput, pack_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +57,12 @@ class Scheduler:
             raise ValueError(f"unknown scheduling policy {config.policy!r}: choose fcfs or priority")
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        mode = getattr(config, "preemption_mode", "recompute")
+        if mode not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption mode {mode!r}: choose recompute or swap")
         self.config = config
         self.policy = config.policy
+        self.preemption_mode = mode
         self.bm = block_manager
         self.max_num_batched_tokens = config.max_num_batched_tokens
         # Every running sequence needs at least one token of budget per step.
@@ -103,6 +112,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         self.bm.free(seq.seq_id)
+        self.bm.swap.free(seq.seq_id)
         self._forget_on_worker(seq)
 
     def _forget_on_worker(self, seq: Sequence) -> None:
@@ -111,8 +121,11 @@ class Scheduler:
             seq.on_worker = False
 
     def _preempt(self, seq: Sequence) -> None:
+        """Swap the sequence out when in swap mode and the host pool has room, else free its
+        blocks for recompute; either way it waits again with its generated tokens kept."""
         self.running.remove(seq)
-        self.bm.free(seq.seq_id)
+        if not (self.preemption_mode == "swap" and self.bm.swap_out(seq.seq_id, seq.num_computed_tokens)):
+            self.bm.free(seq.seq_id)
         self._forget_on_worker(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
@@ -120,6 +133,27 @@ class Scheduler:
         self.num_preemptions += 1
         self._insert_waiting(seq, front=True)
         logger.debug("preempted %r", seq)
+
+    def _preempt_for(self, seq: Sequence, scheduled: dict, admitted: set[int],
+                     preempted: list[Sequence], need_budget: bool) -> int | None:
+        """Priority policy: make room for waiting ``seq`` by preempting the lowest-priority (then
+        latest) running sequence, if it ranks strictly below ``seq`` (equal priorities keep FCFS
+        order) and was not admitted this step; when the token budget is what is missing, only a
+        sequence scheduled this step (that gives tokens back) helps. Returns the token budget
+        given back, or None when nobody may be preempted."""
+        if self.policy != "priority":
+            return None
+        candidates = [s for s in self.running if s.seq_id not in admitted
+                      and (not need_budget or s.seq_id in scheduled)]
+        if not candidates:
+            return None
+        victim = max(candidates, key=self._key)
+        if victim.priority <= seq.priority:
+            return None
+        entry = scheduled.pop(victim.seq_id, None)
+        self._preempt(victim)
+        preempted.append(victim)
+        return entry[1] if entry is not None else 0
 
     def _eligible(self, seq: Sequence) -> bool:
         if seq.index == 0 or not self.bm.enable_prefix_caching:
@@ -168,18 +202,36 @@ class Scheduler:
         # 2. waiting sequences
         new_seqs: list[NewSeq] = []
         if not preempted:
+            admitted: set[int] = set()
             i = 0
-            while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            while i < len(self.waiting):
                 seq = self.waiting[i]
+                if seq in preempted:
+                    break  # a victim of this very step does not come back in it
                 if not self._eligible(seq):
                     i += 1
                     continue
-                cached = self.bm.find_cached_prefix(seq) if seq.use_prefix_cache else []
-                num_computed = len(cached) * B
-                num_new = min(seq.num_tokens - num_computed, budget)
-                table = self.bm.allocate_new(seq, cached, num_computed + num_new)
+                table = None
+                if budget > 0 and len(self.running) < self.max_num_seqs:
+                    if self.bm.swap.is_swapped(seq.seq_id):
+                        num_computed = self.bm.swap.num_computed[seq.seq_id]
+                        num_new = min(seq.num_tokens - num_computed, budget)
+                        got = self.bm.swap_in(seq, num_computed + num_new)
+                        table = got[0] if got is not None else None
+                    else:
+                        cached = self.bm.find_cached_prefix(seq) if seq.use_prefix_cache else []
+                        num_computed = len(cached) * B
+                        num_new = min(seq.num_tokens - num_computed, budget)
+                        table = self.bm.allocate_new(seq, cached, num_computed + num_new)
+                        if table is not None and seq.index == 0 and seq.request.num_cached_tokens == 0:
+                            seq.request.num_cached_tokens = num_computed
                 if table is None:
-                    break
+                    given = self._preempt_for(seq, scheduled, admitted, preempted, need_budget=budget <= 0)
+                    if given is None:
+                        break
+                    budget += given
+                    continue
+                admitted.add(seq.seq_id)
                 self.waiting.pop(i)
                 seq.status = SeqStatus.RUNNING
                 seq.num_computed_tokens = num_computed
@@ -194,8 +246,6 @@ class Scheduler:
                     pooling=seq.pooling,
                 ))
                 seq.on_worker = True
-                if seq.index == 0 and seq.request.num_cached_tokens == 0:
-                    seq.request.num_cached_tokens = num_computed
                 scheduled[seq.seq_id] = (seq, num_new, [])
                 budget -= num_new
 
@@ -218,6 +268,7 @@ class Scheduler:
                 new_block_ids.extend(blocks)
             samples.append(seq.num_computed_tokens == seq.num_tokens)
         self._step_id += 1
+        swap_out, swap_in = self.bm.swap.take_pending()
         step_input = StepInput.pack(
             step_id=self._step_id,
             new_seqs=new_seqs,
@@ -227,6 +278,10 @@ class Scheduler:
             new_block_ids=new_block_ids,
             finished_seq_ids=self._finished_ids,
         )
+        if swap_out:
+            step_input.blocks_to_swap_out_buf = pack_pairs(swap_out)
+        if swap_in:
+            step_input.blocks_to_swap_in_buf = pack_pairs(swap_in)
         self._finished_ids = []
         return ScheduledStep(step_input, seqs, num_new_tokens, samples, preempted)
 
@@ -234,6 +289,7 @@ class Scheduler:
         """The step never reached the workers (call after its requests were finished): its
         finished ids are due again, and its new sequences, never registered, must not be
         named as finished."""
+        self.bm.swap.requeue_out(step.step_input.blocks_to_swap_out)
         unregistered = {ns.seq_id for ns in step.step_input.new_seqs}
         self._finished_ids = list(step.step_input.finished_seq_ids) + [
             i for i in self._finished_ids if i not in unregistered]

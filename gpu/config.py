@@ -60,6 +60,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory
     num_blocks: int | None = None  # fixed block count (tests); overrides the memory budget
     enable_prefix_caching: bool = True
+    # Host swap pool for --preemption-mode swap, in GiB per worker (vLLM's --swap-space); pinned
+    # memory on CUDA. Allocated only in swap mode.
+    swap_space_gib: float = 4.0
+    num_swap_blocks: int | None = None  # fixed host block count (tests); overrides swap_space_gib
 
 
 # Seconds a step may take before its workers count as hung and the executor fails as for a dead
@@ -96,6 +100,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"  # fcfs | priority
+    # recompute (free the blocks, compute them again on resume) | swap (copy the blocks to the
+    # host swap pool and back; recompute when the pool is full)
+    preemption_mode: str = "recompute"
     max_waiting_requests: int = 1024
 
 

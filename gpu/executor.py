@@ -22,6 +22,7 @@ class ExecutorError(RuntimeError):
 
 class Executor(abc.ABC):
     num_blocks: int  # KV blocks each worker allocated
+    num_swap_blocks: int = 0  # host swap-pool blocks each worker allocated (--preemption-mode swap)
 
     @abc.abstractmethod
     def execute(self, step: StepInput) -> StepOutput:
@@ -49,6 +50,7 @@ class InprocExecutor(Executor):
 
         self.runner = ModelRunner(config)
         self.num_blocks = self.runner.initialize()
+        self.num_swap_blocks = self.runner.num_swap_blocks
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step")
 
     def execute(self, step: StepInput) -> StepOutput:

@@ -17,6 +17,11 @@ sequence the step carries (batch index, block id) pairs. Both ends run on the sa
 (shared memory), so native byte order is fine.
 
 Worker-side order of operations for one ``StepInput``:
+  0. swaps (preemption by swapping): copy every ``blocks_to_swap_out`` pair (device block → host
+     swap-pool block), then every ``blocks_to_swap_in`` pair (host block → device block), before
+     anything else of the step. Out before in: a device block freed by a swap-out may be the
+     destination of a swap-in of the same step (the engine never reuses a host block read by a
+     swap-in before that step was sent);
   1. forget every id in ``finished_seq_ids`` (finished, aborted or preempted sequences);
   2. register every ``NewSeq`` (a preempted sequence comes back as a NewSeq with the same id,
      its generated tokens included in ``token_ids``);
@@ -133,6 +138,10 @@ class StepInput(msgspec.Struct, array_like=True):
     # (word t // 32, bit t % 32) set = token t may be sampled. Unconstrained rows send nothing.
     token_mask_rows_buf: bytes = b""
     token_mask_buf: bytes = b""
+    # Preemption by swapping, as (source, destination) int32 pairs flattened: swap_out =
+    # (device block, host block), swap_in = (host block, device block). Done before the forward.
+    blocks_to_swap_out_buf: bytes = b""
+    blocks_to_swap_in_buf: bytes = b""
 
     @classmethod
     def pack(cls, step_id: int, new_seqs: list[NewSeq], seq_ids: Iterable[int], num_new_tokens: Iterable[int],
@@ -161,6 +170,24 @@ class StepInput(msgspec.Struct, array_like=True):
     @property
     def token_mask_rows(self) -> memoryview:
         return memoryview(self.token_mask_rows_buf).cast(INT_FORMAT)
+
+    @property
+    def blocks_to_swap_out(self) -> list[tuple[int, int]]:
+        return _pairs(self.blocks_to_swap_out_buf)
+
+    @property
+    def blocks_to_swap_in(self) -> list[tuple[int, int]]:
+        return _pairs(self.blocks_to_swap_in_buf)
+
+
+def pack_pairs(pairs: Iterable[tuple[int, int]]) -> bytes:
+    """(a, b) pairs as one flat int32 column a0 b0 a1 b1 ..."""
+    return pack_ints(x for pair in pairs for x in pair)
+
+
+def _pairs(buf: bytes) -> list[tuple[int, int]]:
+    flat = memoryview(buf).cast(INT_FORMAT).tolist()
+    return list(zip(flat[0::2], flat[1::2]))
 
 
 class SampledLogprobs(msgspec.Struct, array_like=True):

@@ -64,6 +64,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.sampler = None
         self.graph_runner = None
+        self.swap_pool = None  # gpu/kv_swap.HostSwapPool in --preemption-mode swap
+        self.num_swap_blocks = 0
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -82,6 +84,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_blocks = self._num_blocks()
         self.allocate_kv_cache(self.num_blocks)
+        self._allocate_swap_pool()
         self._setup_graph_runner()
         return self.num_blocks
 
@@ -142,6 +145,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks, self.block_size,
                     num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / 2**30)
+
+    def _allocate_swap_pool(self) -> None:
+        from gpu.kv_swap import HostSwapPool, num_swap_blocks
+
+        n = num_swap_blocks(self.config, self.kv_bytes_per_block())
+        if n > 0:
+            self.swap_pool = HostSwapPool(self.kv_caches, n)
+            logger.info("swap pool: %d host blocks, %.2f GiB", n, self.swap_pool.nbytes / 2**30)
+        self.num_swap_blocks = n
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -208,6 +220,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        if self.swap_pool is not None:
+            self.swap_pool.apply(step, self.kv_caches)
         for seq_id in step.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         for new in step.new_seqs:

@@ -131,6 +131,7 @@ class MultiprocExecutor(Executor):
         res = self._res
         pending = dict(enumerate(res.conns))
         blocks: dict[int, int] = {}
+        swap_blocks: dict[int, int] = {}
         deadline = time.monotonic() + timeout
         while pending:
             self._check_cancelled()
@@ -145,7 +146,7 @@ class MultiprocExecutor(Executor):
                 proc = res.procs[rank]
                 if conn in ready or proc.sentinel in ready:
                     try:
-                        kind, value = conn.recv()
+                        kind, value, *rest = conn.recv()
                     except (EOFError, OSError):
                         proc.join(1.0)
                         raise ExecutorError(
@@ -155,9 +156,11 @@ class MultiprocExecutor(Executor):
                     if kind == "error":
                         raise ExecutorError(f"worker {rank} failed to start:\n{value}")
                     blocks[rank] = int(value)
+                    swap_blocks[rank] = int(rest[0]) if rest else 0
                     del pending[rank]
         if len(set(blocks.values())) > 1:
             logger.warning("ranks allocated different KV block counts %s; using the smallest", blocks)
+        self.num_swap_blocks = min(swap_blocks.values())
         return min(blocks.values())
 
     # ------------------------------------------------------------------ health

@@ -1,7 +1,7 @@
 """The worker process: one per tensor-parallel rank, started with ``spawn`` by MultiprocExecutor.
 
 Start-up: attach the rings, set torch threads, (tp > 1) join the gloo/NCCL group and set the
-tensor-parallel state, build the model runner and report ``("ready", num_blocks)`` or
+tensor-parallel state, build the model runner and report ``("ready", num_blocks, num_swap_blocks)`` or
 ``("error", traceback text)`` over the ready pipe. Then loop: read a message from the step ring
 (every rank reads every step), execute it, and rank 0 writes the StepOutput to the reply ring.
 
@@ -153,7 +153,7 @@ def worker_main(args: WorkerArgs) -> None:
         conn.close()
         _teardown_torch(args)
         sys.exit(1)
-    conn.send(("ready", int(num_blocks)))
+    conn.send(("ready", int(num_blocks), int(getattr(runner, "num_swap_blocks", 0))))
     code = 0
     try:
         _serve(args, runner, step_ring, reply_ring, conn)

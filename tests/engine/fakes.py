@@ -64,8 +64,10 @@ class _WorkerSeq:
 
 
 class FakeExecutor:
-    def __init__(self, num_blocks: int, block_size: int, next_token=default_next_token):
+    def __init__(self, num_blocks: int, block_size: int, next_token=default_next_token, num_swap_blocks: int = 0):
         self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
+        self.host_kv: dict[tuple[int, int], tuple[int, int]] = {}  # (host block, offset) -> (token, position)
         self.block_size = block_size
         self.next_token = next_token
         self.seqs: dict[int, _WorkerSeq] = {}
@@ -85,6 +87,7 @@ class FakeExecutor:
         assert wire == step, "the step changed through msgpack"
         step = wire
         self.steps.append(step)
+        self._swap(step)
         for sid in step.finished_seq_ids:
             assert sid in self.seqs, f"finished id {sid} unknown to the worker"
             del self.seqs[sid]
@@ -143,6 +146,30 @@ class FakeExecutor:
                     out_lps.append(None)
         return StepOutput.pack(step.step_id, out_ids, out_tokens, logprobs=out_lps if any_lp else None)
 
+    def _swap(self, step: StepInput) -> None:
+        """Swap-outs (device -> host) then swap-ins (host -> device), before anything else."""
+        B = self.block_size
+        out_hosts = [h for _, h in step.blocks_to_swap_out]
+        in_devs = [d for _, d in step.blocks_to_swap_in]
+        assert len(set(out_hosts)) == len(out_hosts), "two swap-outs into one host block"
+        assert len(set(in_devs)) == len(in_devs), "two swap-ins into one device block"
+        for dev, host in step.blocks_to_swap_out:
+            assert 0 < dev < self.num_blocks and 0 <= host < self.num_swap_blocks, (dev, host)
+            for o in range(B):
+                self._copy(self.kv, dev * B + o, self.host_kv, (host, o))
+        for host, dev in step.blocks_to_swap_in:
+            assert 0 < dev < self.num_blocks and 0 <= host < self.num_swap_blocks, (dev, host)
+            for o in range(B):
+                self._copy(self.host_kv, (host, o), self.kv, dev * B + o)
+
+    @staticmethod
+    def _copy(src: dict, src_key, dst: dict, dst_key) -> None:
+        value = src.get(src_key)
+        if value is None:
+            dst.pop(dst_key, None)
+        else:
+            dst[dst_key] = value
+
     async def execute_async(self, step):
         return self.execute(step)
 
@@ -158,12 +185,14 @@ class FakeExecutor:
 
 def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
                 max_num_seqs: int = 16, max_model_len: int = 256, policy: str = "fcfs",
-                prefix_caching: bool = True) -> EngineConfig:
+                prefix_caching: bool = True, preemption_mode: str = "recompute",
+                num_swap_blocks: int | None = None) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(max_model_len=max_model_len),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+                          num_swap_blocks=num_swap_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  policy=policy),
+                                  policy=policy, preemption_mode=preemption_mode),
     )
 
 
@@ -171,7 +200,8 @@ def make_core(next_token=default_next_token, **kw):
     from engine.core import EngineCore
 
     config = make_config(**kw)
-    executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size, next_token)
+    executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size, next_token,
+                            num_swap_blocks=config.cache.num_swap_blocks or 0)
     return EngineCore(config, executor, FakeTokenizer()), executor
 
 

@@ -1,4 +1,5 @@
-"""Property test: thousands of random add / step / abort operations on a tiny KV cache.
+"""Property test: thousands of random add / step / abort / preempt operations on a tiny KV cache,
+preempting by recompute or by swapping to a tiny host pool (which fills up: then recompute).
 
 After every operation the block accounting must be exact (free + used == total, ref counts equal
 the number of tables holding each block, cached hashes consistent), the engine's view of every
@@ -24,6 +25,8 @@ op = st.one_of(
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("abort_inflight"), st.integers(0, 50)),
+    st.tuples(st.just("preempt"), st.integers(0, 50)),
+    st.tuples(st.just("preempt"), st.integers(0, 50)),
 )
 
 
@@ -43,6 +46,10 @@ def check_consistency(core, ex):
     assert len(running) <= sched.max_num_seqs
     for s in sched.waiting:
         assert s.status is SeqStatus.WAITING and s.num_computed_tokens == 0 and not s.on_worker
+    swap = bm.swap
+    assert set(swap.tables) <= {s.seq_id for s in sched.waiting}, "only waiting sequences are swapped out"
+    for sid, host in swap.tables.items():
+        assert len(host) == bm.blocks_for(swap.num_computed[sid]) and swap.num_computed[sid] > 0
     for sid, s in running.items():
         assert s.status is SeqStatus.RUNNING
         table = bm.tables[sid]
@@ -61,11 +68,13 @@ def check_consistency(core, ex):
     num_blocks=st.integers(7, 16), block_size=st.sampled_from([1, 2, 4]),
     budget=st.integers(4, 32), max_seqs=st.integers(1, 6), policy=st.sampled_from(["fcfs", "priority"]),
     prefix=st.booleans(), ops=st.lists(op, min_size=20, max_size=90),
+    mode=st.sampled_from(["recompute", "swap"]), num_swap_blocks=st.integers(0, 12),
 )
 def test_random_operations_keep_block_accounting_exact(num_blocks, block_size, budget, max_seqs, policy,
-                                                         prefix, ops):
+                                                         prefix, ops, mode, num_swap_blocks):
     core, ex = make_core(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
-                         max_num_seqs=max_seqs, policy=policy, prefix_caching=prefix, max_model_len=64)
+                         max_num_seqs=max_seqs, policy=policy, prefix_caching=prefix, max_model_len=64,
+                         preemption_mode=mode, num_swap_blocks=num_swap_blocks)
     capacity = core.block_manager.num_usable_blocks * block_size
     families = [[BYTE0 + 40 + (f * 11 + i * 5) % 60 for i in range(24)] for f in range(4)]
     requests = {}  # request id -> (prompt, max_tokens, n)
@@ -111,6 +120,9 @@ def test_random_operations_keep_block_accounting_exact(num_blocks, block_size, b
                 collect([core.abort_request(rid)])
                 collect(core.process(sched, step_out))
             aborted.add(rid)
+        elif kind == "preempt" and core.scheduler.running:
+            running = core.scheduler.running
+            core.scheduler._preempt(running[item[1] % len(running)])
         check_consistency(core, ex)
 
     # drain: everything not aborted finishes with exactly its solo greedy output
@@ -122,6 +134,7 @@ def test_random_operations_keep_block_accounting_exact(num_blocks, block_size, b
     assert not core.has_unfinished()
     bm = core.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks and not bm.tables and bm.usage == 0.0
+    assert bm.swap.num_free_blocks == bm.swap.num_blocks and not bm.swap.tables
     for rid, (p, max_tokens, n) in requests.items():
         if rid in aborted:
             assert all(reason in ("abort", "length") for _, reason in results[rid].values())

@@ -1,0 +1,46 @@
+"""--scheduling-policy / --preemption-mode / --swap-space reach the engine config, and values
+that cannot work are refused with a message naming the flag before any worker starts."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from app.engine_args import add_engine_args, engine_config_from_args
+from engine.bootstrap import resolve_config
+from gpu.config import ConfigError, default_model_path
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults_keep_recompute_and_a_4_gib_pool():
+    config = engine_config_from_args(parse([]))
+    assert config.scheduler.preemption_mode == "recompute" and config.cache.swap_space_gib == 4.0
+
+
+def test_flags_reach_the_config():
+    config = engine_config_from_args(parse(["--scheduling-policy", "priority", "--preemption-mode", "swap",
+                                            "--swap-space", "0.5"]))
+    assert config.scheduler.policy == "priority"
+    assert config.scheduler.preemption_mode == "swap" and config.cache.swap_space_gib == 0.5
+
+
+def test_unknown_mode_is_refused_by_the_parser():
+    with pytest.raises(SystemExit):
+        parse(["--preemption-mode", "discard"])
+
+
+@pytest.mark.parametrize("options, flag", [({"preemption_mode": "discard"}, "--preemption-mode"),
+                                           ({"swap_space_gib": -1.0}, "--swap-space"),
+                                           ({"swap_space_gib": float("nan")}, "--swap-space")])
+def test_bad_values_are_config_errors(options, flag):
+    from gpu.config import EngineConfig
+
+    config = EngineConfig.from_options(model=default_model_path(), hf_config={"max_position_embeddings": 256},
+                                       **options)
+    with pytest.raises(ConfigError, match=flag):
+        resolve_config(config)
