@@ -101,6 +101,8 @@ class Request:
     # Set while the request's grammar compiles: its sequences are not in the scheduler yet.
     grammar_future: Any = None
     compiling: bool = False
+    # Beam search state (engine/beam_engine.py BeamGroup); None for sampling requests.
+    beam: Any = None
 
     @property
     def all_finished(self) -> bool:

@@ -18,6 +18,8 @@ sequence the step carries (batch index, block id) pairs. Both ends run on the sa
 
 Worker-side order of operations for one ``StepInput``:
   1. forget every id in ``finished_seq_ids`` (finished, aborted or preempted sequences);
+  1b. copy the K/V of block ``src`` to block ``dst`` in every layer, for each (src, dst) pair of
+     ``blocks_to_copy`` (copy-on-write of a beam fork's shared tail block, before the forward);
   2. register every ``NewSeq`` (a preempted sequence comes back as a NewSeq with the same id,
      its generated tokens included in ``token_ids``);
   3. for each k, append ``new_block_ids[k]`` to the block table of scheduled sequence
@@ -107,6 +109,9 @@ class StepInput(msgspec.Struct, array_like=True):
     # (word t // 32, bit t % 32) set = token t may be sampled. Unconstrained rows send nothing.
     token_mask_rows_buf: bytes = b""
     token_mask_buf: bytes = b""
+    # Copy-on-write of KV blocks (beam search forks): int32 pairs src0, dst0, src1, dst1, ...; the
+    # worker copies block src's K/V into block dst, every layer, before the forward.
+    blocks_to_copy_buf: bytes = b""
 
     @classmethod
     def pack(cls, step_id: int, new_seqs: list[NewSeq], seq_ids: Iterable[int], num_new_tokens: Iterable[int],
@@ -135,6 +140,12 @@ class StepInput(msgspec.Struct, array_like=True):
     @property
     def token_mask_rows(self) -> memoryview:
         return memoryview(self.token_mask_rows_buf).cast(INT_FORMAT)
+
+    @property
+    def blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The (src, dst) block pairs to copy before the forward."""
+        flat = memoryview(self.blocks_to_copy_buf).cast(INT_FORMAT).tolist()
+        return list(zip(flat[0::2], flat[1::2]))
 
 
 class SampledLogprobs(msgspec.Struct, array_like=True):
