@@ -9,6 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.beam_requests import beam_kwargs
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished
 from app.prompt_options import check_truncate, chat_echo_text, chat_template_options, truncate_prompt
@@ -87,6 +88,7 @@ class ChatRoute:
                 e.param = "messages"
             raise
         kw = req.sampling_kwargs()
+        kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if plan.schema is not None:
             kw["structured_outputs"] = structured_outputs_for(plan)
         if keeps_special_tokens(plan, self.engine.tokenizer):

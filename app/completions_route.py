@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.beam_requests import beam_kwargs
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished, normalize_logprob
 from app.prompt_options import check_truncate, truncate_prompt
@@ -54,6 +55,7 @@ class CompletionsRoute:
         max_tokens = [self.max_tokens_for(len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
                       for _, ids in prompts]
         kw = req.sampling_kwargs()
+        kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if req.logprobs is not None:
             kw["logprobs"] = req.logprobs
             if req.echo:

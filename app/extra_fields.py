@@ -48,15 +48,14 @@ class ExtraFields(_Fields):
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:<id>"
     # Fast tokenizers (all of ours) decode the same either way, as in vLLM.
     spaces_between_special_tokens: bool = True
-    length_penalty: float | None = None  # beam search only (refused below), as in vLLM
-    use_beam_search: bool | None = Field(default=None, json_schema_extra=_FALSE_OR_NULL)
+    length_penalty: float | None = None  # beam search only, as in vLLM (app/beam_requests.py)
+    use_beam_search: bool | None = None
     logits_processors: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
     kv_transfer_params: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
     vllm_xargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
 
     def check_extra_fields(self) -> None:
         refused = {
-            "use_beam_search": (self.use_beam_search is True, "beam search is not supported"),
             "logits_processors": (bool(self.logits_processors), "logits_processors are not supported"),
             "kv_transfer_params": (self.kv_transfer_params is not None,
                                    "kv_transfer_params (disaggregated serving) are not supported"),

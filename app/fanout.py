@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from app.beam_requests import BEAM_KEY, BeamSplit, BeamView
 from app.errors import APIError
 from app.metrics import RequestTracker
 from app.streaming import close_all, merge_async_iterators
@@ -54,6 +55,14 @@ class ChoiceFanOut:
 
     def make_choices(self, request_id: str, prompts: list[tuple[str | None, list[int]]], n: int,
                      base_kwargs: dict[str, Any], max_tokens: list[int], seed: int | None) -> list[Choice]:
+        if BEAM_KEY in base_kwargs:  # use_beam_search: one engine request per prompt (app/beam_requests.py)
+            from engine.beam_search import BeamSearchParams
+
+            return [Choice(index=p * n + i, prompt_idx=p, sample_idx=i, request_id=f"{request_id}-{p}",
+                           prompt_ids=ids, prompt_text=text,
+                           params=BeamSearchParams(max_tokens=max_tokens[p], **base_kwargs[BEAM_KEY]),
+                           tracker=self.metrics.tracker())
+                    for p, (text, ids) in enumerate(prompts) for i in range(n)]
         choices = []
         for p, (text, ids) in enumerate(prompts):
             for i in range(n):
@@ -73,8 +82,16 @@ class ChoiceFanOut:
     async def start(self, choices: list[Choice], priority: int, cache_salt: str | None = None) -> list[Any]:
         """Submit every choice to the engine; if one is refused, abort those already started."""
         streams: list[Any] = []
+        splits: dict[str, BeamSplit] = {}
         try:
             for c in choices:
+                if c.request_id in splits or c.params.__class__.__name__ == "BeamSearchParams":
+                    if c.request_id not in splits:
+                        splits[c.request_id] = BeamSplit(self.engine.generate(
+                            c.prompt_ids, c.params, c.request_id, prompt=c.prompt_text, priority=priority,
+                            cache_salt=cache_salt))
+                    streams.append(BeamView(splits[c.request_id], c.sample_idx))
+                    continue
                 streams.append(self.engine.generate(c.prompt_ids, c.params, c.request_id,
                                                     prompt=c.prompt_text, priority=priority,
                                                     cache_salt=cache_salt))

@@ -137,7 +137,7 @@ class SamplingFields(StructuredFields, OpenAIModel):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise APIError.unsupported("stream_options.continuous_usage_stats",
                                        "continuous_usage_stats is not supported")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != self.n and not getattr(self, "use_beam_search", None):
             raise APIError.unsupported("best_of", "best_of different from n is not supported")
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options is only allowed when stream is true",

@@ -23,6 +23,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from engine import beam_engine
+from engine.beam_search import BeamSearchParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, RequestRejectedError
 from engine.kv_blocks import BlockManager, model_hash_seed
@@ -96,7 +98,11 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
                     params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> None:
         """``cache_salt``: requests share prefix-cache blocks only with requests of an equal
-        salt (None is a salt of its own), so tenants never read each other's K/V."""
+        salt (None is a salt of its own), so tenants never read each other's K/V.
+        ``params`` may be BeamSearchParams (engine/beam_engine.py)."""
+        if isinstance(params, BeamSearchParams):
+            return beam_engine.add_beam_request(self, request_id, prompt, prompt_token_ids, params,
+                                                arrival_time, priority, cache_salt)
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
@@ -244,17 +250,24 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
                         req.prompt_logprobs[pos] = self._logprob_entry(req.prompt_token_ids[pos], entry)
         now = time.monotonic()
         logprobs = step_output.logprobs
+        beam_reqs: dict[str, Request] = {}
         for i, (seq_id, token_id) in enumerate(zip(step_output.seq_ids, step_output.token_ids)):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             lp = logprobs[i] if logprobs is not None else None
-            self._append_token(seq, token_id, lp)
             req = seq.request
+            if req.beam is not None:
+                req.beam.report(seq, token_id, lp)
+                beam_reqs[req.request_id] = req
+            else:
+                self._append_token(seq, token_id, lp)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
             touched[req.request_id] = req
+        for req in beam_reqs.values():
+            beam_engine.advance(self, req)
         return [out for req in touched.values() if (out := self._make_output(req)) is not None]
 
     def step(self) -> list[RequestOutput]:
@@ -371,6 +384,8 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
     def _make_output(self, req: Request) -> RequestOutput | None:
         if req.seqs and req.seqs[0].pooling is not None:
             return self.make_pooling_output(req)
+        if req.beam is not None:
+            return beam_engine.make_output(self, req)
         outs: list[CompletionOutput] = []
         for seq in req.seqs:
             n_out = seq.num_output_tokens

@@ -248,6 +248,43 @@ class BlockManager:
         table.extend(new)
         return new
 
+    # ---- beams: shared tables, copy-on-write ------------------------------------------------
+
+    def fork(self, parent_id: int, child_id: int) -> list[int]:
+        """Give ``child_id`` the very blocks of ``parent_id`` (ref counts +1, nothing copied):
+        beams share their prompt and common prefix. Before the child writes into a block it
+        shares, ``copy_on_write`` gives it a private copy."""
+        if child_id in self.tables:
+            raise RuntimeError(f"sequence {child_id} already has a block table")
+        table = list(self.tables[parent_id])
+        for block_id in table:
+            self.blocks[block_id].ref_count += 1
+        self.tables[child_id] = table
+        self._num_registered[child_id] = self._num_registered[parent_id]
+        return table
+
+    def copy_on_write(self, seq_id: int, position: int) -> list[tuple[int, int]] | None:
+        """Make the block that will hold token ``position`` private to ``seq_id``.
+
+        Returns [] when nothing is needed (the block is not allocated yet, or only this sequence
+        holds it), [(src, dst)] when the table now points at the fresh block ``dst`` whose K/V the
+        worker must copy from ``src`` before the step's forward, or None (nothing changed) when
+        no block is free. Only a partial tail block is ever shared this way: full blocks are
+        never written again."""
+        table = self.tables[seq_id]
+        index = position // self.block_size
+        if index >= len(table):
+            return []
+        src = table[index]
+        if self.blocks[src].ref_count == 1:
+            return []
+        if not self._free:
+            return None
+        dst = self._pop_free()
+        self.blocks[src].ref_count -= 1
+        table[index] = dst
+        return [(src, dst)]
+
     def free(self, seq_id: int) -> None:
         """Drop a sequence's table; blocks nobody else holds return to the free LRU."""
         table = self.tables.pop(seq_id, None)

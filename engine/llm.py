@@ -4,6 +4,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 from engine.llm_pooling import PoolingLLM
 from engine.outputs import RequestOutput, merge_delta
 from engine.sampling_params import SamplingParams
@@ -11,6 +13,9 @@ from gpu.config import EngineConfig
 
 # Show a progress bar only when a run is long enough to want one.
 TQDM_MIN_REQUESTS = 16
+
+if TYPE_CHECKING:
+    from engine.beam_search import BeamSearchOutput, BeamSearchParams
 
 Prompt = str | list[int] | dict
 
@@ -51,6 +56,35 @@ class LLM(PoolingLLM):
                                   cache_salt=salt)
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: "BeamSearchParams",
+                    use_tqdm: bool | None = None) -> list["BeamSearchOutput"]:
+        """Beam search per prompt (engine/beam_search.py for the rule); each result holds the
+        returned beams best first. As vLLM's: a beam's ``tokens`` are prompt + generated, its
+        ``text`` their decoded text."""
+        from engine.beam_search import BeamSearchOutput, BeamSequence, score
+
+        prompt_list = self._as_prompt_list(prompts)
+        request_ids = []
+        for prompt in prompt_list:
+            text, ids = self._tokenize(prompt)
+            rid = str(next(self._ids))
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            self.core.add_request(rid, text, ids, params, cache_salt=salt)
+            request_ids.append(rid)
+        results = []
+        for out in self._run(request_ids, use_tqdm):
+            seqs = []
+            for c in out.outputs:
+                tokens = list(out.prompt_token_ids) + list(c.token_ids)
+                n = len(c.token_ids)
+                seqs.append(BeamSequence(
+                    tokens=tokens, text=self.tokenizer.decode(tokens, skip_special_tokens=False),
+                    cum_logprob=c.cumulative_logprob, output_tokens=list(c.token_ids), output_text=c.text,
+                    score=score(c.cumulative_logprob, n, params.length_penalty) if n else c.cumulative_logprob,
+                    finish_reason=c.finish_reason))
+            results.append(BeamSearchOutput(seqs))
+        return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -105,6 +105,8 @@ class Request:
     compiling: bool = False
     # A pooling request (params is PoolingParams): its vector, float32 bytes, once computed.
     pooled: bytes | None = None
+    # Beam search state (engine/beam_engine.py BeamGroup); None for sampling requests.
+    beam: Any = None
 
     @property
     def all_finished(self) -> bool:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from engine.kv_blocks import BlockManager
 from engine.request import Sequence, SeqStatus
 from gpu.config import SchedulerConfig
-from gpu.messages import NewSeq, StepInput, pack_pairs
+from gpu.messages import NewSeq, StepInput, pack_ints, pack_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._finished_ids: list[int] = []  # seq ids the worker must forget at the next step
+        self._forked: list[Sequence] = []  # beam forks running but not yet announced to the worker
         self._step_id = 0
         self.num_preemptions = 0
 
@@ -154,6 +155,46 @@ class Scheduler:
         self._preempt(victim)
         preempted.append(victim)
         return entry[1] if entry is not None else 0
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Beam search: ``child`` (parent's computed tokens, then one new token) runs at once on
+        the parent's blocks, shared (engine/beam_search.py). It reaches the worker as a NewSeq at
+        the next step, with a private copy of the shared tail block it is about to write."""
+        self.bm.fork(parent.seq_id, child.seq_id)
+        child.status = SeqStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._insert_running(child)
+        self._forked.append(child)
+
+    def _unshare_forks(self, preempted: list[Sequence]) -> list[tuple[Sequence, list[int], list[int]]]:
+        """Copy-on-write for the pending forks, before anything else allocates this step: each
+        gets (fork, its table for the NewSeq, flat (src, dst) copies)."""
+        out = []
+        for seq in self._forked:
+            if seq.status is not SeqStatus.RUNNING or seq.on_worker:
+                continue  # finished or preempted meanwhile (a preempted one comes back as a NewSeq)
+            pairs = self.bm.copy_on_write(seq.seq_id, seq.num_computed_tokens)
+            if pairs is None:  # no free block: recompute it later like any preempted sequence
+                self._preempt(seq)
+                preempted.append(seq)
+                continue
+            out.append((seq, list(self.bm.table(seq.seq_id)), [x for pair in pairs for x in pair]))
+        self._forked = []
+        return out
+
+    def _announce_forks(self, forks: list[tuple[Sequence, list[int], list[int]]]) -> tuple[list[NewSeq], list[int]]:
+        """NewSeqs (and block copies) of the forks still running after step 1 of ``schedule``
+        (one preempted there never reaches the worker; its copy is dropped)."""
+        new_seqs: list[NewSeq] = []
+        copies: list[int] = []
+        for seq, table, pairs in forks:
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            new_seqs.append(NewSeq(
+                seq_id=seq.seq_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
+                num_computed_tokens=seq.num_computed_tokens, block_ids=table, sampling=seq.options))
+            seq.on_worker = True
+            copies += pairs
+        return new_seqs, copies
 
     def _eligible(self, seq: Sequence) -> bool:
         if seq.index == 0 or not self.bm.enable_prefix_caching:
@@ -172,6 +213,7 @@ class Scheduler:
         B = self.bm.block_size
         scheduled: dict[int, tuple[Sequence, int, list[int]]] = {}  # seq id -> (seq, n, new blocks)
         preempted: list[Sequence] = []
+        forks = self._unshare_forks(preempted) if self._forked else []
 
         # 1. running sequences
         for seq in list(self.running):
@@ -200,7 +242,7 @@ class Scheduler:
             budget -= num_new
 
         # 2. waiting sequences
-        new_seqs: list[NewSeq] = []
+        new_seqs, block_copies = self._announce_forks(forks) if forks else ([], [])
         if not preempted:
             admitted: set[int] = set()
             i = 0
@@ -250,6 +292,8 @@ class Scheduler:
                 budget -= num_new
 
         if not scheduled:
+            if new_seqs or block_copies:  # cannot happen (a fork always has a token to compute)
+                raise RuntimeError("beam forks announced in a step that schedules nothing")
             return None
 
         # Decodes (one new token) first, otherwise in scheduling order.
@@ -282,6 +326,8 @@ class Scheduler:
             step_input.blocks_to_swap_out_buf = pack_pairs(swap_out)
         if swap_in:
             step_input.blocks_to_swap_in_buf = pack_pairs(swap_in)
+        if block_copies:
+            step_input.blocks_to_copy_buf = pack_ints(block_copies)
         self._finished_ids = []
         return ScheduledStep(step_input, seqs, num_new_tokens, samples, preempted)
 

@@ -23,6 +23,8 @@ Worker-side order of operations for one ``StepInput``:
      destination of a swap-in of the same step (the engine never reuses a host block read by a
      swap-in before that step was sent);
   1. forget every id in ``finished_seq_ids`` (finished, aborted or preempted sequences);
+  1b. copy the K/V of block ``src`` to block ``dst`` in every layer, for each (src, dst) pair of
+     ``blocks_to_copy`` (copy-on-write of a beam fork's shared tail block, before the forward);
   2. register every ``NewSeq`` (a preempted sequence comes back as a NewSeq with the same id,
      its generated tokens included in ``token_ids``);
   3. for each k, append ``new_block_ids[k]`` to the block table of scheduled sequence
@@ -142,6 +144,9 @@ class StepInput(msgspec.Struct, array_like=True):
     # (device block, host block), swap_in = (host block, device block). Done before the forward.
     blocks_to_swap_out_buf: bytes = b""
     blocks_to_swap_in_buf: bytes = b""
+    # Copy-on-write of KV blocks (beam search forks): int32 pairs src0, dst0, src1, dst1, ...; the
+    # worker copies block src's K/V into block dst, every layer, before the forward.
+    blocks_to_copy_buf: bytes = b""
 
     @classmethod
     def pack(cls, step_id: int, new_seqs: list[NewSeq], seq_ids: Iterable[int], num_new_tokens: Iterable[int],
@@ -170,6 +175,11 @@ class StepInput(msgspec.Struct, array_like=True):
     @property
     def token_mask_rows(self) -> memoryview:
         return memoryview(self.token_mask_rows_buf).cast(INT_FORMAT)
+
+    @property
+    def blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The (src, dst) block pairs to copy before the forward."""
+        return _pairs(self.blocks_to_copy_buf)
 
     @property
     def blocks_to_swap_out(self) -> list[tuple[int, int]]:

@@ -224,6 +224,8 @@ class ModelRunner:
             self.swap_pool.apply(step, self.kv_caches)
         for seq_id in step.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+        if step.blocks_to_copy_buf:
+            self.copy_blocks(step.blocks_to_copy)
         for new in step.new_seqs:
             self.seqs[new.seq_id] = self._new_state(new)
         if not step.seq_ids:
@@ -281,6 +283,14 @@ class ModelRunner:
         out = StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None)
         out.pooled = pooled or None
         return out
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of beam forks: block dst takes block src's K/V in every layer."""
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     @staticmethod
     def _token_mask(step: StepInput, sample_batch_idx: list[int]):

@@ -17,8 +17,8 @@ COMPLETION = {"prompt": "Hello there", "max_tokens": 3}
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", {**CHAT, "use_beam_search": True}, "use_beam_search"),
-    ("/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "stream": True}, "stream"),
+    ("/v1/completions", {**COMPLETION, "use_beam_search": True, "logprobs": 1}, "logprobs"),
     ("/v1/completions", {**COMPLETION, "logits_processors": ["my.Processor"]}, "logits_processors"),
     ("/v1/chat/completions", {**CHAT, "kv_transfer_params": {"a": 1}}, "kv_transfer_params"),
     ("/v1/chat/completions", {**CHAT, "vllm_xargs": {"a": 1}}, "vllm_xargs"),

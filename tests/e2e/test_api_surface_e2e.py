@@ -68,8 +68,11 @@ def test_extra_fields_end_to_end(server):
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": USER[0]["content"] + " =>",
                                                         "add_special_tokens": False}).json()["count"]
     assert r.json()["usage"]["prompt_tokens"] == tokens
-    r = post(server, "/v1/chat/completions", {**{"messages": USER}, "use_beam_search": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    r = post(server, "/v1/chat/completions", {**{"messages": USER}, "use_beam_search": True, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    r = post(server, "/v1/chat/completions", {**{"messages": USER}, "use_beam_search": True, "n": 2,
+                                              "max_tokens": 4})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
 
 
 def test_a_stream_read_like_vllm_bench(server):

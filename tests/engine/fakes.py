@@ -64,12 +64,18 @@ class _WorkerSeq:
 
 
 class FakeExecutor:
-    def __init__(self, num_blocks: int, block_size: int, next_token=default_next_token, num_swap_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, next_token=default_next_token, num_swap_blocks: int = 0,
+                 top_logprobs=None):
+        """``top_logprobs(tokens, options, num_prompt) -> [(token, logprob)]`` best first: when
+        given, a sequence asking for logprobs gets them from it and samples their first token
+        (a greedy model with real alternatives, for beam search)."""
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         self.host_kv: dict[tuple[int, int], tuple[int, int]] = {}  # (host block, offset) -> (token, position)
         self.block_size = block_size
         self.next_token = next_token
+        self.top_logprobs = top_logprobs
+        self.num_copied_blocks = 0
         self.seqs: dict[int, _WorkerSeq] = {}
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (token id, position)
         self.steps: list[StepInput] = []
@@ -91,6 +97,15 @@ class FakeExecutor:
         for sid in step.finished_seq_ids:
             assert sid in self.seqs, f"finished id {sid} unknown to the worker"
             del self.seqs[sid]
+        B = self.block_size
+        for src, dst in step.blocks_to_copy:  # copy-on-write, before the new seqs (gpu/messages.py)
+            assert src != dst and 0 not in (src, dst)
+            for t in range(B):
+                if src * B + t in self.kv:
+                    self.kv[dst * B + t] = self.kv[src * B + t]
+                else:
+                    self.kv.pop(dst * B + t, None)
+            self.num_copied_blocks += 1
         for ns in step.new_seqs:
             assert ns.seq_id not in self.seqs, f"seq {ns.seq_id} registered twice"
             s = _WorkerSeq(ns)
@@ -131,14 +146,22 @@ class FakeExecutor:
             if s.computed == len(s.token_ids):
                 for t in range(len(s.token_ids)):
                     assert self.kv.get(self.slot(s, t)) == (s.token_ids[t], t), f"seq {sid}: bad K/V at {t}"
-                tok = self.next_token(s.token_ids, s.options, s.num_prompt)
+                top = None
+                if self.top_logprobs is not None and s.options.logprobs is not None:
+                    top = self.top_logprobs(s.token_ids, s.options, s.num_prompt)
+                    tok = top[0][0]
+                else:
+                    tok = self.next_token(s.token_ids, s.options, s.num_prompt)
                 generated = len(s.token_ids) - s.num_prompt
                 if generated < s.options.min_tokens and tok in s.options.min_tokens_blocked_ids:
                     tok = BYTE0 + ord("x")
                 s.token_ids.append(tok)
                 out_ids.append(sid)
                 out_tokens.append(tok)
-                if s.options.logprobs is not None:
+                if s.options.logprobs is not None and top is not None:
+                    any_lp = True
+                    out_lps.append(SampledLogprobs(top[0][1], list(top[: s.options.logprobs])))
+                elif s.options.logprobs is not None:
                     any_lp = True
                     top = [(tok, -0.25), (BYTE0 + ord("y"), -1.5)][: s.options.logprobs]
                     out_lps.append(SampledLogprobs(-0.25, top))
@@ -196,12 +219,12 @@ def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_token
     )
 
 
-def make_core(next_token=default_next_token, **kw):
+def make_core(next_token=default_next_token, top_logprobs=None, **kw):
     from engine.core import EngineCore
 
     config = make_config(**kw)
     executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size, next_token,
-                            num_swap_blocks=config.cache.num_swap_blocks or 0)
+                            num_swap_blocks=config.cache.num_swap_blocks or 0, top_logprobs=top_logprobs)
     return EngineCore(config, executor, FakeTokenizer()), executor
 
 

@@ -207,3 +207,38 @@ def test_hash_block_covers_parent_tokens_and_extra_keys():
               hash_block(root, [1 + MERSENNE61, 2, 3, 4]), hash_block(root, [1, 2, 3, 4], b"salt"),
               hash_block(root, [2**32 + 1, 2, 3, 4]), hash_block(root, [1, 2**32 + 2, 3, 4])]
     assert len({base, *others}) == 7
+
+
+# ---- beam forks ------------------------------------------------------------------------------
+
+def test_fork_shares_every_block_and_copy_on_write_unshares_only_the_written_tail():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    parent = Seq(1, list(range(10)))  # 3 blocks, the last one partial (2 tokens)
+    table = list(bm.allocate_new(parent, [], 10))
+    assert bm.fork(1, 2) == table and bm.fork(1, 3) == table
+    assert all(bm.blocks[b].ref_count == 3 for b in table) and bm.num_free_blocks == 6
+    bm.check_invariants()
+    with pytest.raises(RuntimeError):
+        bm.fork(1, 2)
+    # position 10 lands in the shared partial block: a private copy, the full blocks stay shared
+    (src, dst), = bm.copy_on_write(2, 10)
+    assert src == table[2] and bm.table(2) == table[:2] + [dst] and bm.blocks[src].ref_count == 2
+    assert bm.copy_on_write(2, 10) == []  # already private
+    assert bm.copy_on_write(1, 12) == []  # a block not allocated yet: append_slots gives a fresh one
+    bm.check_invariants()
+    # the last holder keeps the original block; freeing all returns every block
+    (_, dst3), = bm.copy_on_write(3, 10)
+    assert bm.copy_on_write(1, 10) == [] and bm.blocks[table[2]].ref_count == 1
+    for sid in (1, 2, 3):
+        bm.free(sid)
+        bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_copy_on_write_without_a_free_block_changes_nothing():
+    bm = BlockManager(num_blocks=4, block_size=4)  # 3 usable
+    bm.allocate_new(Seq(1, list(range(10))), [], 10)  # all 3
+    bm.fork(1, 2)
+    assert bm.copy_on_write(2, 10) is None
+    assert bm.table(2) == bm.table(1)
+    bm.check_invariants()

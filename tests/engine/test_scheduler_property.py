@@ -1,6 +1,9 @@
 """Property test: thousands of random add / step / abort / preempt operations on a tiny KV cache,
 preempting by recompute or by swapping to a tiny host pool (which fills up: then recompute).
 
+Beam-search requests (engine/beam_engine.py) join the mix: their beams fork and free shared
+blocks, and each must end with exactly the beams of the pure reference search.
+
 After every operation the block accounting must be exact (free + used == total, ref counts equal
 the number of tables holding each block, cached hashes consistent), the engine's view of every
 sequence must equal the fake worker's (token ids, computed count, block table), and every
@@ -10,9 +13,12 @@ preemption, chunking, prefix-cache hits and aborts happened on the way.
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.beam_search import BeamSearchParams
+from engine.errors import RequestRejectedError
 from engine.request import SeqStatus
 from engine.sampling_params import SamplingParams
 from gpu.messages import SamplingOptions
+from tests.engine.beam_fakes import fake_top, reference_beam_search
 from tests.engine.fakes import BYTE0, default_next_token, make_core
 
 GREEDY_OPTS = SamplingOptions(temperature=0.0)
@@ -27,6 +33,8 @@ op = st.one_of(
     st.tuples(st.just("abort_inflight"), st.integers(0, 50)),
     st.tuples(st.just("preempt"), st.integers(0, 50)),
     st.tuples(st.just("preempt"), st.integers(0, 50)),
+    st.tuples(st.just("beam"), st.integers(1, 12), st.integers(1, 8), st.integers(1, 3), st.booleans(),
+              st.integers(0, 3)),
 )
 
 
@@ -43,7 +51,9 @@ def check_consistency(core, ex):
     bm.check_invariants()
     running = {s.seq_id: s for s in sched.running}
     assert set(bm.tables) == set(running), "only running sequences hold blocks"
-    assert len(running) <= sched.max_num_seqs
+    # A beam request's forks may take the running set past max_num_seqs, by its width - 1 at most.
+    beam_reqs = {id(s.request): s.request.beam.params.beam_width for s in running.values() if s.request.beam}
+    assert len(running) <= sched.max_num_seqs + sum(w - 1 for w in beam_reqs.values())
     for s in sched.waiting:
         assert s.status is SeqStatus.WAITING and s.num_computed_tokens == 0 and not s.on_worker
     swap = bm.swap
@@ -54,12 +64,24 @@ def check_consistency(core, ex):
         assert s.status is SeqStatus.RUNNING
         table = bm.tables[sid]
         assert len(table) * bm.block_size >= s.num_computed_tokens
+        if not s.on_worker:
+            assert s in sched._forked  # a beam fork announced at the next step
+            continue
         w = ex.seqs[sid]
-        assert w.token_ids == s.token_ids
+        beam = s.request.beam
+        # Reported this round: the worker appended its token (a report older than a preemption is
+        # stale until the beam, recomputed, reports again).
+        if beam is not None and sid in beam.reports and s.num_computed_tokens == s.num_tokens:
+            assert w.token_ids == s.token_ids + [beam.reports[sid][0]]
+        else:
+            assert w.token_ids == s.token_ids
         assert w.computed == s.num_computed_tokens
         assert w.table == table
     on_worker = {s.seq_id for s in sched.running if s.on_worker}
+    unannounced = {s.seq_id for s in sched._forked}  # beam forks: NewSeq at the next step
     assert set(ex.seqs) == on_worker | set(sched._finished_ids)
+    assert all(s.status is SeqStatus.RUNNING or s.is_finished for s in sched._forked)
+    assert unannounced.isdisjoint(ex.seqs)
     assert not on_worker & set(sched._finished_ids)
 
 
@@ -74,10 +96,11 @@ def test_random_operations_keep_block_accounting_exact(num_blocks, block_size, b
                                                          prefix, ops, mode, num_swap_blocks):
     core, ex = make_core(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
                          max_num_seqs=max_seqs, policy=policy, prefix_caching=prefix, max_model_len=64,
-                         preemption_mode=mode, num_swap_blocks=num_swap_blocks)
+                         preemption_mode=mode, num_swap_blocks=num_swap_blocks, top_logprobs=fake_top)
     capacity = core.block_manager.num_usable_blocks * block_size
     families = [[BYTE0 + 40 + (f * 11 + i * 5) % 60 for i in range(24)] for f in range(4)]
     requests = {}  # request id -> (prompt, max_tokens, n)
+    beams = {}  # request id -> (prompt, BeamSearchParams)
     results = {}
     aborted = set()
     counter = 0
@@ -102,10 +125,21 @@ def test_random_operations_keep_block_accounting_exact(num_blocks, block_size, b
             core.add_request(rid, None, p, SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0),
                              priority=priority)
             requests[rid] = (p, max_tokens, n)
+        elif kind == "beam":
+            _, plen, max_tokens, width, ignore_eos, family = item
+            p = families[family][:plen]
+            rid = f"b{counter}"
+            counter += 1
+            params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=ignore_eos)
+            try:
+                core.add_request(rid, None, p, params)
+            except RequestRejectedError:
+                continue  # too wide or too long for this tiny engine (tested elsewhere)
+            beams[rid] = (p, params)
         elif kind == "step":
             collect(core.step())
         elif kind in ("abort", "abort_inflight") and requests:
-            live = [r for r in requests if r in core.requests]
+            live = [r for r in [*requests, *beams] if r in core.requests]
             if not live:
                 continue
             rid = live[item[1] % len(live)]
@@ -135,6 +169,12 @@ def test_random_operations_keep_block_accounting_exact(num_blocks, block_size, b
     bm = core.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks and not bm.tables and bm.usage == 0.0
     assert bm.swap.num_free_blocks == bm.swap.num_blocks and not bm.swap.tables
+    for rid, (p, params) in beams.items():
+        outs = results[rid]
+        if rid in aborted:
+            continue
+        want = reference_beam_search(p, params, max_model_len=64)
+        assert [(outs[i][0], outs[i][1]) for i in sorted(outs)] == [(h.token_ids, h.finish_reason) for h in want]
     for rid, (p, max_tokens, n) in requests.items():
         if rid in aborted:
             assert all(reason in ("abort", "length") for _, reason in results[rid].values())

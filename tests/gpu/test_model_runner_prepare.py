@@ -38,3 +38,22 @@ def test_mixed_batch_slots_unchanged():
     b = r.prepare(reqs)
     assert b.meta.num_decodes == 1
     assert b.meta.slot_mapping.tolist() == [9 * 4 + 2, 7 * 4 + 2, 7 * 4 + 3, 8 * 4 + 0]
+
+
+def test_blocks_to_copy_are_copied_in_every_layer_before_the_new_seqs():
+    """Copy-on-write of beam forks (StepInput.blocks_to_copy): dst takes src's K/V, others untouched."""
+    from gpu.messages import StepInput, pack_ints
+
+    r = _runner()
+    torch.manual_seed(0)
+    r.kv_caches = [(torch.randn(6, 4, 2, 3), torch.randn(6, 4, 2, 3)) for _ in range(3)]
+    before = [(k.clone(), v.clone()) for k, v in r.kv_caches]
+    step = StepInput.pack(step_id=1, new_seqs=[], seq_ids=[], num_new_tokens=[])
+    step.blocks_to_copy_buf = pack_ints([2, 5, 3, 1])
+    assert step.blocks_to_copy == [(2, 5), (3, 1)]
+    r.execute(step)
+    for (k, v), (k0, v0) in zip(r.kv_caches, before):
+        for cache, old in ((k, k0), (v, v0)):
+            assert torch.equal(cache[5], old[2]) and torch.equal(cache[1], old[3])
+            for b in (0, 2, 3, 4):
+                assert torch.equal(cache[b], old[b])
