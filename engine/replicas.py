@@ -58,10 +58,10 @@ def _engine_factory(config: EngineConfig, restart_policy):
 
 class ReplicatedEngine:
     """N replicas, one router. ``engine_factory(config, restart_policy)`` builds a replica
-    (AsyncEngine; tests pass stand-ins)."""
+    (AsyncEngine; tests pass stand-ins). ``prefix_aware=False`` routes by load alone."""
 
     def __init__(self, config: EngineConfig, num_replicas: int, restart_policy=None,
-                 engine_factory: Callable | None = None, **policy_options):
+                 engine_factory: Callable | None = None, prefix_aware: bool = True, **policy_options):
         if num_replicas < 1:
             raise ConfigError(f"--data-parallel-size must be at least 1, got {num_replicas}")
         factory = engine_factory or _engine_factory
@@ -69,6 +69,7 @@ class ReplicatedEngine:
         self.replicas = [factory(copy.deepcopy(config), restart_policy) for _ in range(num_replicas)]
         self.config = self.replicas[0].config
         self.policy_options = policy_options  # max_imbalance, kv_imbalance
+        self.prefix_aware = prefix_aware  # False: load alone decides (to measure what prefixes buy)
         self.prefix_index: PrefixIndex | None = None
         self._generation = [0] * num_replicas  # deaths + restarts seen: a change empties its cache
         self.num_routed = [0] * num_replicas  # requests sent to each replica
@@ -226,7 +227,7 @@ class ReplicatedEngine:
         views = self._views()
         hashes: list[bytes] = []
         index = self.prefix_index
-        if index is not None and use_prefix:
+        if index is not None and use_prefix and self.prefix_aware:
             hashes = index.block_hashes(prompt_token_ids, cache_salt)
             if hashes:
                 replicas = self.replicas

@@ -162,3 +162,16 @@ async def test_stats_add_up_and_routing_time_is_kept(monkeypatch):
             await drain(s)
     finally:
         await engine.shutdown()
+
+
+async def test_load_only_routing_ignores_the_cached_prefix(monkeypatch):
+    engine, _ = await started(monkeypatch, prefix_aware=False)
+    system = "You are a helpful assistant. Answer briefly and to the point, please. " * 2
+    try:
+        await drain(engine.generate(ids(system + "first"), greedy(), "warm"))
+        busy = engine.generate(ids("something unrelated"), greedy(), "busy")
+        hit = engine.generate(ids(system + "second"), greedy(), "hit")
+        assert (engine.owner_of("busy"), engine.owner_of("hit")) == (0, 1)
+        await drain(busy), await drain(hit)
+    finally:
+        await engine.shutdown()
