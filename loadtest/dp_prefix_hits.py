@@ -2,7 +2,7 @@
 share a few system prompts, routed prefix-aware (the default) and by load alone.
 
 Real engines end to end except HTTP: ReplicatedEngine over AsyncEngines running the tiny
-random-weight model (loadtest/local_server.TINY_CONFIG) in process, so the figure is the engine's
+random-weight model (loadtest/local_server.TINY_CONFIG) in worker processes, so the figure is the engine's
 own prefix_cache_hits / prefix_cache_queries, not a model of it. Hit rates do not depend on speed.
 
     python -m loadtest.dp_prefix_hits --replicas 2 --prefixes 4 --requests 64
@@ -22,7 +22,7 @@ from loadtest.local_server import TINY_CONFIG
 def _config(num_blocks: int) -> EngineConfig:
     return EngineConfig.from_options(
         model=default_model_path(), load_format="dummy", hf_config=dict(TINY_CONFIG), dtype="float32",
-        max_model_len=2048, num_blocks=num_blocks, executor="inproc")
+        max_model_len=2048, num_blocks=num_blocks, executor="mp")
 
 
 async def _run(replicas: int, prefix_aware: bool, prompts: list[list[int]], concurrency: int,
