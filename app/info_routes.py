@@ -80,11 +80,13 @@ class InfoRoutes:
         """``{"status": "ok" | "restarting" | "dead"}``, 200 only when ok (what balancers route on)."""
         status = getattr(self.engine, "health_status", None)  # an engine without restarts: is_healthy
         state = status() if status is not None else ("ok" if self.engine.is_healthy() else "dead")
+        replicas = getattr(self.engine, "replica_states", None)  # data parallel: ok while any is
+        extra = {"replicas": replicas()} if replicas is not None else {}
         if state == "ok":
-            return ORJSONResponse({"status": "ok"})
+            return ORJSONResponse({"status": "ok", **extra})
         err = (APIError.overloaded("The engine is restarting its workers; retry shortly.")
                if state == "restarting" else APIError.engine_dead())
-        return ORJSONResponse({"status": state, **err.body()}, status_code=err.status,
+        return ORJSONResponse({"status": state, **extra, **err.body()}, status_code=err.status,
                               headers=err.headers)
 
     async def version(self, request: Request) -> Response:

@@ -94,6 +94,10 @@ class ServerMetrics:
         self.model_name = model_name
         r = self.registry
         self.registry.register(EngineStatsCollector(engine, model_name))
+        if hasattr(engine, "replica_stats"):  # data parallel: the same figures per replica
+            from app.replica_metrics import ReplicaStatsCollector
+
+            self.registry.register(ReplicaStatsCollector(engine, model_name))
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.",
                                      ["model_name"], registry=r).labels(model_name)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",

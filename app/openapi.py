@@ -143,7 +143,11 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
     "VersionResponse": {"type": "object", "required": ["version"],
                         "properties": {"version": {"type": "string"}}},
     "HealthStatus": {"type": "object", "required": ["status"],
-                     "properties": {"status": {"enum": ["ok", "restarting", "dead"]}}},
+                     "properties": {"status": {"enum": ["ok", "restarting", "dead"]},
+                                    "replicas": {"type": "array", "items": {"enum": ["ok", "restarting", "dead"]},
+                                                 "description": "Each data-parallel replica's own status "
+                                                                "(--data-parallel-size > 1 only); the "
+                                                                "server is ok while any replica is."}}},
 }
 
 # Before OpenAPI 3.2 (no itemSchema) the schema of an event stream describes one event.

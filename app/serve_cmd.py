@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDSERVE_API_KEY)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="past this many waiting requests, new ones get 503 + Retry-After")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas (each its own workers and KV cache, the CPUs split between "
+                        "them) behind this one server; a router sends each request to the least "
+                        "loaded replica, or to one holding its prompt prefix in cache")
     g.add_argument("--restart-workers", action="store_true",
                    help="after a worker dies or hangs, fail the in-flight requests and start a fresh "
                         "worker pool (503 + Retry-After meanwhile) instead of staying dead")
@@ -84,6 +88,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     with sock:
         config = engine_config_from_args(args, default_executor=DEFAULT_EXECUTOR)
+        try:
+            from engine.replicas import check_data_parallel
+
+            check_data_parallel(config, args.data_parallel_size)
+        except ConfigError as e:
+            logger.error("cannot start: %s", e)
+            return 1
         # uvicorn's loop="uvloop", without importing uvicorn before the workers are started.
         import uvloop
 
@@ -103,7 +114,12 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
 
     # The engine starts first: its worker spends seconds importing torch and loading weights,
     # and the HTTP side is imported meanwhile (sleep(0) lets start() hand its work to a thread).
-    engine = AsyncEngine(config)
+    if args.data_parallel_size > 1:
+        from engine.replicas import ReplicatedEngine
+
+        engine = ReplicatedEngine(config, args.data_parallel_size)
+    else:
+        engine = AsyncEngine(config)
     starting = asyncio.ensure_future(engine.start())
     await asyncio.sleep(0)
     try:

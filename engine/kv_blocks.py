@@ -174,6 +174,10 @@ class BlockManager:
             hit.append(block_id)
         return hit
 
+    def is_cached(self, block_hash: bytes) -> bool:
+        """Whether a block with this chained hash is in the cache (the data-parallel router asks)."""
+        return block_hash in self._cached
+
     def register_computed(self, seq: SequenceLike, num_computed_tokens: int) -> None:
         """Publish the full blocks among the first ``num_computed_tokens`` (their K/V is written)."""
         if not self.enable_prefix_caching:

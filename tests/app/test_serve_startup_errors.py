@@ -20,3 +20,14 @@ def test_missing_model_is_one_line_and_exit_1(tmp_path):
     errors = [line for line in out.splitlines() if " ERROR " in line]
     assert len(errors) == 1, out
     assert str(missing) in errors[0] and "does not exist" in errors[0]
+
+
+def test_data_parallel_needs_worker_processes():
+    for flags, reason in ((["--data-parallel-size", "2", "--executor", "inproc"], "needs worker processes"),
+                          (["--data-parallel-size", "0"], "must be at least 1")):
+        proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", *flags, "--host", "127.0.0.1",
+                               "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "Traceback" not in out, out
+        errors = [line for line in out.splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and reason in errors[0], out
