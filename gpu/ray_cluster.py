@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -121,6 +122,22 @@ class PlacedWorkers:
             remove_placement_group(self.pg)
         except Exception as e:
             logger.warning("could not remove the placement group: %s", e)
+        self._wait_local_exits(5.0)
+
+    def _wait_local_exits(self, timeout: float) -> None:
+        """ray.kill returns before the process ends: wait for this node's actors to be gone."""
+        deadline = time.monotonic() + timeout
+        for node, pid in zip(self.nodes, self.pids):
+            if node != self.driver_node:
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # already gone
+                continue
+            try:
+                select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            finally:
+                os.close(fd)
 
     def leave_ray(self) -> None:
         """After ``release``: stop the local Ray instance if this was its last user. Idempotent."""
