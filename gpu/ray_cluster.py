@@ -199,6 +199,6 @@ def place_workers(config: EngineConfig, world_size: int) -> PlacedWorkers:
         if isinstance(e, Exception):
             raise ExecutorError(f"starting the Ray workers failed: {e}") from e
         raise
-    logger.info("placed %d Ray worker(s) (%s) on node(s) %s", world_size, strategy,
-                sorted(set(n[:8] for n in placed.nodes)))
+    logger.info("placed %d Ray worker(s) (%s): rank -> node %s, pid %s", world_size, strategy,
+                [n[:8] for n in placed.nodes], placed.pids)
     return placed
