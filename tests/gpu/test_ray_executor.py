@@ -207,3 +207,26 @@ def test_everything_but_the_ray_executor_works_without_ray():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "refused: the Ray executor needs Ray: pip install 'pagedserve[ray]'" in r.stdout
+
+
+@pytest.mark.slow
+def test_default_model_tensor_parallel_3_on_ray_equals_single_process():
+    """The default model in fp32 (9 query / 3 kv heads: 3 ranks split it, 2 cannot)."""
+    from engine.llm import LLM
+    from tests.gpu.test_mp_equivalence import DEFAULT_GREEDY, DEFAULT_PROMPTS, token_ids
+
+    single = LLM(dtype="float32", executor="inproc", kv_cache_memory_gib=0.25)
+    try:
+        ref = single.generate(DEFAULT_PROMPTS, DEFAULT_GREEDY, use_tqdm=False)
+    finally:
+        single.shutdown()
+    assert ref[0].outputs[0].text.startswith(" Paris.")
+    tp = LLM(dtype="float32", tensor_parallel_size=3, distributed_executor_backend="ray",
+             kv_cache_memory_gib=0.25)
+    executor = tp.parts.executor
+    try:
+        out = tp.generate(DEFAULT_PROMPTS, DEFAULT_GREEDY, use_tqdm=False)
+    finally:
+        tp.shutdown()
+    assert_released(executor)
+    assert token_ids(out) == token_ids(ref)
