@@ -47,6 +47,9 @@ def create_ray_executor(config: EngineConfig, *, runner_factory: str | None = No
     world = config.parallel.tensor_parallel_size
     if world < 1:
         raise ExecutorError("tensor_parallel_size must be >= 1")
+    if getattr(config.parallel, "pipeline_parallel_size", 1) != 1:  # the mp executor's for now
+        raise ExecutorError("pipeline_parallel_size > 1 is not wired into the Ray executor yet: "
+                            "use executor='mp'")
     wanted = os.environ.get(ENV_RAY_TRANSPORT, "").strip().lower() or None
     if wanted is not None and wanted not in RAY_TRANSPORTS:
         raise ExecutorError(f"{ENV_RAY_TRANSPORT}={wanted!r}: use one of {', '.join(RAY_TRANSPORTS)}")
