@@ -35,8 +35,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="host swap pool per worker in GiB (--preemption-mode swap; pinned on CUDA)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--executor", default=None, choices=["inproc", "mp"],
-                   help="inproc (same process) or mp (worker processes over shared memory)")
+    g.add_argument("--executor", "--distributed-executor-backend", dest="executor", default=None,
+                   choices=["inproc", "mp", "ray"],
+                   help="inproc (same process), mp (worker processes over shared memory) or ray "
+                        "(Ray actors, one node or many; needs pip install 'pagedserve[ray]')")
+    g.add_argument("--ray-placement-strategy", default="PACK",
+                   choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                   help="executor ray: how the placement group spreads the ranks over nodes")
+    g.add_argument("--ray-address", default=None,
+                   help="executor ray: the cluster to join (default: $RAY_ADDRESS, else a cluster "
+                        "started with `ray start` here, else a local Ray instance)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no CUDA-graph decode runner (the default on CPU)")
     g.add_argument("--model-seed", dest="seed", type=int, default=0, help="seed of dummy (random) weights")
@@ -84,4 +92,6 @@ def engine_config_from_args(args: argparse.Namespace, default_executor: str | No
         max_waiting_requests=getattr(args, "max_waiting_requests", 1024),
         step_timeout_s=getattr(args, "step_timeout", DEFAULT_STEP_TIMEOUT_S),
         restart_workers=getattr(args, "restart_workers", False),
+        ray_placement_strategy=getattr(args, "ray_placement_strategy", "PACK"),
+        ray_address=getattr(args, "ray_address", None),
     )

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-raw", action="store_true",
                         help="skip the transport-only measurements (pre-encoded bytes echoed back)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--ray", action="store_true",
+                        help="add the Ray executor's transports (ring, actor call, compiled graph) on a "
+                             "local Ray instance (gpu/bench_ipc_ray.py; needs the ray extra)")
 
 
 def decode_step_input(n: int, step_id: int = 0) -> StepInput:
@@ -200,11 +203,12 @@ def _measure(echo: _Echo, n: int, iters: int, first_id: int) -> list[int]:
 
 
 def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_raw: bool,
-          rounds: int = 10) -> dict:
+          rounds: int = 10, with_ray: bool = False) -> dict:
     """Interleave the transports in rounds so load from other processes hits them alike."""
     ctx = multiprocessing.get_context("spawn")
     echoes: dict[str, _Echo] = {}
     executor = None
+    ray_echoes: dict[str, _Echo] = {}
     try:
         if ring_is_safe_here():
             echoes["ring"] = _RingEcho(ctx)
@@ -223,6 +227,11 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
                 echoes["ring-bytes"] = _RingEcho(ctx, raw=True)
             echoes["pipe-bytes"] = _RingEcho(ctx, raw=True, kind="pipe")
             echoes["queue-bytes"] = _QueueEcho(ctx, raw=True)
+        if with_ray:
+            from gpu.bench_ipc_ray import ray_echoes as start_ray_echoes
+
+            ray_echoes = start_ray_echoes()
+            echoes.update(ray_echoes)
         next_id = {name: 0 for name in echoes}
         samples: dict[str, dict[int, list[int]]] = {name: {n: [] for n in sizes} for name in echoes}
         per_round = max(1, iters // rounds)
@@ -242,17 +251,23 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
         progress.close()
         return {name: {n: _summary(s) for n, s in by_size.items()} for name, by_size in samples.items()}
     finally:
-        for echo in echoes.values():
-            echo.close()
+        for name, echo in echoes.items():
+            if name not in ray_echoes:
+                echo.close()
         if executor is not None:
             executor.shutdown()
+        if ray_echoes:
+            from gpu.bench_ipc_ray import close_ray
+
+            close_ray(ray_echoes)
 
 
 def run(args: argparse.Namespace) -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",") if s.strip()]
     step_bytes = {n: len(encode_step(decode_step_input(n))) for n in sizes}
     reply_bytes = {n: len(encode_output(echo_output(decode_step_input(n)))) for n in sizes}
-    results = bench(sizes, args.iters, args.warmup, not args.no_executor, not args.no_raw)
+    results = bench(sizes, args.iters, args.warmup, not args.no_executor, not args.no_raw,
+                    with_ray=getattr(args, "ray", False))
     base = "ring" if "ring" in results else "pipe"
     speedup = {n: round(results["queue"][n]["median_us"] / results[base][n]["median_us"], 1) for n in sizes}
     if args.json:

@@ -76,7 +76,7 @@ DEFAULT_STEP_TIMEOUT_S = 300.0
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    # inproc | mp; None = auto: mp when tensor_parallel_size > 1 (inproc cannot split), else inproc
+    # inproc | mp | ray; None = auto: mp when tensor_parallel_size > 1 (inproc cannot split), else inproc
     executor: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     # None = auto: CUDA graphs for decode on CUDA; eager on CPU, where padding buys nothing
@@ -87,6 +87,11 @@ class ParallelConfig:
     step_timeout_s: float | None = DEFAULT_STEP_TIMEOUT_S
     # After a worker death or a hung step, rebuild the worker pool instead of staying dead.
     restart_workers: bool = False
+    # Ray executor: how the placement group places one bundle per rank (PACK | SPREAD |
+    # STRICT_PACK | STRICT_SPREAD), and which cluster (None = RAY_ADDRESS, else a cluster started
+    # with `ray start` on this machine, else a local instance started on demand).
+    ray_placement_strategy: str = "PACK"
+    ray_address: str | None = None
 
     def resolved_executor(self) -> str:
         """The executor to start: the user's choice, else mp for tensor parallelism, else inproc."""
@@ -106,6 +111,10 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
 
 
+# vLLM's names for options that have another name here.
+OPTION_ALIASES = {"distributed_executor_backend": "executor"}
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -119,6 +128,7 @@ class EngineConfig:
         parts = {"model": ModelConfig(), "cache": CacheConfig(), "parallel": ParallelConfig(),
                  "scheduler": SchedulerConfig()}
         for key, value in options.items():
+            key = OPTION_ALIASES.get(key, key)
             for part in parts.values():
                 if key in {f.name for f in dataclasses.fields(part)}:
                     setattr(part, key, value)

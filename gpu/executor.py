@@ -2,8 +2,8 @@
 
 One interface, chosen by ``ParallelConfig.executor``: ``inproc`` (the model runner in this
 process; its async form runs the step in a worker thread so the event loop stays free) and
-``mp`` (worker processes fed over shared-memory rings, see gpu/mp_executor.py). A Ray
-executor would be a third implementation of the same four methods.
+``mp`` (worker processes fed over shared-memory rings, see gpu/mp_executor.py) and ``ray``
+(Ray actors in a placement group, on one node or many: gpu/ray_executor.py).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def create_executor(config: EngineConfig, cancel: threading.Event | None = None)
     kind = config.parallel.resolved_executor()
     if kind == "inproc":
         if config.parallel.tensor_parallel_size != 1:
-            raise ExecutorError("tensor_parallel_size > 1 needs executor='mp'")
+            raise ExecutorError("tensor_parallel_size > 1 needs executor='mp' (or 'ray')")
         executor = InprocExecutor(config)
         if cancel is not None and cancel.is_set():
             executor.shutdown()
@@ -80,4 +80,8 @@ def create_executor(config: EngineConfig, cancel: threading.Event | None = None)
         from gpu.mp_executor import MultiprocExecutor
 
         return MultiprocExecutor(config, cancel=cancel)
-    raise ExecutorError(f"unknown executor {kind!r}: choose inproc or mp")
+    if kind == "ray":  # Ray is imported there, never here (an optional extra)
+        from gpu.ray_executor import create_ray_executor
+
+        return create_ray_executor(config)
+    raise ExecutorError(f"unknown executor {kind!r}: choose inproc, mp or ray")

@@ -27,3 +27,19 @@ def test_bench_ipc_reports_all_transports_and_sizes():
     assert result["step_bytes"]["256"] > result["step_bytes"]["1"]
     ring, queue = result["results"]["ring"]["256"], result["results"]["queue"]["256"]
     assert abs(result["queue_over_ring_median"]["256"] - queue["median_us"] / ring["median_us"]) < 0.1
+
+
+def test_bench_ipc_ray_rows():
+    """`--ray` adds the Ray executor's transports, measured on a local instance it stops again."""
+    import pytest
+
+    pytest.importorskip("ray")
+    cmd = [sys.executable, "-m", "app.cli", "bench", "ipc", "--iters", "20", "--warmup", "5",
+           "--batch-sizes", "64", "--no-executor", "--no-raw", "--ray", "--json"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout)["results"]
+    for transport in ("ring", "queue", "ray-ring", "ray-call", "ray-cgraph"):
+        figures = results[transport]["64"]
+        assert 0 < figures["median_us"] <= figures["p99_us"], (transport, figures)

@@ -1,0 +1,204 @@
+"""Ray for the Ray executor: connect (or start a local instance), place one actor per rank in a
+placement group, and release both. The only module besides gpu/ray_executor.py that imports Ray,
+and only inside functions: pagedserve without the ``ray`` extra never needs it.
+
+Which cluster: ``--ray-address`` (``ray_address``), else what ``ray.init`` finds by itself (the
+``RAY_ADDRESS`` variable, then a cluster started with ``ray start`` on this machine), else a
+local instance started here, which the executor stops again on shutdown. A process that already
+called ``ray.init`` (tests, a notebook) keeps its instance.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+
+from gpu.config import EngineConfig
+from gpu.executor import ExecutorError
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# Object store of a local instance started on demand: steps are a few KiB, Ray's floor is 75 MiB.
+LOCAL_OBJECT_STORE_BYTES = int(os.environ.get("PAGEDSERVE_RAY_OBJECT_STORE_BYTES", str(128 << 20)))
+PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_RAY_PLACEMENT_TIMEOUT", "120"))
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise ExecutorError("the Ray executor needs Ray: pip install 'pagedserve[ray]'") from e
+    return ray
+
+
+# Executors of this process using the local instance it started (data-parallel replicas share
+# one): the last one to shut down stops it.
+_local_users = [0]
+_users_lock = threading.Lock()
+
+
+def connect(address: str | None) -> bool:
+    """Make sure this process is connected to Ray; True when it uses a local instance started here
+    (then ``leave_local_ray`` must be called once, at shutdown)."""
+    ray = import_ray()
+    with _users_lock:
+        if ray.is_initialized():
+            if _local_users[0]:
+                _local_users[0] += 1
+                return True
+            return False
+        started = _connect(ray, address)
+        if started:
+            _local_users[0] = 1
+        return started
+
+
+def leave_local_ray() -> None:
+    """One user fewer of the local instance; the last one stops it."""
+    with _users_lock:
+        _local_users[0] -= 1
+        if _local_users[0] == 0:
+            import_ray().shutdown()
+
+
+def _connect(ray, address: str | None) -> bool:
+    kwargs = {"include_dashboard": False, "log_to_driver": True, "logging_level": logging.WARNING}
+    started = False
+    try:
+        if address is not None:
+            ray.init(address=address, **kwargs)
+        else:
+            try:  # RAY_ADDRESS, else a cluster started with `ray start` on this machine
+                ray.init(address="auto", **kwargs)
+            except ConnectionError:  # none: a local instance of our own, its object store bounded
+                ray.init(address="local", object_store_memory=LOCAL_OBJECT_STORE_BYTES, **kwargs)
+                started = True
+    except Exception as e:
+        raise ExecutorError(f"cannot connect to Ray{f' at {address}' if address else ''}: {e}") from e
+    logger.info("%s Ray (%s)", "started a local" if started else "connected to",
+                ray.get_runtime_context().gcs_address)
+    return started
+
+
+@dataclass
+class PlacedWorkers:
+    """One actor per rank in a placement group; ``release`` kills them and removes the group."""
+
+    pg: object
+    actors: list
+    nodes: list[str]  # Ray node id of each rank
+    pids: list[int]  # process id of each rank (meaningful on its own node)
+    driver_node: str
+    started_ray: bool
+    released: bool = False
+    left_ray: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def all_local(self) -> bool:
+        return all(n == self.driver_node for n in self.nodes)
+
+    def release(self) -> None:
+        """Kill the actors and remove the placement group. Idempotent; any thread."""
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+        ray = import_ray()
+        if not ray.is_initialized():
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception as e:
+            logger.warning("could not remove the placement group: %s", e)
+        self._wait_local_exits(5.0)
+
+    def _wait_local_exits(self, timeout: float) -> None:
+        """ray.kill returns before the process ends: wait for this node's actors to be gone."""
+        deadline = time.monotonic() + timeout
+        for node, pid in zip(self.nodes, self.pids):
+            if node != self.driver_node:
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:  # already gone
+                continue
+            try:
+                select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            finally:
+                os.close(fd)
+
+    def leave_ray(self) -> None:
+        """After ``release``: stop the local Ray instance if this was its last user. Idempotent."""
+        with self._lock:
+            if self.started_ray and not self.left_ray:
+                self.left_ray = True
+                leave_local_ray()
+
+
+def bundle_for(config: EngineConfig) -> dict[str, float]:
+    device = config.parallel.device
+    use_cuda = device.startswith("cuda")
+    if device == "auto":
+        ray = import_ray()
+        use_cuda = ray.cluster_resources().get("GPU", 0) > 0
+    return {"CPU": 1.0, "GPU": 1.0} if use_cuda else {"CPU": 1.0}
+
+
+def place_workers(config: EngineConfig, world_size: int) -> PlacedWorkers:
+    """Start Ray if needed, reserve one bundle per rank, start one RayWorker actor in each."""
+    strategy = (config.parallel.ray_placement_strategy or "PACK").upper()
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ExecutorError(f"unknown Ray placement strategy {strategy!r}: use one of "
+                            f"{', '.join(PLACEMENT_STRATEGIES)}")
+    started = connect(config.parallel.ray_address)
+    ray = import_ray()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from gpu.ray_worker import RayWorker
+
+    bundle = bundle_for(config)
+    pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy,
+                         name=f"pagedserve-{os.getpid()}-{time.monotonic_ns()}")
+    placed = PlacedWorkers(pg, [], [], [], ray.get_runtime_context().get_node_id(), started)
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise ExecutorError(
+                f"Ray could not place {world_size} worker(s) of {bundle} ({strategy}) within "
+                f"{PLACEMENT_TIMEOUT_S:g} s; the cluster has {ray.available_resources()} free "
+                "(PAGEDSERVE_RAY_PLACEMENT_TIMEOUT sets the wait)")
+        actor_cls = ray.remote(RayWorker)
+        env = {k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_")}
+        for rank in range(world_size):
+            placed.actors.append(actor_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                name=None, runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank)).remote())
+        where = ray.get([a.where.remote() for a in placed.actors], timeout=PLACEMENT_TIMEOUT_S)
+        placed.nodes = [w[0] for w in where]
+        placed.pids = [w[1] for w in where]
+    except BaseException as e:
+        placed.release()
+        placed.leave_ray()
+        if isinstance(e, ExecutorError):
+            raise
+        if isinstance(e, Exception):
+            raise ExecutorError(f"starting the Ray workers failed: {e}") from e
+        raise
+    logger.info("placed %d Ray worker(s) (%s): rank -> node %s, pid %s", world_size, strategy,
+                [n[:8] for n in placed.nodes], placed.pids)
+    return placed
