@@ -66,6 +66,8 @@ def create_executor(config: EngineConfig) -> Executor:
     if kind == "inproc":
         if config.parallel.tensor_parallel_size != 1:
             raise ExecutorError("tensor_parallel_size > 1 needs executor='mp'")
+        if config.parallel.pipeline_parallel_size != 1:
+            raise ExecutorError("pipeline_parallel_size > 1 needs executor='mp'")
         return InprocExecutor(config)
     if kind == "mp":
         from gpu.mp_executor import MultiprocExecutor

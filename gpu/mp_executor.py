@@ -1,7 +1,9 @@
-"""Multi-process executor: ``tensor_parallel_size`` spawned workers fed over shared-memory rings.
+"""Multi-process executor: ``tensor_parallel_size x pipeline_parallel_size`` spawned workers fed
+over shared-memory rings.
 
 The engine writes each StepInput to the step ring (read by every rank); rank 0 answers on the
-reply ring. ``execute_async`` waits for the reply with ``loop.add_reader`` on the reply ring's
+reply ring (with pipeline stages the last stage's first rank answers, and the sampled tokens of
+each reply go back to the earlier stages ahead of the next step: gpu/pipeline.py). ``execute_async`` waits for the reply with ``loop.add_reader`` on the reply ring's
 eventfd and on every worker's sentinel, so the event loop never blocks on a worker and a worker
 that dies fails the pending step at once. After a death the executor tears everything down on a
 reaper thread (joins, terminate, kill take seconds with a stuck rank; nothing on the event loop
@@ -63,9 +65,14 @@ class MultiprocExecutor(Executor):
                  startup_timeout: float | None = None, num_threads: int | None = None):
         """Spawn the workers and wait until each reports its KV block count (or an error)."""
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
-        if self.world_size < 1:
-            raise ExecutorError("tensor_parallel_size must be >= 1")
+        p = config.parallel
+        if p.tensor_parallel_size < 1 or p.pipeline_parallel_size < 1:
+            raise ExecutorError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        self.world_size = p.world_size
+        self._pipelined = p.pipeline_parallel_size > 1
+        # Sampled tokens of replies the stages before the last have not been sent yet (seq id
+        # bytes, token bytes); they go out ahead of the next step.
+        self._sampled: list[tuple[bytes, bytes]] = []
         self._res = WorkerGroup()
         self._error: ExecutorError | None = None
         # Ids of sent steps whose caller gave up (cancelled, interrupted), in send order: their
@@ -236,8 +243,16 @@ class MultiprocExecutor(Executor):
 
     def _send(self, step: StepInput, timeout: float | None) -> None:
         """Raises RingPeerDied for the caller to turn into the death error (sync or async)."""
+        payload = encode_step(step)
         try:
-            self._res.step_ring.send(encode_step(step), timeout=timeout)
+            if self._sampled:
+                from gpu.pipeline_tokens import encode_sampled_tokens
+
+                seq_ids = b"".join(s for s, _ in self._sampled)
+                tokens = b"".join(t for _, t in self._sampled)
+                self._res.step_ring.send(encode_sampled_tokens(seq_ids, tokens), timeout=timeout)
+                self._sampled.clear()
+            self._res.step_ring.send(payload, timeout=timeout)
         except RingTimeout:
             raise self._fail(self._hung_message(step, timeout)) from None
         self._steps_sent += 1
@@ -267,6 +282,8 @@ class MultiprocExecutor(Executor):
                     f"replies out of order: expected the reply to step {want}{why}, got step "
                     f"{out.step_id} (a lost, repeated or foreign reply from worker 0); in-flight "
                     f"requests cannot finish{detail}")
+            if self._pipelined and out.seq_ids_buf:
+                self._sampled.append((out.seq_ids_buf, out.token_ids_buf))  # also abandoned ones
             if self._abandoned:
                 self._abandoned.popleft()
                 continue
