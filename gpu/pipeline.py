@@ -22,10 +22,12 @@ them, as the last stage did when it sampled (vLLM's scheduler sends new token id
 same reason). The engine schedules a sequence again only after processing the step that sampled
 its token, so the tokens always arrive before the step that uses them.
 
-Batches in flight: a stage sends its activations asynchronously (``isend``) and takes the next
-step at once, so with several steps in flight (the executor and engine allow up to
-``pipeline_parallel_size``, each sequence in at most one) the stages work on different batches
-at the same time.
+Batches in flight: today the engine keeps one step in flight, so the stages take turns on it.
+The stage side is ready for more: a stage sends its activations asynchronously (``isend``) and
+takes the next step at once, and every stage runs steps in ring order. What is left for overlap
+is above the workers: the scheduler must hand out up to ``pipeline_parallel_size`` steps with
+disjoint sequences (never preempting one in flight), and the executor must send a step before
+the previous reply arrives (replies still come back in order).
 """
 from __future__ import annotations
 
