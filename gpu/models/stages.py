@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpu.parallel_state import get_pp_size, is_first_stage, is_last_stage, stage_layer_range
+from gpu.parallel_state import is_first_stage, is_last_stage, stage_layer_range
 
 _LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
 
@@ -58,7 +58,3 @@ class StagePlan:
         """False for a checkpoint tensor of a decoder layer another stage owns."""
         m = _LAYER_INDEX.search(name)
         return m is None or self.owns_layer(int(m.group(1)))
-
-
-def pipelined() -> bool:
-    return get_pp_size() > 1
