@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 import time
+import types
 import weakref
 from multiprocessing.connection import wait
 
@@ -308,14 +309,29 @@ class MultiprocExecutor(Executor):
             f"{out.error}")
 
     def execute(self, step: StepInput) -> StepOutput:
+        self.submit(step)
+        return self.collect(step.step_id)
+
+    def submit(self, step: StepInput) -> None:
+        """Send a step without waiting for its reply (with pipeline stages up to
+        ``max_in_flight`` are sent before the oldest reply is collected; replies come in order)."""
         self._check_usable()
-        timeout = self._timeout_for_next_step()
+        try:
+            self._send(step, self._timeout_for_next_step())
+        except RingPeerDied:
+            raise self._fail_from_death() from None
+
+    def collect(self, step_id: int) -> StepOutput:
+        """Wait for the reply to ``step_id``, the oldest step sent and not yet collected."""
+        timeout = self._step_timeout
+        if timeout is not None and self._steps_sent <= WARMUP_STEPS:  # as when this step was sent
+            timeout = max(timeout, self._startup_timeout)
+        step = types.SimpleNamespace(step_id=step_id)  # what the error messages name
         deadline = None if timeout is None else time.monotonic() + timeout
         ring = self._res.reply_ring
         try:
-            self._send(step, timeout)
             while True:
-                out = self._take_reply(step.step_id)
+                out = self._take_reply(step_id)
                 if out is not None:
                     if self._error_from_peer(out):
                         if wait(self._sentinels, self._PEER_FAILURE_GRACE_S):
@@ -327,11 +343,16 @@ class MultiprocExecutor(Executor):
             raise self._fail_from_death() from None
         except RingTimeout:
             raise self._fail(self._hung_message(step, timeout)) from None
-        except (ExecutorError, StepEncodeError):  # StepEncodeError: nothing was sent
+        except ExecutorError:
             raise
         except BaseException:
-            self._abandoned.append(step.step_id)  # e.g. KeyboardInterrupt: the reply still comes
+            self._abandoned.append(step_id)  # e.g. KeyboardInterrupt: the reply still comes
             raise
+
+    @property
+    def max_in_flight(self) -> int:
+        """Steps the engine may keep sent at once: one per pipeline stage."""
+        return self.config.parallel.pipeline_parallel_size
 
     async def execute_async(self, step: StepInput) -> StepOutput:
         loop = asyncio.get_running_loop()

@@ -1,6 +1,6 @@
 """Pipeline parallelism changes where the layers run, not what comes out: greedy tokens with
-pp=2 (and tp=2 x pp=2) equal a single process's, with chunked prefill and preemption in the
-mix; a stage holds only its layers (and KV for them)."""
+pp=2 (and tp=2 x pp=2) equal a single process's, with chunked prefill, preemption and two steps
+in flight in the mix; a stage holds only its layers (and KV for them)."""
 from __future__ import annotations
 
 import contextlib
@@ -147,7 +147,16 @@ def test_default_model_pp2_equals_pp1_with_chunked_prefill_and_preemption():
     llm = LLM(pipeline_parallel_size=2, **options)
     try:
         assert len(llm.parts.executor.worker_pids) == 2
+        ex, in_flight_at_send = llm.parts.executor, []
+        send = ex.submit
+
+        def counting_submit(step):
+            in_flight_at_send.append(len(llm.core._in_flight))
+            send(step)
+        ex.submit = counting_submit
         out = llm.generate(LONG_PROMPTS, DEFAULT_GREEDY, use_tqdm=False)
+        # Two steps in flight at once (one per stage), never more.
+        assert max(in_flight_at_send) == 1
         assert llm.core.stats().num_preemptions > 0
     finally:
         shutdown_clean(llm)
