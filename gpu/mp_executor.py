@@ -365,60 +365,83 @@ class MultiprocExecutor(Executor):
                 self._send(step, timeout)
             except RingPeerDied:
                 raise await self._fail_from_death_async() from None
-            fut: asyncio.Future = loop.create_future()
-            death: asyncio.Future = loop.create_future()
-            ring = self._res.reply_ring
-            reply_fd = ring.fileno()
+            return await self._await_reply(step, timeout)
 
-            def on_reply() -> None:
-                if fut.done():
-                    return
-                ring.clear_wakeup()
-                try:
-                    result = self._take_reply(step.step_id)
-                except Exception as e:  # a corrupt or foreign reply: surface it rather than hang
-                    fut.set_exception(e)
-                    return
-                if result is not None:
-                    fut.set_result(result)
+    async def submit_async(self, step: StepInput) -> None:
+        """``submit`` for the event loop (pipeline stages: the engine collects replies in order
+        with ``collect_async``; it is the only caller then, so no lock)."""
+        await self._check_usable_async()
+        try:
+            self._send(step, self._timeout_for_next_step())
+        except RingPeerDied:
+            raise await self._fail_from_death_async() from None
 
-            def on_death() -> None:
-                if not death.done():
-                    death.set_result(None)
-                if not fut.done():
-                    fut.set_exception(RingPeerDied("worker exited"))
+    async def collect_async(self, step_id: int) -> StepOutput:
+        timeout = self._step_timeout
+        if timeout is not None and self._steps_sent <= WARMUP_STEPS:
+            timeout = max(timeout, self._startup_timeout)
+        return await self._await_reply(types.SimpleNamespace(step_id=step_id), timeout)
 
-            def on_timeout() -> None:
-                if not fut.done():
-                    fut.set_exception(RingTimeout("no reply in time"))
+    async def _await_reply(self, step, timeout: float | None) -> StepOutput:
+        """Wait on the reply ring's eventfd and every worker's sentinel, never blocking the loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        death: asyncio.Future = loop.create_future()
+        ring = self._res.reply_ring
+        reply_fd = ring.fileno()
 
-            timer = loop.call_later(timeout, on_timeout) if timeout is not None else None
-            loop.add_reader(reply_fd, on_reply)
-            for s in self._sentinels:
-                loop.add_reader(s, on_death)
+        def on_reply() -> None:
+            if fut.done():
+                return
+            ring.clear_wakeup()
             try:
-                out = await fut
-                if self._error_from_peer(out):
-                    await asyncio.wait([death], timeout=self._PEER_FAILURE_GRACE_S)
-                    if death.done():
-                        raise RingPeerDied("a worker exited")
-                    raise self._lone_rank0_failure(step, out)
-                return out
-            except RingPeerDied:
-                pass
-            except RingTimeout:
-                raise self._fail(self._hung_message(step, timeout)) from None
-            except asyncio.CancelledError:
-                if not fut.done() or fut.cancelled():  # the reply is still to come: drop it then
-                    self._abandoned.append(step.step_id)
-                raise
-            finally:
-                if timer is not None:
-                    timer.cancel()
-                loop.remove_reader(reply_fd)
-                for s in self._sentinels:
-                    loop.remove_reader(s)
-            raise await self._fail_from_death_async()
+                result = self._take_reply(step.step_id)
+            except Exception as e:  # a corrupt or foreign reply: surface it rather than hang
+                fut.set_exception(e)
+                return
+            if result is not None:
+                fut.set_result(result)
+
+        def on_death() -> None:
+            if not death.done():
+                death.set_result(None)
+            if not fut.done():
+                fut.set_exception(RingPeerDied("worker exited"))
+
+        def on_timeout() -> None:
+            if not fut.done():
+                fut.set_exception(RingTimeout("no reply in time"))
+
+        timer = loop.call_later(timeout, on_timeout) if timeout is not None else None
+        loop.add_reader(reply_fd, on_reply)
+        for s in self._sentinels:
+            loop.add_reader(s, on_death)
+        # With steps in flight, this reply may already be in the ring, its wake-up consumed while
+        # an earlier reply was taken: look once without waiting for the eventfd.
+        loop.call_soon(on_reply)
+        try:
+            out = await fut
+            if self._error_from_peer(out):
+                await asyncio.wait([death], timeout=self._PEER_FAILURE_GRACE_S)
+                if death.done():
+                    raise RingPeerDied("a worker exited")
+                raise self._lone_rank0_failure(step, out)
+            return out
+        except RingPeerDied:
+            pass
+        except RingTimeout:
+            raise self._fail(self._hung_message(step, timeout)) from None
+        except asyncio.CancelledError:
+            if not fut.done() or fut.cancelled():  # the reply is still to come: drop it then
+                self._abandoned.append(step.step_id)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            loop.remove_reader(reply_fd)
+            for s in self._sentinels:
+                loop.remove_reader(s)
+        raise await self._fail_from_death_async()
 
     # ------------------------------------------------------------------ shutdown
 

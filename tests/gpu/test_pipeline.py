@@ -161,3 +161,55 @@ def test_default_model_pp2_equals_pp1_with_chunked_prefill_and_preemption():
     finally:
         shutdown_clean(llm)
     assert token_ids(out) == token_ids(ref)
+
+
+def test_async_engine_pp2_keeps_two_steps_in_flight_and_equals_single_process(tiny_checkpoint):
+    """The server's engine loop: 16 concurrent streams over pp=2 give the offline single-process
+    tokens, with a second step sent while the first is in flight."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.llm import LLM
+    from gpu.config import EngineConfig
+
+    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16,
+               "max_num_batched_tokens": 64}
+    single = LLM(executor="inproc", **options)
+    try:
+        with one_thread():
+            ref = token_ids(single.generate(prompts(), GREEDY, use_tqdm=False))
+    finally:
+        single.shutdown()
+
+    async def run() -> tuple[list[list[int]], list[int]]:
+        engine = AsyncEngine(EngineConfig.from_options(pipeline_parallel_size=2, **options))
+        await engine.start()
+        ex = engine.parts.executor
+        counts = {"sent": 0, "collected": 0}
+        in_flight_at_send: list[int] = []
+        send, collect = ex.submit_async, ex.collect_async
+
+        async def counting_submit(step):
+            in_flight_at_send.append(counts["sent"] - counts["collected"])
+            counts["sent"] += 1
+            await send(step)
+
+        async def counting_collect(step_id):
+            out = await collect(step_id)
+            counts["collected"] += 1
+            return out
+        ex.submit_async, ex.collect_async = counting_submit, counting_collect
+        try:
+            async def one(i, p):
+                toks: list[int] = []
+                async for out in engine.generate(p, GREEDY, f"r{i}"):
+                    toks += out.outputs[0].token_ids
+                return toks
+            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts())))
+        finally:
+            await engine.shutdown()
+        return outs, in_flight_at_send
+
+    outs, in_flight_at_send = asyncio.run(run())
+    assert outs == ref
+    assert max(in_flight_at_send) == 1  # a second step sent while one was in flight, never a third
