@@ -22,12 +22,11 @@ them, as the last stage did when it sampled (vLLM's scheduler sends new token id
 same reason). The engine schedules a sequence again only after processing the step that sampled
 its token, so the tokens always arrive before the step that uses them.
 
-Batches in flight: today the engine keeps one step in flight, so the stages take turns on it.
-The stage side is ready for more: a stage sends its activations asynchronously (``isend``) and
-takes the next step at once, and every stage runs steps in ring order. What is left for overlap
-is above the workers: the scheduler must hand out up to ``pipeline_parallel_size`` steps with
-disjoint sequences (never preempting one in flight), and the executor must send a step before
-the previous reply arrives (replies still come back in order).
+Batches in flight: the engine keeps up to ``pipeline_parallel_size`` steps sent (EngineCore /
+AsyncEngine with ``executor.max_in_flight``), each sequence in at most one (Scheduler.in_flight:
+such a sequence is neither scheduled again nor preempted). A stage sends its activations
+asynchronously (``isend``) and takes its next step at once, so stages work on different steps at
+the same time; every stage runs steps in ring order and replies come back in order.
 """
 from __future__ import annotations
 
