@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=4.0,
                    help="host swap pool per worker in GiB (--preemption-mode swap; pinned on CUDA)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into this many stages, one per group of tensor-parallel "
+                        "ranks (world = tp x pp worker processes)")
     g.add_argument("--executor", "--distributed-executor-backend", dest="executor", default=None,
                    choices=["inproc", "mp", "ray"],
                    help="inproc (same process), mp (worker processes over shared memory) or ray "
@@ -82,6 +85,7 @@ def engine_config_from_args(args: argparse.Namespace, default_executor: str | No
         num_blocks=args.num_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         executor=args.executor or default_executor,
         enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs,

@@ -343,6 +343,8 @@ class AsyncEngine:
         self._restarting = False
 
     async def _step_loop(self, core, executor) -> None:
+        if getattr(executor, "max_in_flight", 1) > 1:
+            return await self._pipelined_step_loop(core, executor)
         reply_time = None  # when the previous step's output arrived (None after an idle wait)
         loop = asyncio.get_running_loop()
         wake = self._wake
@@ -382,3 +384,44 @@ class AsyncEngine:
             reply_time = time.perf_counter()
             self._deliver(core.process(scheduled, output))
             await asyncio.sleep(0)  # let streams flush before the next step is sent
+
+    async def _pipelined_step_loop(self, core, executor) -> None:
+        """Pipeline stages: keep up to ``executor.max_in_flight`` steps sent (the scheduler keeps
+        their sequences disjoint) and process replies oldest first, so stages overlap."""
+        import collections
+
+        in_flight: collections.deque = collections.deque()
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        core.constraints.on_ready = lambda: loop.call_soon_threadsafe(wake.set)
+        while True:
+            while self._pending_aborts:
+                request_id, queue = self._pending_aborts.pop()
+                if self._queues.get(request_id) is queue:
+                    del self._queues[request_id]
+                    core.abort_request(request_id)
+            while len(in_flight) < executor.max_in_flight and core.has_unfinished():
+                scheduled = core.schedule()
+                if scheduled is None:
+                    break
+                try:
+                    await executor.submit_async(scheduled.step_input)
+                except StepEncodeError as e:
+                    self._deliver(core.fail_unsent(scheduled, e))
+                    continue
+                in_flight.append(scheduled)
+            ready = core.take_outputs()
+            if ready:
+                self._deliver(ready)
+            if not in_flight:
+                self._wake.clear()
+                try:
+                    async with asyncio.timeout(IDLE_HEALTH_CHECK_S):
+                        await self._wake.wait()
+                except TimeoutError:
+                    await executor.check_health_async()
+                continue
+            scheduled = in_flight.popleft()
+            output = await executor.collect_async(scheduled.step_input.step_id)
+            self._deliver(core.process(scheduled, output))
+            await asyncio.sleep(0)

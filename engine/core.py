@@ -18,6 +18,7 @@ requests go on. Executor exceptions (ExecutorError) propagate from ``step()``.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -91,6 +92,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         # in a thread and their requests wait there, outside the scheduler.
         self.constraints = ConstraintTracker(tokenizer, self.vocab_size or tokenizer.vocab_size)
         self._ready_outputs: list[RequestOutput] = []  # outputs made outside process()
+        self._in_flight: collections.deque[ScheduledStep] = collections.deque()  # pipelined steps sent
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -221,6 +223,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         return step
 
     def process(self, scheduled: ScheduledStep, step_output: StepOutput) -> list[RequestOutput]:
+        self.scheduler.step_returned(scheduled)
         touched: dict[str, Request] = {}
         if step_output.error is not None:
             logger.error("step %d failed on the worker: %s", scheduled.step_input.step_id, step_output.error)
@@ -271,6 +274,8 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         return [out for req in touched.values() if (out := self._make_output(req)) is not None]
 
     def step(self) -> list[RequestOutput]:
+        if getattr(self.executor, "max_in_flight", 1) > 1:
+            return self._step_pipelined()
         scheduled = self.schedule()
         ready = self.take_outputs()
         if scheduled is None:
@@ -282,6 +287,28 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         except StepEncodeError as e:
             return ready + self.fail_unsent(scheduled, e)
         return ready + self.process(scheduled, output)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Pipeline stages: keep up to ``executor.max_in_flight`` steps sent (disjoint sequences,
+        see Scheduler.in_flight) so the stages work on different steps at once; return the
+        outputs of the oldest."""
+        ready = self.take_outputs()
+        while len(self._in_flight) < self.executor.max_in_flight:
+            scheduled = self.schedule()
+            if scheduled is None:
+                break
+            try:
+                self.executor.submit(scheduled.step_input)
+            except StepEncodeError as e:
+                ready += self.fail_unsent(scheduled, e)
+                continue
+            self._in_flight.append(scheduled)
+        if not self._in_flight:
+            if not ready and self.constraints.compiling:
+                self.constraints.wait(timeout=1.0)
+            return ready
+        scheduled = self._in_flight.popleft()
+        return ready + self.process(scheduled, self.executor.collect(scheduled.step_input.step_id))
 
     def fail_unsent(self, scheduled: ScheduledStep, error: StepEncodeError) -> list[RequestOutput]:
         """The executor could not encode the step (a value past 64 bits that got past

@@ -22,7 +22,10 @@ scheduled; a sequence samples when it reaches its token count, and the engine ap
 sampled token as the worker does. Sequences of n > 1 requests other than the first wait until
 the prompt has been computed once, so that they hit its blocks in the prefix cache.
 
-Contract: schedule() must not be called again before the previous step was processed.
+Contract: schedule() must not be called again before the previous step was processed, except
+with pipeline stages (``EngineCore`` keeps up to pp steps in flight): a sequence in a step that is
+sent but not yet processed (``in_flight``) is neither scheduled again nor preempted, so each
+sequence is in at most one step in flight.
 """
 from __future__ import annotations
 
@@ -73,6 +76,7 @@ class Scheduler:
         self._forked: list[Sequence] = []  # beam forks running but not yet announced to the worker
         self._step_id = 0
         self.num_preemptions = 0
+        self.in_flight: set[int] = set()  # seq ids of steps scheduled but not yet processed
 
     # ---- ordering ---------------------------------------------------------------------------
 
@@ -219,8 +223,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id in self.in_flight:
+                continue  # preempted earlier in this loop, or in a step still in flight
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
@@ -229,7 +233,7 @@ class Scheduler:
                 new_blocks = self.bm.append_slots(seq.seq_id, seq.num_computed_tokens + num_new)
                 if new_blocks is not None:
                     break
-                victim = max(self.running, key=self._key)
+                victim = max((s for s in self.running if s.seq_id not in self.in_flight), key=self._key)
                 if victim.seq_id in scheduled:
                     budget += scheduled.pop(victim.seq_id)[1]
                 self._preempt(victim)
@@ -329,6 +333,7 @@ class Scheduler:
         if block_copies:
             step_input.blocks_to_copy_buf = pack_ints(block_copies)
         self._finished_ids = []
+        self.in_flight.update(s.seq_id for s in seqs)
         return ScheduledStep(step_input, seqs, num_new_tokens, samples, preempted)
 
     def step_not_sent(self, step: ScheduledStep) -> None:
@@ -336,9 +341,14 @@ class Scheduler:
         finished ids are due again, and its new sequences, never registered, must not be
         named as finished."""
         self.bm.swap.requeue_out(step.step_input.blocks_to_swap_out)
+        self.step_returned(step)
         unregistered = {ns.seq_id for ns in step.step_input.new_seqs}
         self._finished_ids = list(step.step_input.finished_seq_ids) + [
             i for i in self._finished_ids if i not in unregistered]
+
+    def step_returned(self, step: ScheduledStep) -> None:
+        """The step's reply (or failure) is in: its sequences may be scheduled again."""
+        self.in_flight.difference_update(s.seq_id for s in step.seqs)
 
     def step_done(self, step: ScheduledStep) -> None:
         """The step's K/V is in the cache: publish full blocks to the prefix cache."""

@@ -76,7 +76,9 @@ DEFAULT_STEP_TIMEOUT_S = 300.0
 @dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    # inproc | mp | ray; None = auto: mp when tensor_parallel_size > 1 (inproc cannot split), else inproc
+    # Contiguous layer stages over ranks (gpu/pipeline.py); world = tensor x pipeline ranks.
+    pipeline_parallel_size: int = 1
+    # inproc | mp | ray; None = auto: mp when tensor or pipeline parallel (inproc cannot split), else inproc
     executor: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     # None = auto: CUDA graphs for decode on CUDA; eager on CPU, where padding buys nothing
@@ -97,7 +99,11 @@ class ParallelConfig:
         """The executor to start: the user's choice, else mp for tensor parallelism, else inproc."""
         if self.executor:
             return self.executor
-        return "mp" if self.tensor_parallel_size > 1 else "inproc"
+        return "mp" if self.world_size > 1 else "inproc"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(slots=True)

@@ -1,7 +1,9 @@
-"""Multi-process executor: ``tensor_parallel_size`` spawned workers fed over shared-memory rings.
+"""Multi-process executor: ``tensor_parallel_size x pipeline_parallel_size`` spawned workers fed
+over shared-memory rings.
 
 The engine writes each StepInput to the step ring (read by every rank); rank 0 answers on the
-reply ring. ``execute_async`` waits for the reply with ``loop.add_reader`` on the reply ring's
+reply ring (with pipeline stages the last stage's first rank answers, and the sampled tokens of
+each reply go back to the earlier stages ahead of the next step: gpu/pipeline.py). ``execute_async`` waits for the reply with ``loop.add_reader`` on the reply ring's
 eventfd and on every worker's sentinel, so the event loop never blocks on a worker and a worker
 that dies fails the pending step at once. After a death the executor tears everything down on a
 reaper thread (joins, terminate, kill take seconds with a stuck rank; nothing on the event loop
@@ -29,6 +31,7 @@ import os
 import socket
 import threading
 import time
+import types
 import weakref
 from multiprocessing.connection import wait
 
@@ -68,9 +71,14 @@ class MultiprocExecutor(Executor):
         ``cancel`` set meanwhile (a shutdown during a restart) ends the wait at once: the workers
         are killed mid-load and ExecutorError is raised."""
         self.config = config
-        self.world_size = config.parallel.tensor_parallel_size
-        if self.world_size < 1:
-            raise ExecutorError("tensor_parallel_size must be >= 1")
+        p = config.parallel
+        if p.tensor_parallel_size < 1 or p.pipeline_parallel_size < 1:
+            raise ExecutorError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        self.world_size = p.world_size
+        self._pipelined = p.pipeline_parallel_size > 1
+        # Sampled tokens of replies the stages before the last have not been sent yet (seq id
+        # bytes, token bytes); they go out ahead of the next step.
+        self._sampled: list[tuple[bytes, bytes]] = []
         self._res = WorkerGroup()
         self._error: ExecutorError | None = None
         # Ids of sent steps whose caller gave up (cancelled, interrupted), in send order: their
@@ -251,8 +259,16 @@ class MultiprocExecutor(Executor):
 
     def _send(self, step: StepInput, timeout: float | None) -> None:
         """Raises RingPeerDied for the caller to turn into the death error (sync or async)."""
+        payload = encode_step(step)
         try:
-            self._res.step_ring.send(encode_step(step), timeout=timeout)
+            if self._sampled:
+                from gpu.pipeline_tokens import encode_sampled_tokens
+
+                seq_ids = b"".join(s for s, _ in self._sampled)
+                tokens = b"".join(t for _, t in self._sampled)
+                self._res.step_ring.send(encode_sampled_tokens(seq_ids, tokens), timeout=timeout)
+                self._sampled.clear()
+            self._res.step_ring.send(payload, timeout=timeout)
         except RingTimeout:
             raise self._fail(self._hung_message(step, timeout)) from None
         self._steps_sent += 1
@@ -282,6 +298,8 @@ class MultiprocExecutor(Executor):
                     f"replies out of order: expected the reply to step {want}{why}, got step "
                     f"{out.step_id} (a lost, repeated or foreign reply from worker 0); in-flight "
                     f"requests cannot finish{detail}")
+            if self._pipelined and out.seq_ids_buf:
+                self._sampled.append((out.seq_ids_buf, out.token_ids_buf))  # also abandoned ones
             if self._abandoned:
                 self._abandoned.popleft()
                 continue
@@ -306,14 +324,29 @@ class MultiprocExecutor(Executor):
             f"{out.error}")
 
     def execute(self, step: StepInput) -> StepOutput:
+        self.submit(step)
+        return self.collect(step.step_id)
+
+    def submit(self, step: StepInput) -> None:
+        """Send a step without waiting for its reply (with pipeline stages up to
+        ``max_in_flight`` are sent before the oldest reply is collected; replies come in order)."""
         self._check_usable()
-        timeout = self._timeout_for_next_step()
+        try:
+            self._send(step, self._timeout_for_next_step())
+        except RingPeerDied:
+            raise self._fail_from_death() from None
+
+    def collect(self, step_id: int) -> StepOutput:
+        """Wait for the reply to ``step_id``, the oldest step sent and not yet collected."""
+        timeout = self._step_timeout
+        if timeout is not None and self._steps_sent <= WARMUP_STEPS:  # as when this step was sent
+            timeout = max(timeout, self._startup_timeout)
+        step = types.SimpleNamespace(step_id=step_id)  # what the error messages name
         deadline = None if timeout is None else time.monotonic() + timeout
         ring = self._res.reply_ring
         try:
-            self._send(step, timeout)
             while True:
-                out = self._take_reply(step.step_id)
+                out = self._take_reply(step_id)
                 if out is not None:
                     if self._error_from_peer(out):
                         if wait(self._sentinels, self._PEER_FAILURE_GRACE_S):
@@ -325,11 +358,16 @@ class MultiprocExecutor(Executor):
             raise self._fail_from_death() from None
         except RingTimeout:
             raise self._fail(self._hung_message(step, timeout)) from None
-        except (ExecutorError, StepEncodeError):  # StepEncodeError: nothing was sent
+        except ExecutorError:
             raise
         except BaseException:
-            self._abandoned.append(step.step_id)  # e.g. KeyboardInterrupt: the reply still comes
+            self._abandoned.append(step_id)  # e.g. KeyboardInterrupt: the reply still comes
             raise
+
+    @property
+    def max_in_flight(self) -> int:
+        """Steps the engine may keep sent at once: one per pipeline stage."""
+        return self.config.parallel.pipeline_parallel_size
 
     async def execute_async(self, step: StepInput) -> StepOutput:
         loop = asyncio.get_running_loop()
@@ -342,60 +380,83 @@ class MultiprocExecutor(Executor):
                 self._send(step, timeout)
             except RingPeerDied:
                 raise await self._fail_from_death_async() from None
-            fut: asyncio.Future = loop.create_future()
-            death: asyncio.Future = loop.create_future()
-            ring = self._res.reply_ring
-            reply_fd = ring.fileno()
+            return await self._await_reply(step, timeout)
 
-            def on_reply() -> None:
-                if fut.done():
-                    return
-                ring.clear_wakeup()
-                try:
-                    result = self._take_reply(step.step_id)
-                except Exception as e:  # a corrupt or foreign reply: surface it rather than hang
-                    fut.set_exception(e)
-                    return
-                if result is not None:
-                    fut.set_result(result)
+    async def submit_async(self, step: StepInput) -> None:
+        """``submit`` for the event loop (pipeline stages: the engine collects replies in order
+        with ``collect_async``; it is the only caller then, so no lock)."""
+        await self._check_usable_async()
+        try:
+            self._send(step, self._timeout_for_next_step())
+        except RingPeerDied:
+            raise await self._fail_from_death_async() from None
 
-            def on_death() -> None:
-                if not death.done():
-                    death.set_result(None)
-                if not fut.done():
-                    fut.set_exception(RingPeerDied("worker exited"))
+    async def collect_async(self, step_id: int) -> StepOutput:
+        timeout = self._step_timeout
+        if timeout is not None and self._steps_sent <= WARMUP_STEPS:
+            timeout = max(timeout, self._startup_timeout)
+        return await self._await_reply(types.SimpleNamespace(step_id=step_id), timeout)
 
-            def on_timeout() -> None:
-                if not fut.done():
-                    fut.set_exception(RingTimeout("no reply in time"))
+    async def _await_reply(self, step, timeout: float | None) -> StepOutput:
+        """Wait on the reply ring's eventfd and every worker's sentinel, never blocking the loop."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        death: asyncio.Future = loop.create_future()
+        ring = self._res.reply_ring
+        reply_fd = ring.fileno()
 
-            timer = loop.call_later(timeout, on_timeout) if timeout is not None else None
-            loop.add_reader(reply_fd, on_reply)
-            for s in self._sentinels:
-                loop.add_reader(s, on_death)
+        def on_reply() -> None:
+            if fut.done():
+                return
+            ring.clear_wakeup()
             try:
-                out = await fut
-                if self._error_from_peer(out):
-                    await asyncio.wait([death], timeout=self._PEER_FAILURE_GRACE_S)
-                    if death.done():
-                        raise RingPeerDied("a worker exited")
-                    raise self._lone_rank0_failure(step, out)
-                return out
-            except RingPeerDied:
-                pass
-            except RingTimeout:
-                raise self._fail(self._hung_message(step, timeout)) from None
-            except asyncio.CancelledError:
-                if not fut.done() or fut.cancelled():  # the reply is still to come: drop it then
-                    self._abandoned.append(step.step_id)
-                raise
-            finally:
-                if timer is not None:
-                    timer.cancel()
-                loop.remove_reader(reply_fd)
-                for s in self._sentinels:
-                    loop.remove_reader(s)
-            raise await self._fail_from_death_async()
+                result = self._take_reply(step.step_id)
+            except Exception as e:  # a corrupt or foreign reply: surface it rather than hang
+                fut.set_exception(e)
+                return
+            if result is not None:
+                fut.set_result(result)
+
+        def on_death() -> None:
+            if not death.done():
+                death.set_result(None)
+            if not fut.done():
+                fut.set_exception(RingPeerDied("worker exited"))
+
+        def on_timeout() -> None:
+            if not fut.done():
+                fut.set_exception(RingTimeout("no reply in time"))
+
+        timer = loop.call_later(timeout, on_timeout) if timeout is not None else None
+        loop.add_reader(reply_fd, on_reply)
+        for s in self._sentinels:
+            loop.add_reader(s, on_death)
+        # With steps in flight, this reply may already be in the ring, its wake-up consumed while
+        # an earlier reply was taken: look once without waiting for the eventfd.
+        loop.call_soon(on_reply)
+        try:
+            out = await fut
+            if self._error_from_peer(out):
+                await asyncio.wait([death], timeout=self._PEER_FAILURE_GRACE_S)
+                if death.done():
+                    raise RingPeerDied("a worker exited")
+                raise self._lone_rank0_failure(step, out)
+            return out
+        except RingPeerDied:
+            pass
+        except RingTimeout:
+            raise self._fail(self._hung_message(step, timeout)) from None
+        except asyncio.CancelledError:
+            if not fut.done() or fut.cancelled():  # the reply is still to come: drop it then
+                self._abandoned.append(step.step_id)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            loop.remove_reader(reply_fd)
+            for s in self._sentinels:
+                loop.remove_reader(s)
+        raise await self._fail_from_death_async()
 
     # ------------------------------------------------------------------ shutdown
 

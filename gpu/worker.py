@@ -1,9 +1,10 @@
-"""The worker process: one per tensor-parallel rank, started with ``spawn`` by MultiprocExecutor.
+"""The worker process: one per rank (tensor x pipeline), started with ``spawn`` by MultiprocExecutor.
 
 Start-up: attach the rings, set torch threads, (tp > 1) join the gloo/NCCL group and set the
 tensor-parallel state, build the model runner and report ``("ready", num_blocks, num_swap_blocks)`` or
 ``("error", traceback text)`` over the ready pipe. Then loop: read a message from the step ring
-(every rank reads every step), execute it, and rank 0 writes the StepOutput to the reply ring.
+(every rank reads every step), execute it, and the output rank (rank 0; with pipeline stages the
+first rank of the last stage, gpu/pipeline.py) writes the StepOutput to the reply ring.
 
 Failures: a step that raises on rank 0 becomes ``StepOutput(error=...)`` and the worker keeps
 serving; on another rank the traceback goes over the ready pipe and the worker exits, since its
@@ -27,6 +28,7 @@ import msgspec
 
 from gpu.config import EngineConfig
 from gpu.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepEncodeError, StepInput, StepOutput
+from gpu.pipeline_tokens import TAG_SAMPLED, decode_sampled_tokens
 from gpu.shm_ring import RingClosed, RingPeerDied, RingSpec, ShmRing
 from gpu.transport import attach_channel
 
@@ -38,6 +40,7 @@ TAG_SHUTDOWN = ord("Q")
 SHUTDOWN_MESSAGE = bytes([TAG_SHUTDOWN])
 
 DEFAULT_RUNNER = "gpu.model_runner:ModelRunner"
+PIPELINE_RUNNER = "gpu.pipeline:PipelineModelRunner"
 
 
 def encode_step(step: StepInput) -> bytearray:
@@ -65,12 +68,22 @@ class WorkerArgs:
     rank: int
     world_size: int
     step_ring: RingSpec
-    reply_ring: RingSpec  # only rank 0 writes it
+    reply_ring: RingSpec  # only the output rank writes it
     ready_conn: Connection  # worker -> executor: ("ready", num_blocks) | ("error", text)
     dist_init_method: str | None = None  # tcp://127.0.0.1:PORT when world_size > 1
     runner_factory: str | None = None  # "module:callable" taking (config, rank); None = ModelRunner
     log_level: int = logging.INFO
     num_threads: int | None = None  # torch intra-op threads; None = this rank's share of the CPUs
+
+    @property
+    def output_rank(self) -> int:
+        return output_rank(self.config)
+
+
+def output_rank(config: EngineConfig) -> int:
+    """The rank that answers on the reply ring: the first rank of the last pipeline stage."""
+    p = config.parallel
+    return (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
 
 
 def load_factory(spec: str):
@@ -108,8 +121,6 @@ def _setup_torch(args: WorkerArgs) -> None:
 
         import torch.distributed as dist
 
-        from gpu.parallel_state import init_tensor_parallel
-
         use_cuda = args.config.parallel.device.startswith("cuda") or (
             args.config.parallel.device == "auto" and torch.cuda.is_available())
         if use_cuda:
@@ -117,7 +128,26 @@ def _setup_torch(args: WorkerArgs) -> None:
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=args.dist_init_method,
                                 rank=args.rank, world_size=args.world_size,
                                 timeout=datetime.timedelta(seconds=120))
+        _init_groups(args)
+
+
+def _init_groups(args: WorkerArgs) -> None:
+    """Tensor-parallel groups (one per stage: consecutive ranks) and this rank's stage peers.
+    Every rank creates every group, in the same order, as torch.distributed requires."""
+    import torch.distributed as dist
+
+    from gpu.parallel_state import init_pipeline_parallel, init_tensor_parallel
+
+    tp = args.config.parallel.tensor_parallel_size
+    pp = args.config.parallel.pipeline_parallel_size
+    if pp == 1:
         init_tensor_parallel(args.rank, args.world_size, dist.group.WORLD)
+        return
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) if tp > 1 else None for s in range(pp)]
+    stage, tp_rank = divmod(args.rank, tp)
+    init_tensor_parallel(tp_rank, tp, groups[stage])
+    init_pipeline_parallel(stage, pp, args.rank - tp if stage > 0 else None,
+                           args.rank + tp if stage < pp - 1 else None)
 
 
 def _teardown_torch(args: WorkerArgs) -> None:
@@ -142,10 +172,11 @@ def worker_main(args: WorkerArgs) -> None:
     try:
         step_ring = attach_channel(args.step_ring, args.rank, peer_fds=parent_fds)
         reply_ring = (attach_channel(args.reply_ring, "writer", peer_fds=parent_fds)
-                      if args.rank == 0 else None)
+                      if args.rank == args.output_rank else None)
         if args.runner_factory is None or args.world_size > 1:
             _setup_torch(args)
-        factory = load_factory(args.runner_factory or DEFAULT_RUNNER)
+        default = PIPELINE_RUNNER if args.config.parallel.pipeline_parallel_size > 1 else DEFAULT_RUNNER
+        factory = load_factory(args.runner_factory or default)
         runner = factory(args.config, args.rank)
         num_blocks = runner.initialize()
     except BaseException:
@@ -183,6 +214,9 @@ def _serve(args: WorkerArgs, runner, step_ring: ShmRing, reply_ring: ShmRing | N
         if tag == TAG_SHUTDOWN:
             logger.debug("rank %d: shutdown message", args.rank)
             return
+        if tag == TAG_SAMPLED:
+            runner.accept_sampled(*decode_sampled_tokens(msg))
+            continue
         if tag != TAG_STEP:
             raise RuntimeError(f"unknown message tag {tag!r} on the step ring")
         step_id = -1
@@ -193,7 +227,7 @@ def _serve(args: WorkerArgs, runner, step_ring: ShmRing, reply_ring: ShmRing | N
         except Exception:
             text = traceback.format_exc()
             if reply_ring is None:
-                raise  # rank > 0: peers are stuck in a collective; let the executor tear down
+                raise  # not the output rank: peers are stuck in a collective; the executor tears down
             logger.error("step %d failed:\n%s", step_id, text)
             out = StepOutput(step_id, error=text)
         if reply_ring is not None:

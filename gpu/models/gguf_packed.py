@@ -230,6 +230,8 @@ def _load_one(t, model, modules, plan, slots, full_names, tracker, path, arch, h
 
     hf_name = gguf_to_hf_name(t.name)
     mapped = model.map_weight_name(hf_name) if hf_name is not None else None
+    if hf_name is not None and mapped is None:
+        return True  # a tensor the model does not hold (e.g. another pipeline stage's layer): skip it
     targets = [(p, s) for p, s, _ in mapped or () if p.rpartition(".")[0] in plan and p.endswith(".weight")]
     if not targets:
         full_names.append(t.name)

@@ -11,6 +11,7 @@ from torch import nn
 
 from gpu.models.attention import Attention
 from gpu.models.errors import ModelLoadError
+from gpu.models.stages import MissingLayer, StageActivations, StagePlan
 from gpu.models.layers import (ColumnParallelLinear, LayerNorm, ParallelLMHead, QKVParallelLinear,
                                RowParallelLinear, VocabParallelEmbedding)
 
@@ -56,25 +57,36 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = cfg
         hidden = cfg["n_embd"]
-        self.transformer = nn.Module()
-        self.transformer.wte = VocabParallelEmbedding(cfg["vocab_size"], hidden)
-        self.transformer.wpe = VocabParallelEmbedding(cfg["n_positions"], hidden)
-        self.transformer.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg["n_layer"]))
-        self.transformer.ln_f = LayerNorm(hidden, float(cfg.get("layer_norm_epsilon", 1e-5)))
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], hidden)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", True))
-        if self.tie_word_embeddings:
+        # On a pipeline stage only its blocks exist (gpu/models/stages.py).
+        self.stage = plan = StagePlan.current(cfg["n_layer"])
+        self.transformer = nn.Module()
+        keep_wte = plan.first or (plan.last and self.tie_word_embeddings)
+        self.transformer.wte = VocabParallelEmbedding(cfg["vocab_size"], hidden) if keep_wte else MissingLayer()
+        self.transformer.wpe = (VocabParallelEmbedding(cfg["n_positions"], hidden) if plan.first
+                                else MissingLayer())
+        self.transformer.h = nn.ModuleList(GPT2Block(cfg, i) if plan.owns_layer(i) else MissingLayer()
+                                           for i in range(cfg["n_layer"]))
+        self._own_blocks = list(self.transformer.h)[plan.start:plan.end]
+        self.transformer.ln_f = (LayerNorm(hidden, float(cfg.get("layer_norm_epsilon", 1e-5))) if plan.last
+                                 else MissingLayer())
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], hidden) if plan.last else MissingLayer()
+        if self.tie_word_embeddings and plan.last:
             self.lm_head.tie(self.transformer.wte)
         self.num_layers = cfg["n_layer"]
-        self.num_kv_heads = self.transformer.h[0].num_heads
-        self.head_dim = self.transformer.h[0].head_dim
+        self.num_kv_heads = self.transformer.h[plan.start].num_heads
+        self.head_dim = self.transformer.h[plan.start].head_dim
         self._hidden = hidden
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: StageActivations | None = None):
+        """The final hidden states; on a stage before the last, its StageActivations instead."""
         t = self.transformer
-        x = t.wte(input_ids) + t.wpe(positions)
-        for block in t.h:
+        x = t.wte(input_ids) + t.wpe(positions) if intermediate is None else intermediate.hidden
+        for block in self._own_blocks:
             x = block(x)
+        if not self.stage.last:
+            return StageActivations(x)
         return t.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -84,9 +96,11 @@ class GPT2LMHeadModel(nn.Module):
         if name.endswith((".attn.bias", ".attn.masked_bias")):
             return None  # causal-mask buffers of old checkpoints
         if name == "lm_head.weight":
-            return None if self.tie_word_embeddings else [(name, None, None)]
+            return None if self.tie_word_embeddings or not self.stage.last else [(name, None, None)]
         if not name.startswith("transformer."):
             name = "transformer." + name  # checkpoints saved from GPT2Model lack the prefix
+        if not self.stage.whole and not self._on_this_stage(name):
+            return None
         if name.endswith(".attn.c_attn.weight") or name.endswith(".attn.c_attn.bias"):
             h = self._hidden
             conv = name.endswith(".weight")
@@ -99,3 +113,9 @@ class GPT2LMHeadModel(nn.Module):
         if name.endswith((".c_proj.weight", ".c_fc.weight")):
             return [(name, None, lambda t: t.t())]
         return [(name, None, None)]
+
+    def _on_this_stage(self, name: str) -> bool:
+        for part in ("wte", "wpe", "ln_f"):
+            if name.startswith(f"transformer.{part}."):
+                return not isinstance(getattr(self.transformer, part), MissingLayer)
+        return self.stage.owns_weight(name)

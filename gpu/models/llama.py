@@ -19,6 +19,8 @@ from gpu.models.errors import ModelLoadError
 from gpu.models.layers import (GatedMLP, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
                                VocabParallelEmbedding)
 from gpu.models.rotary import RotaryEmbedding, rope_params_from_config
+from gpu.models.stages import MissingLayer, StageActivations, StagePlan
+from gpu.parallel_state import is_last_stage
 
 logger = logging.getLogger(__name__)
 
@@ -94,25 +96,40 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool, keep_embedding: bool = False):
+        """On a pipeline stage (gpu/models/stages.py) only the stage's layers are built; the
+        embedding sits on the first stage (and on the last when ``keep_embedding``: a tied head)."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        num_layers = cfg["num_hidden_layers"]
+        self.stage = plan = StagePlan.current(num_layers)
+        self.embed_tokens = (VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+                             if plan.first or keep_embedding else MissingLayer())
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         theta, scaling = rope_params_from_config(cfg)
         partial = float(cfg.get("partial_rotary_factor") or 1.0)
         rotary = RotaryEmbedding(head_dim, int(head_dim * partial),
                                  int(_cfg(cfg, "max_position_embeddings", default=2048)), theta, scaling)
         self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary)
-                                    for i in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], float(_cfg(cfg, "rms_norm_eps", default=1e-6)))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary) if plan.owns_layer(i) else MissingLayer()
+            for i in range(num_layers))
+        self._own_layers = list(self.layers)[plan.start:plan.end]
+        self.norm = (RMSNorm(cfg["hidden_size"], float(_cfg(cfg, "rms_norm_eps", default=1e-6)))
+                     if plan.last else MissingLayer())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens.forward(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: StageActivations | None = None):
+        """The final hidden states; on a stage before the last, its StageActivations instead."""
+        if intermediate is None:
+            x = self.embed_tokens.forward(input_ids)
+            residual = None
+        else:
+            x, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary.prepare(positions, x.dtype)  # shared by every layer
-        residual = None
-        for layer in self.layers:
+        for layer in self._own_layers:
             x, residual = layer.forward(rope, x, residual)
+        if not self.stage.last:
+            return StageActivations(x, residual)
         x, _ = self.norm.forward(x, residual)
         return x
 
@@ -139,18 +156,22 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("%s: sliding-window attention (%d tokens) is not implemented; attention is "
                            "full, so outputs differ from the reference past %d tokens", architecture, window,
                            window)
-        self.model = LlamaModel(cfg, qkv_bias, o_bias, qk_norm)
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        self.model = LlamaModel(cfg, qkv_bias, o_bias, qk_norm, keep_embedding=self.tie_word_embeddings
+                                and is_last_stage())
+        self.stage = self.model.stage
+        self.lm_head = (ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"]) if self.stage.last
+                        else MissingLayer())
+        if self.tie_word_embeddings and self.stage.last:
             self.lm_head.tie(self.model.embed_tokens)
-        first = self.model.layers[0].self_attn
+        first = self.model.layers[self.stage.start].self_attn
         self.num_layers = len(self.model.layers)
         self.num_kv_heads = first.num_kv_heads
         self.head_dim = first.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: StageActivations | None = None):
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
@@ -160,8 +181,17 @@ class LlamaForCausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None  # the tied embedding is loaded under its own name
+        if not self.stage.whole and not self._on_this_stage(name):
+            return None
         parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
         if len(parts) == 3 and parts[1] in _STACKED:
             fused, shard = _STACKED[parts[1]]
             return [(f"{parts[0]}.{fused}.{parts[2]}", shard, None)]
         return [(name, None, None)]
+
+    def _on_this_stage(self, name: str) -> bool:
+        if name.startswith("model.embed_tokens."):
+            return not isinstance(self.model.embed_tokens, MissingLayer)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.stage.last
+        return self.stage.owns_weight(name)
