@@ -351,26 +351,14 @@ class AsyncEngine:
         # A grammar compiled in its thread wakes the loop (set() runs on the loop, after any clear()).
         core.constraints.on_ready = lambda: loop.call_soon_threadsafe(wake.set)
         while True:
-            while self._pending_aborts:
-                request_id, queue = self._pending_aborts.pop()
-                if self._queues.get(request_id) is queue:  # else already ended (or the id reused)
-                    del self._queues[request_id]
-                    core.abort_request(request_id)
+            self._apply_pending_aborts(core)
             scheduled = core.schedule() if core.has_unfinished() else None
             ready = core.take_outputs()  # requests whose grammar failed to compile
             if ready:
                 self._deliver(ready)
             if scheduled is None:
                 reply_time = None
-                self._wake.clear()
-                try:
-                    # Not wait_for: on Python 3.11 it returns the inner result when a cancel
-                    # arrives in the tick the wake-up does (shutdown aborts, then cancels), and
-                    # the loop would run on; asyncio.timeout lets that cancel through.
-                    async with asyncio.timeout(IDLE_HEALTH_CHECK_S):
-                        await self._wake.wait()
-                except TimeoutError:
-                    await executor.check_health_async()
+                await self._idle_wait(executor)
                 continue
             if reply_time is not None:
                 # Output processing, stream flushes and scheduling between two steps.
@@ -385,6 +373,26 @@ class AsyncEngine:
             self._deliver(core.process(scheduled, output))
             await asyncio.sleep(0)  # let streams flush before the next step is sent
 
+    def _apply_pending_aborts(self, core) -> None:
+        """Abort, in the core, the requests whose streams ended since the last step."""
+        while self._pending_aborts:
+            request_id, queue = self._pending_aborts.pop()
+            if self._queues.get(request_id) is queue:  # else already ended (or the id reused)
+                del self._queues[request_id]
+                core.abort_request(request_id)
+
+    async def _idle_wait(self, executor) -> None:
+        """Nothing to run: sleep until woken, checking the workers' health now and then."""
+        self._wake.clear()
+        try:
+            # Not wait_for: on Python 3.11 it returns the inner result when a cancel arrives in
+            # the tick the wake-up does (shutdown aborts, then cancels), and the loop would run
+            # on; asyncio.timeout lets that cancel through.
+            async with asyncio.timeout(IDLE_HEALTH_CHECK_S):
+                await self._wake.wait()
+        except TimeoutError:
+            await executor.check_health_async()
+
     async def _pipelined_step_loop(self, core, executor) -> None:
         """Pipeline stages: keep up to ``executor.max_in_flight`` steps sent (the scheduler keeps
         their sequences disjoint) and process replies oldest first, so stages overlap."""
@@ -395,11 +403,7 @@ class AsyncEngine:
         wake = self._wake
         core.constraints.on_ready = lambda: loop.call_soon_threadsafe(wake.set)
         while True:
-            while self._pending_aborts:
-                request_id, queue = self._pending_aborts.pop()
-                if self._queues.get(request_id) is queue:
-                    del self._queues[request_id]
-                    core.abort_request(request_id)
+            self._apply_pending_aborts(core)
             while len(in_flight) < executor.max_in_flight and core.has_unfinished():
                 scheduled = core.schedule()
                 if scheduled is None:
@@ -414,12 +418,7 @@ class AsyncEngine:
             if ready:
                 self._deliver(ready)
             if not in_flight:
-                self._wake.clear()
-                try:
-                    async with asyncio.timeout(IDLE_HEALTH_CHECK_S):
-                        await self._wake.wait()
-                except TimeoutError:
-                    await executor.check_health_async()
+                await self._idle_wait(executor)
                 continue
             scheduled = in_flight.popleft()
             output = await executor.collect_async(scheduled.step_input.step_id)
