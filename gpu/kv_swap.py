@@ -29,13 +29,18 @@ def num_swap_blocks(config, bytes_per_block: int) -> int:
     return max(0, int(cache.swap_space_gib * (1 << 30)) // bytes_per_block)
 
 
+def owned_layers(device_caches: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (K, V) caches this worker holds: a pipeline stage's list has None for other stages' layers."""
+    return [c for c in device_caches if c is not None]
+
+
 class HostSwapPool:
-    def __init__(self, device_caches: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int):
+    def __init__(self, device_caches: list[tuple[torch.Tensor, torch.Tensor] | None], num_blocks: int):
         self.num_blocks = num_blocks
-        self.device = device_caches[0][0].device if device_caches else torch.device("cpu")
+        owned = owned_layers(device_caches)
+        self.device = owned[0][0].device if owned else torch.device("cpu")
         pin = self.device.type == "cuda"
-        self.caches = [(self._alloc(k, num_blocks, pin), self._alloc(v, num_blocks, pin))
-                       for k, v in device_caches]
+        self.caches = [(self._alloc(k, num_blocks, pin), self._alloc(v, num_blocks, pin)) for k, v in owned]
 
     @staticmethod
     def _alloc(like: torch.Tensor, num_blocks: int, pin: bool) -> torch.Tensor:
@@ -58,7 +63,7 @@ class HostSwapPool:
     def swap_out(self, device_caches, pairs: list[tuple[int, int]]) -> None:
         dev_idx = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
         host_idx = torch.tensor([h for _, h in pairs], dtype=torch.long)
-        for (dk, dv), (hk, hv) in zip(device_caches, self.caches):
+        for (dk, dv), (hk, hv) in zip(owned_layers(device_caches), self.caches):
             hk.index_copy_(0, host_idx, dk.index_select(0, dev_idx).to("cpu"))
             hv.index_copy_(0, host_idx, dv.index_select(0, dev_idx).to("cpu"))
 
@@ -66,6 +71,6 @@ class HostSwapPool:
         host_idx = torch.tensor([h for h, _ in pairs], dtype=torch.long)
         dev_idx = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
         non_blocking = self.device.type == "cuda"
-        for (dk, dv), (hk, hv) in zip(device_caches, self.caches):
+        for (dk, dv), (hk, hv) in zip(owned_layers(device_caches), self.caches):
             dk.index_copy_(0, dev_idx, hk.index_select(0, host_idx).to(self.device, non_blocking=non_blocking))
             dv.index_copy_(0, dev_idx, hv.index_select(0, host_idx).to(self.device, non_blocking=non_blocking))

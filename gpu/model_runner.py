@@ -16,6 +16,7 @@ from gpu.config import EngineConfig
 from gpu.device import resolve_device, resolve_dtype
 from gpu.forward_context import forward_context
 from gpu.kv_alloc import zeroed_tensor
+from gpu.kv_swap import owned_layers
 from gpu.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
 from gpu.pooling import new_pooler
 from kernels.metadata import AttentionMetadata
@@ -218,8 +219,10 @@ class ModelRunner:
         with forward_context(batch.meta, self.kv_caches):
             return self.model(batch.input_ids, batch.positions)
 
-    @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput:
+    def begin_step(self, step: StepInput) -> list:
+        """The bookkeeping before a forward, in gpu/messages.py's order (swaps, forgets, block
+        copies, new sequences, new blocks): the scheduled sequences' states. Every runner (and
+        every pipeline stage) starts a step here, so each keeps its own layers' KV in step."""
         if self.swap_pool is not None:
             self.swap_pool.apply(step, self.kv_caches)
         for seq_id in step.finished_seq_ids:
@@ -228,12 +231,16 @@ class ModelRunner:
             self.copy_blocks(step.blocks_to_copy)
         for new in step.new_seqs:
             self.seqs[new.seq_id] = self._new_state(new)
-        if not step.seq_ids:
-            return StepOutput(step.step_id)
-
         states = [self.seqs[seq_id] for seq_id in step.seq_ids]
         for i, block in zip(step.new_block_seqs, step.new_block_ids):
             states[i].block_table.append(block)
+        return states
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        states = self.begin_step(step)
+        if not states:
+            return StepOutput(step.step_id)
         requests: list[BatchRequest] = []
         for s, n in zip(states, step.num_new_tokens):
             start = s.num_computed
@@ -288,7 +295,7 @@ class ModelRunner:
         """Copy-on-write of beam forks: block dst takes block src's K/V in every layer."""
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in owned_layers(self.kv_caches):  # a pipeline stage: its own layers
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 

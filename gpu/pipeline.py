@@ -150,17 +150,12 @@ class PipelineModelRunner(ModelRunner):
     def execute(self, step: StepInput) -> StepOutput:
         if self.model.stage.last:
             return super().execute(step)  # its _run_model receives the activations
-        # A stage before the last: the same bookkeeping as ModelRunner.execute, the forward of
-        # its layers, no sampling (the tokens come back through accept_sampled).
-        for seq_id in step.finished_seq_ids:
-            self.seqs.pop(seq_id, None)
-        for new in step.new_seqs:
-            self.seqs[new.seq_id] = self._new_state(new)
-        if not step.seq_ids:
+        # A stage before the last: the same bookkeeping as ModelRunner.execute (swaps and block
+        # copies of its own layers included), the forward of its layers, no sampling (the tokens
+        # come back through accept_sampled).
+        states = self.begin_step(step)
+        if not states:
             return StepOutput(step.step_id)
-        states = [self.seqs[seq_id] for seq_id in step.seq_ids]
-        for i, block in zip(step.new_block_seqs, step.new_block_ids):
-            states[i].block_table.append(block)
         requests = [BatchRequest(s.token_ids[s.num_computed:s.num_computed + n], s.num_computed, s.block_table)
                     for s, n in zip(states, step.num_new_tokens)]
         self._run_model(self.prepare(requests))

@@ -123,3 +123,22 @@ def test_tensor_parallel_2_swaps_each_shard(tiny_checkpoint):
         assert llm.core.block_manager.swap.num_swapped_out > 0
     finally:
         shutdown_clean(llm)
+
+
+def test_pipeline_parallel_2_swaps_on_every_stage(tiny_checkpoint):
+    """Each stage holds the KV of its own layers: a swap must move the blocks of every stage."""
+    from engine.llm import LLM
+
+    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16}
+    single = LLM(executor="inproc", **options)
+    try:
+        ref = token_ids(single.generate(prompts(), GREEDY, use_tqdm=False))
+    finally:
+        single.shutdown()
+    llm = LLM(pipeline_parallel_size=2, preemption_mode="swap", num_swap_blocks=64, **SMALL_CACHE, **options)
+    try:
+        assert llm.parts.executor.num_swap_blocks == 64
+        assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == ref
+        assert llm.core.block_manager.swap.num_swapped_out > 0
+    finally:
+        shutdown_clean(llm)
