@@ -129,7 +129,12 @@ class Scheduler:
         """Swap the sequence out when in swap mode and the host pool has room, else free its
         blocks for recompute; either way it waits again with its generated tokens kept."""
         self.running.remove(seq)
-        if not (self.preemption_mode == "swap" and self.bm.swap_out(seq.seq_id, seq.num_computed_tokens)):
+        # A beam that sampled and waits for its siblings (all its tokens computed) swaps all but
+        # its last token: that one is recomputed so that it samples, and reports, again. A fork
+        # not yet announced is recomputed: its private tail copy (blocks_to_copy) never happened.
+        num_swapped = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        if not (self.preemption_mode == "swap" and seq.on_worker
+                and self.bm.swap_out(seq.seq_id, num_swapped)):
             self.bm.free(seq.seq_id)
         self._forget_on_worker(seq)
         seq.num_computed_tokens = 0

@@ -10,7 +10,7 @@ sequence must equal the fake worker's (token ids, computed count, block table), 
 finished greedy request must have exactly the tokens it would have had alone — whatever
 preemption, chunking, prefix-cache hits and aborts happened on the way.
 """
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.beam_search import BeamSearchParams
@@ -86,6 +86,16 @@ def check_consistency(core, ex):
     assert not on_worker & set(sched._finished_ids)
 
 
+# Regression: a swapped-out beam fork that was never announced (its tail copy never ran) came back
+# with a bad cached prefix; an idle beam (all computed, waiting for its siblings) swapped out came
+# back with nothing to compute.
+@example(num_blocks=8, block_size=4, budget=5, max_seqs=4, policy="fcfs", prefix=False, mode="swap", num_swap_blocks=6,
+         ops=[("step",)] * 5 + [("abort", 0)] * 2 + [("add", 1, 1, 1, 0, 0)] * 7 + [
+             ("beam", 10, 4, 2, False, 0), ("step",), ("step",), ("step",), ("step",), ("add", 1, 1, 1, 0, 1), ("step",),
+             ("beam", 3, 7, 2, False, 2), ("step",), ("add", 23, 16, 1, 2, 3), ("beam", 9, 8, 3, False, 3), ("step",),
+             ("step",), ("preempt", 9), ("preempt", 15), ("preempt", 7), ("step",), ("step",), ("step",),
+             ("add", 19, 8, 1, 2, 2), ("step",), ("beam", 11, 8, 1, False, 2), ("step",), ("step",), ("step",),
+             ("preempt", 31), ("abort", 7), ("step",), ("add", 2, 7, 3, 0, 2)])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     num_blocks=st.integers(7, 16), block_size=st.sampled_from([1, 2, 4]),
