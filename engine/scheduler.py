@@ -153,7 +153,9 @@ class Scheduler:
         given back, or None when nobody may be preempted."""
         if self.policy != "priority":
             return None
-        candidates = [s for s in self.running if s.seq_id not in admitted
+        # Beams are never victims here: a preempted beam comes back on private blocks, and a cache
+        # sized for shared prompt blocks could then hold it waiting on its siblings forever.
+        candidates = [s for s in self.running if s.seq_id not in admitted and s.request.beam is None
                       and (not need_budget or s.seq_id in scheduled)]
         if not candidates:
             return None

@@ -166,8 +166,10 @@ def test_random_operations_keep_block_accounting_exact(num_blocks, block_size, b
                 collect(core.process(sched, step_out))
             aborted.add(rid)
         elif kind == "preempt" and core.scheduler.running:
-            running = core.scheduler.running
-            core.scheduler._preempt(running[item[1] % len(running)])
+            # What priority preemption may pick (engine/scheduler.py _preempt_for): never a beam.
+            running = [s for s in core.scheduler.running if s.request.beam is None]
+            if running:
+                core.scheduler._preempt(running[item[1] % len(running)])
         check_consistency(core, ex)
 
     # drain: everything not aborted finishes with exactly its solo greedy output
