@@ -107,7 +107,11 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_tensor_parallel_2_swaps_each_shard(tiny_checkpoint):
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2-each-shard", "pp2-each-stage"])
+def test_two_ranks_swap_their_own_kv(tiny_checkpoint, parallel):
+    """Under tensor parallelism each rank swaps its own shard; under pipeline parallelism each
+    stage holds (and swaps) the KV of its own layers only."""
     from engine.llm import LLM
 
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16}
@@ -116,26 +120,7 @@ def test_tensor_parallel_2_swaps_each_shard(tiny_checkpoint):
         ref = token_ids(single.generate(prompts(), GREEDY, use_tqdm=False))
     finally:
         single.shutdown()
-    llm = LLM(tensor_parallel_size=2, preemption_mode="swap", num_swap_blocks=64, **SMALL_CACHE, **options)
-    try:
-        assert llm.parts.executor.num_swap_blocks == 64
-        assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == ref
-        assert llm.core.block_manager.swap.num_swapped_out > 0
-    finally:
-        shutdown_clean(llm)
-
-
-def test_pipeline_parallel_2_swaps_on_every_stage(tiny_checkpoint):
-    """Each stage holds the KV of its own layers: a swap must move the blocks of every stage."""
-    from engine.llm import LLM
-
-    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16}
-    single = LLM(executor="inproc", **options)
-    try:
-        ref = token_ids(single.generate(prompts(), GREEDY, use_tqdm=False))
-    finally:
-        single.shutdown()
-    llm = LLM(pipeline_parallel_size=2, preemption_mode="swap", num_swap_blocks=64, **SMALL_CACHE, **options)
+    llm = LLM(**parallel, preemption_mode="swap", num_swap_blocks=64, **SMALL_CACHE, **options)
     try:
         assert llm.parts.executor.num_swap_blocks == 64
         assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == ref
