@@ -30,9 +30,13 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
     _copy_checked(param.data, loaded, "parameter")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except small-batch bf16 on AVX512-BF16 CPUs: there torch's GEMV reads the
-    weights at about 0.7x the rate of our kernel (loadtest/PERF.md), and decode is that read."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed=None) -> torch.Tensor:
+    """The layer's prepacked weight when it has one (gpu/models/packed_linear.py); else F.linear,
+    except small-batch bf16 on AVX512-BF16 CPUs: there torch's GEMV reads the weights at about
+    0.7x the rate of our kernel (loadtest/PERF.md), and decode is that read."""
+    if packed is not None:
+        return packed.linear(x, bias)
     if (x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] <= fused.GEMV_MAX_M
             and weight.dtype is torch.bfloat16 and weight.is_contiguous() and x.device.type == "cpu"
             and fused.has_bf16_gemv()):
@@ -100,6 +104,7 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split along the output dimension; the output stays sharded."""
 
     qweight = None  # a gpu.models.quantization.QuantizedWeight under --quantization int8/int4
+    pweight = None  # a gpu.models.packed_linear.PackedWeight: the unquantized weight, prepacked
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -119,7 +124,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight.linear(x)  # bias included
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.pweight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -186,6 +191,7 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split along the input dimension; partial sums all-reduced."""
 
     qweight = None  # a gpu.models.quantization.QuantizedWeight under --quantization int8/int4
+    pweight = None  # a gpu.models.packed_linear.PackedWeight: the unquantized weight, prepacked
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -202,7 +208,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(1, self.tp_rank * n, n), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight) if self.qweight is None else self.qweight.linear(x)
+        y = linear(x, self.weight, None, self.pweight) if self.qweight is None else self.qweight.linear(x)
         if self.tp_size > 1:
             y = tp_all_reduce(y)
         if self.bias is not None:
@@ -250,6 +256,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over this rank's vocab rows; logits gathered to the full vocabulary."""
 
     qweight = None  # a gpu.models.quantization.QuantizedWeight under --quantization int8/int4
+    pweight = None  # a gpu.models.packed_linear.PackedWeight (a tied table stays plain for lookups)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
         super().__init__(num_embeddings, embedding_dim)
@@ -264,7 +271,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
-            logits = linear(hidden, self.weight, self.bias)
+            logits = linear(hidden, self.weight, self.bias, self.pweight)
         else:
             logits = self.qweight.linear(hidden)  # bias included
         if self.tp_size > 1:

@@ -107,6 +107,9 @@ def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Modu
     from gpu.models.quantization import quantize_model
 
     quantize_model(model, quantization, device)  # full-precision layers under int8/int4 (none, auto: no-op)
+    from gpu.models.packed_linear import pack_model
+
+    pack_model(model)  # the unquantized CPU linear weights, into the GEMM library's layout
     logger.info("loaded %s (%s, %s weights, quantization %s%s) in %.1f s", path or "dummy model", fmt, dtype,
                 quantization, f", packed from the file: {packed}" if packed else "", time.perf_counter() - t0)
     return model

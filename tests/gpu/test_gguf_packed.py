@@ -15,6 +15,7 @@ from gpu.models import gguf_packed
 from gpu.models.gguf_loader import unpermute_rows
 from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from gpu.models.loader import load_model
+from gpu.models.packed_linear import dense_weight
 from kernels import qgemm
 
 
@@ -38,7 +39,7 @@ def test_auto_keeps_the_files_quantization_bit_for_bit(default_models):
     assert packed["lm_head"] is packed["model.embed_tokens"]  # one table for lookup and head
     reference = dict(full.named_modules())
     for name, q in packed.items():
-        w = reference[name].weight
+        w = dense_weight(reference[name])
         assert torch.equal(q.dequantize(), w.float()[: q.out_features]), name
 
 
@@ -120,7 +121,7 @@ def test_int8_from_a_q4_file_is_close_to_the_file(default_models):
     assert {q.mode for q in packed.values()} == {"q8_0"}
     reference = dict(full.named_modules())
     for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.29.mlp.down_proj"):
-        w = reference[name].weight
+        w = dense_weight(reference[name])
         d = packed[name].tensors[1].float().repeat_interleave(32, dim=1)
         assert ((packed[name].dequantize() - w).abs() <= d * (0.5 + 127 * 2.0**-11)).all()
 

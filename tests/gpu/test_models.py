@@ -10,6 +10,7 @@ import torch
 
 from gpu.config import ModelConfig
 from gpu.forward_context import forward_context
+from gpu.models.packed_linear import dense_weight  # a loaded linear layer's weight, packed or not
 from kernels.metadata import AttentionMetadata
 
 BLOCK = 8
@@ -222,16 +223,16 @@ def test_tensor_parallel_shards_are_slices_of_full_weights(tmp_path):
             q = sd["model.layers.1.self_attn.q_proj.weight"][rank * 32:(rank + 1) * 32]
             k = sd["model.layers.1.self_attn.k_proj.weight"][rank * 16:(rank + 1) * 16]
             v = sd["model.layers.1.self_attn.v_proj.weight"][rank * 16:(rank + 1) * 16]
-            assert torch.equal(attn.qkv_proj.weight, torch.cat([q, k, v]))
+            assert torch.equal(dense_weight(attn.qkv_proj), torch.cat([q, k, v]))
             kb = sd["model.layers.1.self_attn.k_proj.bias"][rank * 16:(rank + 1) * 16]
             assert torch.equal(attn.qkv_proj.bias[32:48], kb)
             o = sd["model.layers.1.self_attn.o_proj.weight"][:, rank * 32:(rank + 1) * 32]
-            assert torch.equal(attn.o_proj.weight, o)
+            assert torch.equal(dense_weight(attn.o_proj), o)
             mlp = m.model.layers[1].mlp
             gate = sd["model.layers.1.mlp.gate_proj.weight"][rank * 48:(rank + 1) * 48]
             up = sd["model.layers.1.mlp.up_proj.weight"][rank * 48:(rank + 1) * 48]
-            assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate, up]))
-            assert torch.equal(mlp.down_proj.weight,
+            assert torch.equal(dense_weight(mlp.gate_up_proj), torch.cat([gate, up]))
+            assert torch.equal(dense_weight(mlp.down_proj),
                                sd["model.layers.1.mlp.down_proj.weight"][:, rank * 48:(rank + 1) * 48])
             emb = m.model.embed_tokens.weight  # 97 rows -> 49 per rank, the last one zero-padded
             full = sd["model.embed_tokens.weight"]
@@ -261,7 +262,7 @@ def _tp_worker(rank: int, world: int, init_file: str, dirs: list[str], out_file:
     ids = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(5))
     for d in dirs:
         model = load_ours(d)
-        assert model.lm_head.weight.shape[0] == 49  # really sharded: 97 vocab rows -> 49 per rank
+        assert dense_weight(model.lm_head).shape[0] == 49  # really sharded: 97 vocab rows -> 49 per rank
         with torch.inference_mode(), forward_context(None, []):
             full = model.compute_logits(model(ids, torch.arange(11)))
         caches = make_caches(model)

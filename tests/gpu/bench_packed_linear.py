@@ -1,0 +1,66 @@
+"""The default model's 120 layer linears + LM head, plain F.linear against the prepacked weights
+(gpu/models/packed_linear.py), per batch size: ``python -m tests.gpu.bench_packed_linear``.
+Median ms of one pass over all 121 matmuls; random weights (speed does not depend on values)."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gpu.models.packed_linear import PackedWeight, method_for
+from kernels import fused
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--rows", default="1,2,4,8,16,64,256,512,2048")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    torch.manual_seed(0)
+    ws = [(torch.randn(o, i) * 0.05).to(dtype) for o, i in SHAPES]
+    method = method_for(ws[0])
+    t = time.perf_counter()
+    packed = [PackedWeight(w, method) for w in ws]
+    print(f"{args.dtype}: {method} packing of {len(ws)} weights took {time.perf_counter() - t:.2f} s; "
+          f"{args.threads} threads, median of {args.repeats}")
+    extra = {}
+    if dtype is torch.float32 and torch.backends.mkldnn.is_available():
+        dnn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws]
+        extra["mkldnn"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                      for p, w in zip(dnn, ws)]
+    gemv = dtype is torch.bfloat16 and fused.has_bf16_gemv()
+    with torch.inference_mode():
+        for m in (int(r) for r in args.rows.split(",")):
+            xs = {k: torch.randn(m, k).to(dtype) for k in {i for _, i in SHAPES}}
+            err = max(((p.linear(xs[w.shape[1]]).float() - F.linear(xs[w.shape[1]], w).float()).abs().max()
+                       / F.linear(xs[w.shape[1]], w).float().abs().max()).item() for p, w in zip(packed[:4], ws))
+            fns = {"F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in ws],
+                   "packed": lambda: [p.linear(xs[p.in_features]) for p in packed]}
+            fns.update({k: (lambda f=f: f(xs)) for k, f in extra.items()})
+            if gemv and m <= 16:
+                fns["gemv"] = lambda: [fused.gemv_bf16(xs[w.shape[1]], w) for w in ws]
+            line = "  ".join(f"{k} {_median_ms(f, args.repeats):7.2f}" for k, f in fns.items())
+            print(f"M={m:5d}  {line}   (packed rel. err {err:.1e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Prepacked CPU linear weights (gpu/models/packed_linear.py): the packed matmul equals F.linear
+for every batch size in both dtypes, loading packs every unquantized linear layer (and only
+those), and the switch / missing-op fallbacks keep the plain F.linear path."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu.forward_context import forward_context
+from gpu.models import packed_linear
+from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from gpu.models.packed_linear import PackedWeight, dense_weight, method_for, pack_model
+from tests.gpu.test_models import ARCHS, load_ours, save_hf_model
+
+LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+# max |packed - F.linear| over max |F.linear|: fp32 differs only in summation order; bf16 output
+# is rounded once (2^-8 relative) and both sides may round differently.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def _method(dtype) -> str:
+    m = method_for(torch.empty(2, 2, dtype=dtype))
+    if m is None:
+        pytest.skip(f"no packed GEMM for {dtype} in this torch build / CPU")
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_matmul_equals_f_linear(dtype, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(200, 96, generator=g) * 0.1).to(dtype)
+    b = torch.randn(200, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    pw = PackedWeight(w, _method(dtype))
+    with torch.inference_mode():
+        got, want = pw.linear(x, b), F.linear(x, w, b)
+        got3 = pw.linear(x.view(1, rows, 96), b)  # a leading batch dimension works too
+    assert got.dtype == dtype and got.shape == (rows, 200)
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+    assert err < TOL[dtype], err
+    assert torch.equal(got3.view(rows, 200), got)
+    assert torch.equal(pw.dense(), w)  # the packed copy holds the weight exactly
+
+
+def test_a_gemv_copy_answers_small_batches_and_packed_the_rest():
+    from kernels import fused
+
+    if not fused.has_bf16_gemv():
+        pytest.skip("no AVX512-BF16 GEMV here")
+    _method(torch.bfloat16)
+    w = (torch.randn(64, 96) * 0.1).to(torch.bfloat16)
+    pw = PackedWeight(w, "onednn", gemv_rows=2)
+    assert pw.plain is not None
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        want = F.linear(x, w).float()
+        assert ((pw.linear(x).float() - want).abs().max() / want.abs().max()) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama3-tied-scaled", "llama-linear-rope-bias"])  # a tied head; biases
+def test_load_packs_every_unquantized_linear(arch, dtype, tmp_path, monkeypatch):
+    _method(dtype)
+    cfg = ARCHS[arch]
+    save_hf_model(cfg, tmp_path)
+    model = load_ours(tmp_path, dtype)
+    linears = [m for m in model.modules() if isinstance(m, LINEARS)]
+    assert len(linears) == 4 * cfg["num_hidden_layers"] + 1
+    assert all(m.pweight is not None for m in linears)
+    tied = cfg.get("tie_word_embeddings", False)
+    emb = model.model.embed_tokens
+    assert emb.pweight is None and emb.weight.numel() > 0  # the lookup table stays plain
+    assert (model.lm_head.weight is emb.weight) == tied
+    for m in linears:  # one copy: the plain weight is gone unless a lookup shares it
+        assert (m.weight.numel() > 0) == (tied and m is model.lm_head)
+
+    monkeypatch.setenv(packed_linear.ENV, "0")
+    plain = load_ours(tmp_path, dtype)
+    assert all(m.pweight is None and m.weight.numel() > 0 for m in plain.modules() if isinstance(m, LINEARS))
+    for a, b in zip(linears, [m for m in plain.modules() if isinstance(m, LINEARS)]):
+        assert torch.equal(dense_weight(a), b.weight)
+    ids = torch.arange(23) * 5 % 97
+    with torch.inference_mode(), forward_context(None, []):
+        got = model.compute_logits(model(ids, torch.arange(23)))
+        want = plain.compute_logits(plain(ids, torch.arange(23)))
+    assert (got - want).abs().max() < (1e-4 if dtype == torch.float32 else 0.05) * want.abs().max()
+
+
+def test_missing_ops_and_other_devices_keep_f_linear(tmp_path, monkeypatch):
+    save_hf_model(ARCHS["llama"], tmp_path)
+    assert method_for(torch.empty(4, 4, device="meta")) is None
+    monkeypatch.setattr(packed_linear, "_onednn_bf16", lambda: False)
+    monkeypatch.setattr(packed_linear, "_mkl_fp32", lambda: False)
+    assert method_for(torch.empty(4, 4)) is None and method_for(torch.empty(4, 4, dtype=torch.bfloat16)) is None
+    model = load_ours(tmp_path, torch.float32)
+    assert all(m.pweight is None and m.weight.numel() > 0 for m in model.modules() if isinstance(m, LINEARS))
+    assert pack_model(model) == 0
+
+
+def test_quantized_layers_are_left_alone():
+    from gpu.config import ModelConfig
+    from gpu.models.loader import load_model
+
+    model = load_model(ModelConfig(load_format="dummy", hf_config=ARCHS["llama"], quantization="int8"),
+                       "cpu", torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, LINEARS)]
+    assert linears and all(m.qweight is not None and m.pweight is None for m in linears)
