@@ -10,7 +10,8 @@ full-precision linear weight once into the layout the library reads directly:
   ``F.linear`` for one row and up to 1.7x for a few rows.
 
 The packed tensor replaces the layer's plain weight (one copy in memory) unless another module
-shares that parameter (a tied LM head: the embedding lookup keeps its plain table). Quantized
+shares that parameter (a tied LM head: the embedding lookup keeps its plain table) or bf16 keeps
+it for our GEMV on 1-2 row batches (``GEMV_ROWS``: faster single-stream decode). Quantized
 layers (``module.qweight``) are left alone. Off on other devices, where the ops are missing, and
 with ``PAGEDSERVE_PACKED_LINEAR=0``.
 """
@@ -36,13 +37,19 @@ ENV = "PAGEDSERVE_PACKED_LINEAR"
 _BATCH_HINT = 16
 
 
+# bf16 batches of up to this many rows run our AVX512-BF16 GEMV (kernels/fused.py) on a kept
+# plain copy of the weight: 1-2 rows are where it beats oneDNN's packed matmul (13.1 vs 14.9 ms
+# for the default model's linears at one row), and single-stream decode measured ~15-20% faster
+# end to end than packed-only, for twice the bf16 weight memory (loadtest/PERF.md, issue 9).
+# PAGEDSERVE_PACKED_GEMV_ROWS=0 keeps one (packed) copy.
+GEMV_ROWS = 2
+
+
 def gemv_rows() -> int:
-    """Batches of up to this many rows run our AVX512-BF16 GEMV on a kept plain copy of the
-    weight (0: one packed copy only)."""
     try:
-        return max(0, int(os.environ.get("PAGEDSERVE_PACKED_GEMV_ROWS", "0")))
+        return max(0, int(os.environ.get("PAGEDSERVE_PACKED_GEMV_ROWS", GEMV_ROWS)))
     except ValueError:
-        return 0
+        return GEMV_ROWS
 
 
 def enabled() -> bool:

@@ -1,6 +1,6 @@
 """The default model's 120 layer linears + LM head, plain F.linear against the prepacked weights
 (gpu/models/packed_linear.py), per batch size: ``python -m tests.gpu.bench_packed_linear``.
-Median ms of one pass over all 121 matmuls; random weights (speed does not depend on values)."""
+Min and median ms of one pass over all 121 matmuls; random weights (speed does not depend on values)."""
 from __future__ import annotations
 
 import argparse
@@ -16,21 +16,22 @@ from kernels import fused
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _ms(fn, repeats: int) -> str:
+    """min / median ms: on a shared box the minimum is what the code can do."""
     fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return f"{min(times) * 1e3:6.1f}/{statistics.median(times) * 1e3:6.1f}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--rows", default="1,2,4,8,16,64,256,512,2048")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -41,7 +42,7 @@ def main() -> None:
     t = time.perf_counter()
     packed = [PackedWeight(w, method) for w in ws]
     print(f"{args.dtype}: {method} packing of {len(ws)} weights took {time.perf_counter() - t:.2f} s; "
-          f"{args.threads} threads, median of {args.repeats}")
+          f"{args.threads} threads, ms min/median of {args.repeats}")
     extra = {}
     if dtype is torch.float32 and torch.backends.mkldnn.is_available():
         dnn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws]
@@ -58,7 +59,7 @@ def main() -> None:
             fns.update({k: (lambda f=f: f(xs)) for k, f in extra.items()})
             if gemv and m <= 16:
                 fns["gemv"] = lambda: [fused.gemv_bf16(xs[w.shape[1]], w) for w in ws]
-            line = "  ".join(f"{k} {_median_ms(f, args.repeats):7.2f}" for k, f in fns.items())
+            line = "  ".join(f"{k} {_ms(f, args.repeats)}" for k, f in fns.items())
             print(f"M={m:5d}  {line}   (packed rel. err {err:.1e})", flush=True)
 
 

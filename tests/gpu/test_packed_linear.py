@@ -60,10 +60,15 @@ def test_a_gemv_copy_answers_small_batches_and_packed_the_rest():
         assert ((pw.linear(x).float() - want).abs().max() / want.abs().max()) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("gemv_rows", ["0", None])  # one packed copy; the default (bf16 GEMV copy)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama3-tied-scaled", "llama-linear-rope-bias"])  # a tied head; biases
-def test_load_packs_every_unquantized_linear(arch, dtype, tmp_path, monkeypatch):
+def test_load_packs_every_unquantized_linear(arch, dtype, gemv_rows, tmp_path, monkeypatch):
+    from kernels import fused
+
     _method(dtype)
+    if gemv_rows is not None:
+        monkeypatch.setenv("PAGEDSERVE_PACKED_GEMV_ROWS", gemv_rows)
     cfg = ARCHS[arch]
     save_hf_model(cfg, tmp_path)
     model = load_ours(tmp_path, dtype)
@@ -72,21 +77,25 @@ def test_load_packs_every_unquantized_linear(arch, dtype, tmp_path, monkeypatch)
     assert all(m.pweight is not None for m in linears)
     tied = cfg.get("tie_word_embeddings", False)
     emb = model.model.embed_tokens
-    assert emb.pweight is None and emb.weight.numel() > 0  # the lookup table stays plain
+    assert getattr(emb, "pweight", None) is None and emb.weight.numel() > 0  # the lookup table stays plain
     assert (model.lm_head.weight is emb.weight) == tied
-    for m in linears:  # one copy: the plain weight is gone unless a lookup shares it
-        assert (m.weight.numel() > 0) == (tied and m is model.lm_head)
+    gemv_copy = gemv_rows is None and dtype == torch.bfloat16 and fused.has_bf16_gemv()
+    for m in linears:  # the plain weight is gone unless a lookup shares it or the GEMV reads it
+        assert (m.pweight.plain is not None) == gemv_copy
+        assert (m.weight.numel() > 0) == (gemv_copy or (tied and m is model.lm_head))
 
     monkeypatch.setenv(packed_linear.ENV, "0")
     plain = load_ours(tmp_path, dtype)
     assert all(m.pweight is None and m.weight.numel() > 0 for m in plain.modules() if isinstance(m, LINEARS))
     for a, b in zip(linears, [m for m in plain.modules() if isinstance(m, LINEARS)]):
         assert torch.equal(dense_weight(a), b.weight)
-    ids = torch.arange(23) * 5 % 97
-    with torch.inference_mode(), forward_context(None, []):
-        got = model.compute_logits(model(ids, torch.arange(23)))
-        want = plain.compute_logits(plain(ids, torch.arange(23)))
-    assert (got - want).abs().max() < (1e-4 if dtype == torch.float32 else 0.05) * want.abs().max()
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    for n in (23, 1):  # a prefill, and one row (the GEMV's batch size)
+        ids = torch.arange(n) * 5 % 97
+        with torch.inference_mode(), forward_context(None, []):
+            got = model.compute_logits(model(ids, torch.arange(n)))
+            want = plain.compute_logits(plain(ids, torch.arange(n)))
+        assert (got - want).abs().max() < tol * want.abs().max(), n
 
 
 def test_missing_ops_and_other_devices_keep_f_linear(tmp_path, monkeypatch):
