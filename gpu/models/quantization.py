@@ -133,6 +133,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device | str = "cp
     check_mode(mode, device)
     if mode in (None, "none", "auto"):
         return model
+    from gpu.models.packed_linear import dense_weight
     from kernels import qgemm
 
     qgemm.library()  # build (or load) the kernel now: a missing compiler fails the load, not a step
@@ -143,7 +144,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device | str = "cp
         for name, module in list(model.named_modules()):
             if not isinstance(module, (column, row, head)) or module.qweight is not None:
                 continue
-            weight = module.weight
+            weight = dense_weight(module)  # a model loaded unquantized may hold it packed
             layout = layout_for(mode, weight.shape[1], head=isinstance(module, head))
             bias = None if isinstance(module, row) else module.bias
             qweight = QuantizedWeight.from_float(weight, layout, bias)
@@ -151,6 +152,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device | str = "cp
             after += qweight.nbytes()
             counts[layout] = counts.get(layout, 0) + 1
             attach(model, name, module, qweight)
+            module.pweight = None
     logger.info("quantized linear weights to %s (%s kernel; layouts %s): %.1f MB -> %.1f MB", mode, qgemm.isa(),
                 counts, before / 1e6, after / 1e6)
     return model
