@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gpu.forward_context import forward_context
 from gpu.models import packed_linear
 from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from gpu.models.packed_linear import PackedWeight, dense_weight, method_for, pack_model
+from gpu.models.packed_linear import PackedWeight, can_pack, dense_weight, pack_model, small_rows
 from tests.gpu.test_models import ARCHS, load_ours, save_hf_model
 
 LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
@@ -19,11 +19,9 @@ LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
-def _method(dtype) -> str:
-    m = method_for(torch.empty(2, 2, dtype=dtype))
-    if m is None:
+def _need_packing(dtype) -> None:
+    if not can_pack(torch.empty(2, 2, dtype=dtype)):
         pytest.skip(f"no packed GEMM for {dtype} in this torch build / CPU")
-    return m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -34,7 +32,8 @@ def test_packed_matmul_equals_f_linear(dtype, rows, with_bias):
     w = (torch.randn(200, 96, generator=g) * 0.1).to(dtype)
     b = torch.randn(200, generator=g).to(dtype) if with_bias else None
     x = torch.randn(rows, 96, generator=g).to(dtype)
-    pw = PackedWeight(w, _method(dtype))
+    _need_packing(dtype)
+    pw = PackedWeight(w)
     with torch.inference_mode():
         got, want = pw.linear(x, b), F.linear(x, w, b)
         got3 = pw.linear(x.view(1, rows, 96), b)  # a leading batch dimension works too
@@ -45,30 +44,36 @@ def test_packed_matmul_equals_f_linear(dtype, rows, with_bias):
     assert torch.equal(pw.dense(), w)  # the packed copy holds the weight exactly
 
 
-def test_a_gemv_copy_answers_small_batches_and_packed_the_rest():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plain_copy_answers_small_batches_and_packed_the_rest(dtype, monkeypatch):
     from kernels import fused
 
-    if not fused.has_bf16_gemv():
+    _need_packing(dtype)
+    if dtype == torch.bfloat16 and not fused.has_bf16_gemv():
         pytest.skip("no AVX512-BF16 GEMV here")
-    _method(torch.bfloat16)
-    w = (torch.randn(64, 96) * 0.1).to(torch.bfloat16)
-    pw = PackedWeight(w, "onednn", gemv_rows=2)
+    w = (torch.randn(64, 96) * 0.1).to(dtype)
+    b = torch.randn(64).to(dtype)
+    rows_plain = small_rows(dtype)
+    assert rows_plain == {torch.bfloat16: 2, torch.float32: 1}[dtype]
+    pw = PackedWeight(w, rows_plain)
     assert pw.plain is not None
     for rows in (1, 2, 3):
-        x = torch.randn(rows, 96).to(torch.bfloat16)
-        want = F.linear(x, w).float()
-        assert ((pw.linear(x).float() - want).abs().max() / want.abs().max()) < TOL[torch.bfloat16]
+        x = torch.randn(rows, 96).to(dtype)
+        want = F.linear(x, w, b).float()
+        assert ((pw.linear(x, b).float() - want).abs().max() / want.abs().max()) < TOL[dtype]
+    monkeypatch.setenv("PAGEDSERVE_PACKED_SMALL_ROWS", "0")
+    assert small_rows(dtype) == 0
 
 
-@pytest.mark.parametrize("gemv_rows", ["0", None])  # one packed copy; the default (bf16 GEMV copy)
+@pytest.mark.parametrize("one_copy", [True, False])  # PAGEDSERVE_PACKED_SMALL_ROWS=0; the default
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama3-tied-scaled", "llama-linear-rope-bias"])  # a tied head; biases
-def test_load_packs_every_unquantized_linear(arch, dtype, gemv_rows, tmp_path, monkeypatch):
+def test_load_packs_every_unquantized_linear(arch, dtype, one_copy, tmp_path, monkeypatch):
     from kernels import fused
 
-    _method(dtype)
-    if gemv_rows is not None:
-        monkeypatch.setenv("PAGEDSERVE_PACKED_GEMV_ROWS", gemv_rows)
+    _need_packing(dtype)
+    if one_copy:
+        monkeypatch.setenv("PAGEDSERVE_PACKED_SMALL_ROWS", "0")
     cfg = ARCHS[arch]
     save_hf_model(cfg, tmp_path)
     model = load_ours(tmp_path, dtype)
@@ -79,10 +84,10 @@ def test_load_packs_every_unquantized_linear(arch, dtype, gemv_rows, tmp_path, m
     emb = model.model.embed_tokens
     assert getattr(emb, "pweight", None) is None and emb.weight.numel() > 0  # the lookup table stays plain
     assert (model.lm_head.weight is emb.weight) == tied
-    gemv_copy = gemv_rows is None and dtype == torch.bfloat16 and fused.has_bf16_gemv()
-    for m in linears:  # the plain weight is gone unless a lookup shares it or the GEMV reads it
-        assert (m.pweight.plain is not None) == gemv_copy
-        assert (m.weight.numel() > 0) == (gemv_copy or (tied and m is model.lm_head))
+    plain_copy = not one_copy and (dtype == torch.float32 or fused.has_bf16_gemv())
+    for m in linears:  # the plain weight is gone unless a lookup shares it or small batches read it
+        assert (m.pweight.plain is not None) == plain_copy
+        assert (m.weight.numel() > 0) == (plain_copy or (tied and m is model.lm_head))
 
     monkeypatch.setenv(packed_linear.ENV, "0")
     plain = load_ours(tmp_path, dtype)
@@ -100,10 +105,9 @@ def test_load_packs_every_unquantized_linear(arch, dtype, gemv_rows, tmp_path, m
 
 def test_missing_ops_and_other_devices_keep_f_linear(tmp_path, monkeypatch):
     save_hf_model(ARCHS["llama"], tmp_path)
-    assert method_for(torch.empty(4, 4, device="meta")) is None
-    monkeypatch.setattr(packed_linear, "_onednn_bf16", lambda: False)
-    monkeypatch.setattr(packed_linear, "_mkl_fp32", lambda: False)
-    assert method_for(torch.empty(4, 4)) is None and method_for(torch.empty(4, 4, dtype=torch.bfloat16)) is None
+    assert not can_pack(torch.empty(4, 4, device="meta"))
+    monkeypatch.setattr(packed_linear, "_onednn", lambda dtype: False)
+    assert not can_pack(torch.empty(4, 4)) and not can_pack(torch.empty(4, 4, dtype=torch.bfloat16))
     model = load_ours(tmp_path, torch.float32)
     assert all(m.pweight is None and m.weight.numel() > 0 for m in model.modules() if isinstance(m, LINEARS))
     assert pack_model(model) == 0
