@@ -132,10 +132,14 @@ def pack_model(model: nn.Module) -> int:
     a packed layer is skipped if called again). Returns the number of layers packed."""
     if not enabled():
         return 0
+    from gpu.models.weights import _one_cpu_thread
+
     t0 = time.perf_counter()
     shared = _shared_params(model)
     packed = plain_bytes = 0
-    with torch.no_grad():
+    # One thread, as for the weight copies: each reorder is a short memory-bound parallel region,
+    # and on a busy 2-core box a descheduled thread stalls it (bf16: 0.17 s on 1 thread, 1.2 s on 2).
+    with torch.no_grad(), _one_cpu_thread():
         for module in model.modules():
             if not isinstance(module, linear_types()) or module.qweight is not None or module.pweight is not None:
                 continue
