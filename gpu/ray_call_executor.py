@@ -40,6 +40,8 @@ from gpu.worker import encode_step, output_rank
 logger = logging.getLogger(__name__)
 
 HEALTH_PING_TIMEOUT_S = 5.0
+# How long a rank's error waits for a peer's death to surface (its likely cause).
+PEER_FAILURE_GRACE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -177,21 +179,49 @@ class RayCallExecutor(Executor):
                     ray.get(ready[0])
                 except Exception as e:
                     e._pagedserve_rank = rank_of[ready[0]]
-                    raise
+                    raise self._death_behind(e, pending, rank_of) from None
             return ray.get(sent.refs[self._answering])
         except Exception as e:
             raise self._error_from(e, sent) from None
 
+    def _death_behind(self, exc: Exception, pending: list, rank_of: dict) -> Exception:
+        """With more than one rank, a rank's error is often the echo of a peer's death (its
+        collective or stage hand-off lost the peer): wait a moment for the other calls and
+        name the dead actor if there is one."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        if not isinstance(exc, RayTaskError) or not pending:
+            return exc
+        ready, _ = import_ray().wait(pending, num_returns=len(pending), timeout=PEER_FAILURE_GRACE_S)
+        for ref in ready:
+            try:
+                import_ray().get(ref)
+            except RayActorError as death:
+                death._pagedserve_rank = rank_of[ref]
+                return death
+            except Exception:  # another echo
+                pass
+        return exc
+
     async def _wait_async(self, sent: SentStep) -> bytes:
+        from ray.exceptions import RayActorError
+
         futures = [asyncio.wrap_future(ref.future()) for ref in sent.refs]
         try:
             done, pending = await asyncio.wait(futures, timeout=sent.timeout,
                                                return_when=asyncio.FIRST_EXCEPTION)
-            for rank, fut in enumerate(futures):
-                if fut in done and fut.exception() is not None:
-                    exc = fut.exception()
-                    exc._pagedserve_rank = rank
-                    raise exc
+            failed = [(rank, f.exception()) for rank, f in enumerate(futures)
+                      if f in done and f.exception() is not None]
+            if failed and pending and not any(isinstance(e, RayActorError) for _, e in failed):
+                # Maybe the echo of a peer's death: give the other calls a moment (_death_behind).
+                more, pending = await asyncio.wait(pending, timeout=PEER_FAILURE_GRACE_S)
+                done |= more
+                failed = [(rank, f.exception()) for rank, f in enumerate(futures)
+                          if f in done and f.exception() is not None]
+            if failed:
+                rank, exc = next(((r, e) for r, e in failed if isinstance(e, RayActorError)), failed[0])
+                exc._pagedserve_rank = rank
+                raise exc
             if pending:
                 raise TimeoutError
         except asyncio.CancelledError:
