@@ -343,7 +343,7 @@ class AsyncEngine:
         self._restarting = False
 
     async def _step_loop(self, core, executor) -> None:
-        if getattr(executor, "max_in_flight", 1) > 1:
+        if hasattr(executor, "submit_async"):
             return await self._pipelined_step_loop(core, executor)
         reply_time = None  # when the previous step's output arrived (None after an idle wait)
         loop = asyncio.get_running_loop()
@@ -394,26 +394,41 @@ class AsyncEngine:
             await executor.check_health_async()
 
     async def _pipelined_step_loop(self, core, executor) -> None:
-        """Pipeline stages: keep up to ``executor.max_in_flight`` steps sent (the scheduler keeps
-        their sequences disjoint) and process replies oldest first, so stages overlap."""
+        """Executors that split sending a step from collecting its reply (``submit_async`` /
+        ``collect_async``): keep up to ``executor.max_in_flight`` steps sent (one per pipeline
+        stage; the scheduler keeps their sequences disjoint) and process replies oldest first, so
+        stages overlap. A reply's outputs reach the streams only after the next step is sent, so
+        detokenized deltas, SSE writes and client wake-ups run while the workers compute."""
         import collections
 
         in_flight: collections.deque = collections.deque()
         loop = asyncio.get_running_loop()
         wake = self._wake
         core.constraints.on_ready = lambda: loop.call_soon_threadsafe(wake.set)
+        undelivered = None  # the last reply's outputs, handed over once the next step is sent
+        reply_time = None
         while True:
             self._apply_pending_aborts(core)
-            while len(in_flight) < executor.max_in_flight and core.has_unfinished():
-                scheduled = core.schedule()
-                if scheduled is None:
-                    break
-                try:
-                    await executor.submit_async(scheduled.step_input)
-                except StepEncodeError as e:
-                    self._deliver(core.fail_unsent(scheduled, e))
-                    continue
-                in_flight.append(scheduled)
+            try:
+                while len(in_flight) < executor.max_in_flight and core.has_unfinished():
+                    scheduled = core.schedule()
+                    if scheduled is None:
+                        break
+                    try:
+                        await executor.submit_async(scheduled.step_input)
+                    except StepEncodeError as e:
+                        self._deliver(core.fail_unsent(scheduled, e))
+                        continue
+                    if reply_time is not None:
+                        self.last_step_gap_s = time.perf_counter() - reply_time
+                        reply_time = None
+                    in_flight.append(scheduled)
+            finally:  # a send that fails (dead worker) must not lose the outputs already made
+                if undelivered:
+                    self._deliver(undelivered)
+            if undelivered:
+                undelivered = None
+                await asyncio.sleep(0)  # the streams flush while the step computes
             ready = core.take_outputs()
             if ready:
                 self._deliver(ready)
@@ -422,5 +437,5 @@ class AsyncEngine:
                 continue
             scheduled = in_flight.popleft()
             output = await executor.collect_async(scheduled.step_input.step_id)
-            self._deliver(core.process(scheduled, output))
-            await asyncio.sleep(0)
+            reply_time = time.perf_counter()
+            undelivered = core.process(scheduled, output)

@@ -72,7 +72,7 @@ def create_executor(config: EngineConfig, cancel: threading.Event | None = None)
         if config.parallel.tensor_parallel_size != 1:
             raise ExecutorError("tensor_parallel_size > 1 needs executor='mp' (or 'ray')")
         if config.parallel.pipeline_parallel_size != 1:
-            raise ExecutorError("pipeline_parallel_size > 1 needs executor='mp'")
+            raise ExecutorError("pipeline_parallel_size > 1 needs executor='mp' (or 'ray')")
         executor = InprocExecutor(config)
         if cancel is not None and cancel.is_set():
             executor.shutdown()

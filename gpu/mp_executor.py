@@ -40,6 +40,7 @@ import msgspec
 from gpu.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
 from gpu.messages import STEP_OUTPUT_DECODER, StepEncodeError, StepInput, StepOutput
+from gpu.pipeline_tokens import SampledTokenRelay
 from gpu.shm_ring import RingPeerDied, RingTimeout
 from gpu.transport import create_channel
 from gpu.worker import WorkerArgs, encode_step, worker_main
@@ -76,9 +77,9 @@ class MultiprocExecutor(Executor):
             raise ExecutorError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         self.world_size = p.world_size
         self._pipelined = p.pipeline_parallel_size > 1
-        # Sampled tokens of replies the stages before the last have not been sent yet (seq id
-        # bytes, token bytes); they go out ahead of the next step.
-        self._sampled: list[tuple[bytes, bytes]] = []
+        # Sampled tokens of replies the stages before the last have not been sent yet; they go
+        # out ahead of the next step.
+        self._sampled = SampledTokenRelay()
         self._res = WorkerGroup()
         self._error: ExecutorError | None = None
         # Ids of sent steps whose caller gave up (cancelled, interrupted), in send order: their
@@ -261,13 +262,9 @@ class MultiprocExecutor(Executor):
         """Raises RingPeerDied for the caller to turn into the death error (sync or async)."""
         payload = encode_step(step)
         try:
-            if self._sampled:
-                from gpu.pipeline_tokens import encode_sampled_tokens
-
-                seq_ids = b"".join(s for s, _ in self._sampled)
-                tokens = b"".join(t for _, t in self._sampled)
-                self._res.step_ring.send(encode_sampled_tokens(seq_ids, tokens), timeout=timeout)
-                self._sampled.clear()
+            sampled = self._sampled.take()
+            if sampled is not None:
+                self._res.step_ring.send(sampled, timeout=timeout)
             self._res.step_ring.send(payload, timeout=timeout)
         except RingTimeout:
             raise self._fail(self._hung_message(step, timeout)) from None
@@ -298,8 +295,8 @@ class MultiprocExecutor(Executor):
                     f"replies out of order: expected the reply to step {want}{why}, got step "
                     f"{out.step_id} (a lost, repeated or foreign reply from worker 0); in-flight "
                     f"requests cannot finish{detail}")
-            if self._pipelined and out.seq_ids_buf:
-                self._sampled.append((out.seq_ids_buf, out.token_ids_buf))  # also abandoned ones
+            if self._pipelined:
+                self._sampled.record(out)  # also abandoned ones
             if self._abandoned:
                 self._abandoned.popleft()
                 continue

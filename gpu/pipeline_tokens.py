@@ -32,3 +32,23 @@ def decode_sampled_tokens(msg) -> tuple[list[int], list[int]]:
     st = _DECODER.decode(memoryview(msg)[1:])
     out = StepOutput(0, st.seq_ids_buf, st.token_ids_buf)
     return out.seq_ids.tolist(), out.token_ids.tolist()
+
+
+class SampledTokenRelay:
+    """The executor's side (mp ring and Ray calls alike): the sampled tokens of every reply
+    collected, held until they go out ahead of the next step."""
+
+    def __init__(self):
+        self._parts: list[tuple[bytes, bytes]] = []
+
+    def record(self, out: StepOutput) -> None:
+        if out.seq_ids_buf:
+            self._parts.append((out.seq_ids_buf, out.token_ids_buf))
+
+    def take(self) -> bytes | None:
+        """The message carrying every token recorded since the last take, or None."""
+        if not self._parts:
+            return None
+        msg = encode_sampled_tokens(b"".join(s for s, _ in self._parts), b"".join(t for _, t in self._parts))
+        self._parts.clear()
+        return msg

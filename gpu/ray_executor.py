@@ -10,8 +10,13 @@ behaviour (gpu/worker.py):
 - ``shm``: every actor on the driver's node. The mp executor's shared-memory ring (pipes on
   CPUs without x86 ordering), its fds handed over a Unix socket (gpu/fd_handoff.py). This is
   ``MultiprocExecutor`` itself with actors in place of spawned processes: the same reply
-  matching, step timeout and death handling, each actor's process watched through a pidfd.
+  matching, step timeout and death handling, each actor's process watched through a pidfd,
+  and with pipeline stages the same ``submit``/``collect`` of up to pp steps in flight.
 - ``ray``: an actor call per rank and step (gpu/ray_call_executor.py); works across nodes.
+
+Pipeline stages (``--pipeline-parallel-size``) work on both: world = tp x pp actors, rank =
+stage x tp + tp rank, the activations going stage to stage with torch.distributed send/recv
+between the actors (gpu/pipeline.py), as between the mp executor's processes.
 
 ``PAGEDSERVE_RAY_TRANSPORT=shm|ray`` forces one (``shm`` needs every actor on this node); the
 default is ``shm`` when every actor landed here, else ``ray``. Shutdown (or a failure) kills
@@ -32,7 +37,7 @@ from gpu.mp_executor import RING_SLOT_SIZE, RING_SLOTS, MultiprocExecutor
 from gpu.ray_cluster import PlacedWorkers, import_ray, place_workers
 from gpu.ring_errors import RingError
 from gpu.transport import create_channel
-from gpu.worker import SHUTDOWN_MESSAGE
+from gpu.worker import SHUTDOWN_MESSAGE, output_rank
 from gpu.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -44,12 +49,10 @@ RAY_TRANSPORTS = ("shm", "ray")
 def create_ray_executor(config: EngineConfig, *, runner_factory: str | None = None,
                         startup_timeout: float | None = None, num_threads: int | None = None) -> Executor:
     """Place the actors, then run steps over the ring (all on this node) or over Ray calls."""
-    world = config.parallel.tensor_parallel_size
-    if world < 1:
-        raise ExecutorError("tensor_parallel_size must be >= 1")
-    if getattr(config.parallel, "pipeline_parallel_size", 1) != 1:  # the mp executor's for now
-        raise ExecutorError("pipeline_parallel_size > 1 is not wired into the Ray executor yet: "
-                            "use executor='mp'")
+    p = config.parallel
+    if p.tensor_parallel_size < 1 or p.pipeline_parallel_size < 1:
+        raise ExecutorError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+    world = p.world_size  # rank = stage * tp + tp rank, one actor (and bundle) each
     wanted = os.environ.get(ENV_RAY_TRANSPORT, "").strip().lower() or None
     if wanted is not None and wanted not in RAY_TRANSPORTS:
         raise ExecutorError(f"{ENV_RAY_TRANSPORT}={wanted!r}: use one of {', '.join(RAY_TRANSPORTS)}")
@@ -59,7 +62,8 @@ def create_ray_executor(config: EngineConfig, *, runner_factory: str | None = No
         if transport == "shm" and not placed.all_local:
             raise ExecutorError(f"{ENV_RAY_TRANSPORT}=shm needs every worker on this node; Ray placed "
                                 "some elsewhere (use --ray-placement-strategy STRICT_PACK)")
-        logger.info("Ray executor: %d worker(s), steps over %s", world,
+        logger.info("Ray executor: %d worker(s) (tp %d x pp %d), steps over %s", world,
+                    p.tensor_parallel_size, p.pipeline_parallel_size,
                     "the shared-memory ring" if transport == "shm" else "Ray actor calls")
         if transport == "shm":
             return RayRingExecutor(config, placed, runner_factory=runner_factory,
@@ -187,9 +191,10 @@ class RayRingExecutor(MultiprocExecutor):
         step_skeleton, step_fds = split_spec(res.step_ring.spec)
         reply_skeleton, reply_fds = split_spec(res.reply_ring.spec)
         with FdServer(step_fds + reply_fds) as server:
+            answering = output_rank(self.config)  # rank 0, or the last stage's first rank
             refs = [a.attach_channels.remote(server.address, server.token, step_skeleton, len(step_fds),
-                                             reply_skeleton if rank == 0 else None, len(reply_fds),
-                                             os.getpid())
+                                             reply_skeleton if rank == answering else None,
+                                             len(reply_fds), os.getpid())
                     for rank, a in enumerate(placed.actors)]
             server.serve(len(refs), timeout=60)
         ray.get(refs, timeout=60)

@@ -12,8 +12,9 @@ Steps come one of two ways, chosen by the driver (gpu/ray_executor.py):
   on the driver's node. The channel fds come over a Unix socket (gpu/fd_handoff.py) and a thread
   of the actor runs gpu/worker.py's serve loop. A fatal error there ends the actor's process, as
   it ends a worker process: the driver sees it through the process's pidfd.
-- ``execute``: one Ray actor call per step carrying the encoded StepInput (any node); rank 0
-  returns the encoded StepOutput, the other ranks None.
+- ``execute``: one Ray actor call per step carrying the encoded StepInput (any node), and with
+  pipeline stages the sampled tokens to apply first; the output rank (rank 0, or the first rank
+  of the last stage) returns the encoded StepOutput, the other ranks None.
 """
 from __future__ import annotations
 
@@ -23,13 +24,10 @@ import socket
 import threading
 import traceback
 
-import msgspec
-
 from gpu.config import EngineConfig
-from gpu.messages import StepOutput
 from gpu.ring_errors import RingClosed, RingPeerDied
-from gpu.worker import (DEFAULT_RUNNER, WorkerArgs, _serve, _setup_torch, _teardown_torch, decode_step,
-                        encode_output, load_factory)
+from gpu.worker import (DEFAULT_RUNNER, PIPELINE_RUNNER, WorkerArgs, _serve, _setup_torch, _teardown_torch,
+                        handle_message, load_factory, output_rank)
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +74,8 @@ class RayWorker:
                                log_level, num_threads)
         if runner_factory is None or world_size > 1:
             _setup_torch(self.args)
-        factory = load_factory(runner_factory or DEFAULT_RUNNER)
+        default = PIPELINE_RUNNER if config.parallel.pipeline_parallel_size > 1 else DEFAULT_RUNNER
+        factory = load_factory(runner_factory or default)
         self.runner = factory(config, rank)
         return int(self.runner.initialize())
 
@@ -94,7 +93,7 @@ class RayWorker:
                               peer_fds=driver)
         self._channels.append(step)
         reply = None
-        if reply_skeleton is not None:  # rank 0
+        if reply_skeleton is not None:  # the output rank
             reply = attach_channel(rebuild_spec(reply_skeleton, fds[step_fd_count:]), "writer",
                                    peer_fds=driver)
             self._channels.append(reply)
@@ -130,25 +129,14 @@ class RayWorker:
 
     # ---------------------------------------------------------------- Ray-call transport
 
-    def execute(self, msg: bytes) -> bytes | None:
-        """One step from an actor call. An error on a rank > 0 raises (the group cannot go on)."""
-        step_id = -1
-        try:
-            step = decode_step(msg)
-            step_id = step.step_id
-            out = self.runner.execute(step)
-        except Exception:
-            if self.args.rank != 0:
-                raise
-            text = traceback.format_exc()
-            logger.error("step %d failed:\n%s", step_id, text)
-            out = StepOutput(step_id, error=text)
-        if self.args.rank != 0:
-            return None
-        try:
-            return encode_output(out)
-        except (msgspec.EncodeError, TypeError, OverflowError) as e:
-            return encode_output(StepOutput(step_id, error=f"cannot encode StepOutput: {e}"))
+    def execute(self, msg: bytes, sampled: bytes | None = None) -> bytes | None:
+        """One step from an actor call, after the sampled tokens of pipeline stages (if any): the
+        output rank returns the encoded StepOutput, the others None. An error on a rank that does
+        not answer raises (the group cannot go on)."""
+        answers = self.args.rank == output_rank(self.args.config)
+        if sampled is not None:
+            handle_message(self.runner, sampled, answers)
+        return handle_message(self.runner, msg, answers)
 
     def stop(self) -> None:
         """Leave the process group before the actor is killed (Ray-call transport)."""

@@ -210,29 +210,41 @@ def worker_main(args: WorkerArgs) -> None:
 def _serve(args: WorkerArgs, runner, step_ring: ShmRing, reply_ring: ShmRing | None, conn) -> None:
     while True:
         msg = step_ring.recv()
-        tag = msg[0]
-        if tag == TAG_SHUTDOWN:
+        if msg[0] == TAG_SHUTDOWN:
             logger.debug("rank %d: shutdown message", args.rank)
             return
-        if tag == TAG_SAMPLED:
-            runner.accept_sampled(*decode_sampled_tokens(msg))
-            continue
-        if tag != TAG_STEP:
-            raise RuntimeError(f"unknown message tag {tag!r} on the step ring")
-        step_id = -1
-        try:
-            step = decode_step(msg)
-            step_id = step.step_id
-            out = runner.execute(step)
-        except Exception:
-            text = traceback.format_exc()
-            if reply_ring is None:
-                raise  # not the output rank: peers are stuck in a collective; the executor tears down
-            logger.error("step %d failed:\n%s", step_id, text)
-            out = StepOutput(step_id, error=text)
-        if reply_ring is not None:
-            try:
-                payload = encode_output(out)
-            except (msgspec.EncodeError, TypeError, OverflowError) as e:
-                payload = encode_output(StepOutput(step_id, error=f"cannot encode StepOutput: {e}"))
+        payload = handle_message(runner, msg, answers=reply_ring is not None)
+        if payload is not None:
             reply_ring.send(payload)
+
+
+def handle_message(runner, msg, answers: bool) -> bytes | None:
+    """One step-ring message on one rank (the ring's serve loop and the Ray actor call share it).
+
+    Sampled tokens (pipeline stages) are applied and give None. A step runs; the answering rank
+    (``answers``: the output rank) returns its encoded StepOutput, with a failure inside as the
+    reply's error; on any other rank a failure raises (its peers are stuck in a collective, the
+    executor must tear the group down) and success returns None."""
+    tag = msg[0]
+    if tag == TAG_SAMPLED:
+        runner.accept_sampled(*decode_sampled_tokens(msg))
+        return None
+    if tag != TAG_STEP:
+        raise RuntimeError(f"unknown message tag {tag!r} on the step ring")
+    step_id = -1
+    try:
+        step = decode_step(msg)
+        step_id = step.step_id
+        out = runner.execute(step)
+    except Exception:
+        if not answers:
+            raise
+        text = traceback.format_exc()
+        logger.error("step %d failed:\n%s", step_id, text)
+        out = StepOutput(step_id, error=text)
+    if not answers:
+        return None
+    try:
+        return encode_output(out)
+    except (msgspec.EncodeError, TypeError, OverflowError) as e:
+        return encode_output(StepOutput(step_id, error=f"cannot encode StepOutput: {e}"))

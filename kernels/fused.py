@@ -58,7 +58,6 @@ def library() -> ctypes.CDLL | None:
     lib.fz_rms_norm.restype, lib.fz_rms_norm.argtypes = I, [P, I64, P, P, I64, I64, F, I]
     lib.fz_rotary_neox.restype = None
     lib.fz_rotary_neox.argtypes = [P, I64, I64, I64, I64, I64, P, P, I]
-    lib.fz_silu_mul.restype, lib.fz_silu_mul.argtypes = None, [P, P, I64, I64, I]
     lib.fz_gemv_bf16.restype, lib.fz_gemv_bf16.argtypes = I, [P, I64, I64, P, I64, P, I]
     return lib
 
@@ -104,14 +103,6 @@ def rotary_neox_(x: torch.Tensor, heads: int, head_dim: int, rotary_dim: int, co
     ``cos_sin_cache`` fp32 [P, rotary_dim]; ``positions`` int64 [T]."""
     library().fz_rotary_neox(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, rotary_dim,
                              cos_sin_cache.data_ptr(), positions.data_ptr(), _DTYPE_CODE[x.dtype])
-
-
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(x[:, :I]) * x[:, I:] for x [M, 2I] contiguous."""
-    M, two_i = x.shape
-    out = torch.empty((M, two_i // 2), dtype=x.dtype)
-    library().fz_silu_mul(x.data_ptr(), out.data_ptr(), M, two_i // 2, _DTYPE_CODE[x.dtype])
-    return out
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

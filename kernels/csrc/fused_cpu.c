@@ -4,7 +4,6 @@
  *   fz_add_rms_norm    residual += x; x = rms_norm(residual) * w      (in place, both)
  *   fz_rms_norm        out = rms_norm(x) * w
  *   fz_rotary_neox     q/k heads rotated in place, cos/sin read from the fp32 table by position
- *   fz_silu_mul        out = silu(gate) * up over the halves of a fused gate/up row
  *   fz_gemv_bf16       y = x @ W^T for M <= 16 rows, bf16 in/out, fp32 accumulation
  *                      (AVX512-BF16 only: torch's bf16 GEMV reads weights at about half the
  *                      rate of its fp32 one on these CPUs; see loadtest/PERF.md)
@@ -146,28 +145,6 @@ void fz_rotary_neox(void *x, int64_t T, int64_t row_stride, int64_t heads, int64
                     x1[i] = f32_to_bf16(ac - bs);
                     x2[i] = f32_to_bf16(bc + as);
                 }
-            }
-        }
-    }
-}
-
-/* out[M][I] = silu(x[M][:I]) * x[M][I:]  (silu rounded to the dtype first, as F.silu does) */
-void fz_silu_mul(const void *x, void *out, int64_t M, int64_t I, int dtype) {
-    for (int64_t m = 0; m < M; m++) {
-        if (dtype == 0) {
-            const float *g = (const float *)x + m * 2 * I, *u = g + I;
-            float *o = (float *)out + m * I;
-            for (int64_t i = 0; i < I; i++) {
-                float sg = g[i] / (1.0f + expf(-g[i]));
-                o[i] = sg * u[i];
-            }
-        } else {
-            const uint16_t *g = (const uint16_t *)x + m * 2 * I, *u = g + I;
-            uint16_t *o = (uint16_t *)out + m * I;
-            for (int64_t i = 0; i < I; i++) {
-                float gv = bf16_to_f32(g[i]);
-                float sg = bf16_to_f32(f32_to_bf16(gv / (1.0f + expf(-gv))));
-                o[i] = f32_to_bf16(sg * bf16_to_f32(u[i]));
             }
         }
     }

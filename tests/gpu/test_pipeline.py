@@ -1,6 +1,7 @@
 """Pipeline parallelism changes where the layers run, not what comes out: greedy tokens with
-pp=2 (and tp=2 x pp=2) equal a single process's, with chunked prefill, preemption and two steps
-in flight in the mix; a stage holds only its layers (and KV for them)."""
+pp=2 (and tp=2 x pp=2 on the tiny model, tp=3 x pp=2 on the default one) equal a single
+process's, with chunked prefill, preemption and two steps in flight in the mix; a stage holds
+only its layers (and KV for them)."""
 from __future__ import annotations
 
 import contextlib
@@ -213,3 +214,28 @@ def test_async_engine_pp2_keeps_two_steps_in_flight_and_equals_single_process(ti
     outs, in_flight_at_send = asyncio.run(run())
     assert outs == ref
     assert max(in_flight_at_send) == 1  # a second step sent while one was in flight, never a third
+
+
+def test_default_model_tp3_x_pp2_equals_single_process_with_chunked_prefill():
+    """World 6 on the default model in fp32: each of 2 stages splits its 15 layers' 9/3 heads over
+    3 ranks; 16-token steps chunk the long prompts."""
+    from engine.llm import LLM
+
+    options = {"dtype": "float32", "kv_cache_memory_gib": 0.25, "max_num_batched_tokens": 16,
+               "enable_prefix_caching": False}
+    prompts_ = LONG_PROMPTS[:3]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    single = LLM(executor="inproc", **options)
+    try:
+        assert all(len(single.tokenizer.encode(p)) > 16 for p in prompts_)
+        with one_thread():
+            ref = single.generate(prompts_, greedy, use_tqdm=False)
+    finally:
+        single.shutdown()
+    llm = LLM(tensor_parallel_size=3, pipeline_parallel_size=2, **options)
+    try:
+        assert len(llm.parts.executor.worker_pids) == 6
+        out = llm.generate(prompts_, greedy, use_tqdm=False)
+    finally:
+        shutdown_clean(llm)
+    assert token_ids(out) == token_ids(ref)

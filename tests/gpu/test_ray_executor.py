@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 from gpu.config import EngineConfig  # noqa: E402
 from gpu.executor import ExecutorError, create_executor  # noqa: E402
 from tests.gpu.test_mp_executor import (  # noqa: E402,F401  (own_segments is a fixture)
-    FAILING_STEP, HERE, SLOW_STEP, _existing, _gone, _step, own_segments)
+    FAILING_STEP, HERE, NAP_STEP, SLOW_STEP, _existing, _gone, _step, own_segments)
 
 FAKE = f"{HERE}:FakeRunner"
 
@@ -109,6 +109,26 @@ def test_kill9_of_an_actor_mid_step_fails_the_executor(transport, mode):
     with pytest.raises(ExecutorError):
         ex.check_health()
     ex.shutdown()
+    assert_released(ex)
+
+
+def test_a_cancelled_async_step_is_dropped_and_the_next_gets_its_own_reply(transport):
+    """The caller of a step gives up while the actor still works on it: its reply is waited
+    for and dropped, the next step gets its own (the same seam the pipelined loop uses)."""
+    ex = start()
+    try:
+        async def main():
+            task = asyncio.ensure_future(ex.execute_async(_step(NAP_STEP, [3], new=[3])))
+            await asyncio.sleep(0.1)  # sent; the actor naps half a second before answering
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return await ex.execute_async(_step(2, [3]))
+
+        out = asyncio.run(main())
+        assert (out.step_id, out.token_ids.tolist()) == (2, [3004])
+    finally:
+        ex.shutdown()
     assert_released(ex)
 
 
