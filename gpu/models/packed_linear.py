@@ -14,7 +14,9 @@ read by ``mkldnn._linear_pointwise``). Measured on the default model's 121 linea
   sgemm, ``mkl._mkl_linear``, was measured too: 1.5x slower than ``F.linear`` from 64 rows up on
   one thread.)
 
-``PAGEDSERVE_PACKED_SMALL_ROWS=0`` keeps one (packed) copy of every weight instead. A tied LM
+The second copy is kept only while all of them fit in an eighth of the machine's memory
+(``plain_copy_budget``): a model that fills the box keeps one packed copy, as with
+``PAGEDSERVE_PACKED_SMALL_ROWS=0``. A tied LM
 head's plain table always stays (the embedding lookup reads it). Quantized layers
 (``module.qweight``) are left alone. Off on other devices, where the ops are missing, and with
 ``PAGEDSERVE_PACKED_LINEAR=0``.
@@ -115,6 +117,15 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     return pweight.dense()
 
 
+def plain_copy_budget() -> int:
+    """Bytes of plain weight copies a process may keep beside the packed ones: 1/8 of RAM (the
+    default model's 270 MB of bf16 linears on a 24 GB box, not a 7B model's 14 GB)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def _shared_params(model: nn.Module) -> set[int]:
     """ids of parameters held by more than one module (a tied LM head and embedding)."""
     count = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -137,16 +148,19 @@ def pack_model(model: nn.Module) -> int:
     t0 = time.perf_counter()
     shared = _shared_params(model)
     packed = plain_bytes = 0
+    todo = [m for m in model.modules() if isinstance(m, linear_types()) and m.qweight is None
+            and m.pweight is None and can_pack(m.weight)]
+    copies = sum(m.weight.numel() * m.weight.element_size() for m in todo)
+    keep_plain = copies <= plain_copy_budget()
+    if not keep_plain:
+        logger.info("one packed copy per linear weight: %.0f MB of weights exceed the plain-copy "
+                    "budget of %.0f MB", copies / 1e6, plain_copy_budget() / 1e6)
     # One thread, as for the weight copies: each reorder is a short memory-bound parallel region,
     # and on a busy 2-core box a descheduled thread stalls it (bf16: 0.17 s on 1 thread, 1.2 s on 2).
     with torch.no_grad(), _one_cpu_thread():
-        for module in model.modules():
-            if not isinstance(module, linear_types()) or module.qweight is not None or module.pweight is not None:
-                continue
+        for module in todo:
             weight = module.weight
-            if not can_pack(weight):
-                continue
-            module.pweight = PackedWeight(weight, small_rows(weight.dtype))
+            module.pweight = PackedWeight(weight, small_rows(weight.dtype) if keep_plain else 0)
             packed += 1
             if id(weight) not in shared and module.pweight.plain is None:
                 plain_bytes += weight.numel() * weight.element_size()

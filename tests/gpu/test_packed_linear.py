@@ -65,15 +65,19 @@ def test_the_plain_copy_answers_small_batches_and_packed_the_rest(dtype, monkeyp
     assert small_rows(dtype) == 0
 
 
-@pytest.mark.parametrize("one_copy", [True, False])  # PAGEDSERVE_PACKED_SMALL_ROWS=0; the default
+# one packed copy by PAGEDSERVE_PACKED_SMALL_ROWS=0, or because the plain copies would not fit the
+# memory budget (a model that fills the box); None: the default, both copies for this small model
+@pytest.mark.parametrize("one_copy", ["env", "budget", None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama3-tied-scaled", "llama-linear-rope-bias"])  # a tied head; biases
 def test_load_packs_every_unquantized_linear(arch, dtype, one_copy, tmp_path, monkeypatch):
     from kernels import fused
 
     _need_packing(dtype)
-    if one_copy:
+    if one_copy == "env":
         monkeypatch.setenv("PAGEDSERVE_PACKED_SMALL_ROWS", "0")
+    elif one_copy == "budget":
+        monkeypatch.setattr(packed_linear, "plain_copy_budget", lambda: 1000)
     cfg = ARCHS[arch]
     save_hf_model(cfg, tmp_path)
     model = load_ours(tmp_path, dtype)
