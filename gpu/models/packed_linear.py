@@ -18,8 +18,8 @@ The second copy is kept only while all of them fit in an eighth of the machine's
 (``plain_copy_budget``): a model that fills the box keeps one packed copy, as with
 ``PAGEDSERVE_PACKED_SMALL_ROWS=0``. A tied LM
 head's plain table always stays (the embedding lookup reads it). Quantized layers
-(``module.qweight``) are left alone. Off on other devices, where the ops are missing, and with
-``PAGEDSERVE_PACKED_LINEAR=0``.
+(``module.qweight``) are left alone. Off on other devices and where the ops are missing; off by default
+(``enabled``: memory grows with each new batch size), on with ``PAGEDSERVE_PACKED_LINEAR=1``.
 """
 from __future__ import annotations
 
@@ -49,7 +49,11 @@ SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 1}
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Opt-in (``PAGEDSERVE_PACKED_LINEAR=1``): oneDNN builds and caches one primitive per
+    distinct batch size, ~0.65 MB each for one 3072x576 weight (260 MB after M = 2..400), so a
+    server's RSS grows with every new step size; the bounded soak (tests/e2e/test_soak.py) caught
+    +25 %. On by default once batch sizes are bucketed (loadtest/PERF.md)."""
+    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def small_rows(dtype: torch.dtype) -> int:

@@ -19,6 +19,19 @@ LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
+@pytest.fixture(autouse=True)
+def packing_on(monkeypatch):
+    """Packing is opt-in (memory grows with each new batch size); these tests turn it on."""
+    monkeypatch.setenv(packed_linear.ENV, "1")
+
+
+def test_packing_is_off_by_default(monkeypatch):
+    monkeypatch.delenv(packed_linear.ENV)
+    assert not packed_linear.enabled()
+    model = torch.nn.Sequential(ColumnParallelLinear(8, 8))
+    assert pack_model(model) == 0 and model[0].pweight is None
+
+
 def _need_packing(dtype) -> None:
     if not can_pack(torch.empty(2, 2, dtype=dtype)):
         pytest.skip(f"no packed GEMM for {dtype} in this torch build / CPU")
