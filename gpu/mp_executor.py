@@ -64,6 +64,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+
+def next_step_timeout(step_timeout: float | None, startup_timeout: float, steps_sent: int) -> float | None:
+    """Seconds the next step may take (None = no limit); the first WARMUP_STEPS get the startup's.
+    One rule for every executor that times its workers' steps."""
+    if step_timeout is None:
+        return None
+    if steps_sent < WARMUP_STEPS:
+        return max(step_timeout, startup_timeout)
+    return step_timeout
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, *, runner_factory: str | None = None,
                  startup_timeout: float | None = None, num_threads: int | None = None,
@@ -245,12 +255,7 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------------ steps
 
     def _timeout_for_next_step(self) -> float | None:
-        """Seconds the next step may take (None = no limit); the first ones get the startup's."""
-        if self._step_timeout is None:
-            return None
-        if self._steps_sent < WARMUP_STEPS:
-            return max(self._step_timeout, self._startup_timeout)
-        return self._step_timeout
+        return next_step_timeout(self._step_timeout, self._startup_timeout, self._steps_sent)
 
     def _hung_message(self, step: StepInput, timeout: float) -> str:
         return (f"no reply to step {step.step_id} within {timeout:g} s (--step-timeout): worker(s) "

@@ -32,7 +32,7 @@ import msgspec
 from gpu.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
 from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
-from gpu.mp_executor import DEFAULT_STARTUP_TIMEOUT_S, WARMUP_STEPS
+from gpu.mp_executor import DEFAULT_STARTUP_TIMEOUT_S, next_step_timeout
 from gpu.pipeline_tokens import SampledTokenRelay
 from gpu.ray_cluster import PlacedWorkers, import_ray
 from gpu.worker import encode_step, output_rank
@@ -143,11 +143,7 @@ class RayCallExecutor(Executor):
     # ------------------------------------------------------------------ steps
 
     def _timeout_for_next_step(self) -> float | None:
-        if self._step_timeout is None:
-            return None
-        if self._steps_sent < WARMUP_STEPS:
-            return max(self._step_timeout, self._startup_timeout)
-        return self._step_timeout
+        return next_step_timeout(self._step_timeout, self._startup_timeout, self._steps_sent)
 
     def _send(self, step: StepInput) -> None:
         msg = bytes(encode_step(step))  # StepEncodeError: nothing sent, the engine goes on

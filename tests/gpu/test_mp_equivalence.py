@@ -29,6 +29,18 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+async def stream_token_ids(engine, prompt_list, params) -> list[list[int]]:
+    """Every prompt as its own concurrent stream through an AsyncEngine: the tokens of each."""
+    import asyncio
+
+    async def one(i, p):
+        toks: list[int] = []
+        async for out in engine.generate(p, params, f"r{i}"):
+            toks += out.outputs[0].token_ids
+        return toks
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompt_list)))
+
+
 def seeded_params() -> list[SamplingParams]:
     """Seeded sampling of several kinds, with logprobs: reproducible in any process."""
     return [

@@ -12,7 +12,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from gpu.executor import ExecutorError
 from gpu.parallel_state import (init_pipeline_parallel, reset_pipeline_parallel, stage_layer_range)
-from tests.gpu.test_mp_equivalence import UNTIED, prompts, shutdown_clean, token_ids
+from tests.gpu.test_mp_equivalence import UNTIED, prompts, shutdown_clean, stream_token_ids, token_ids
 from tests.tiny import tiny_llm
 
 
@@ -201,12 +201,7 @@ def test_async_engine_pp2_keeps_two_steps_in_flight_and_equals_single_process(ti
             return out
         ex.submit_async, ex.collect_async = counting_submit, counting_collect
         try:
-            async def one(i, p):
-                toks: list[int] = []
-                async for out in engine.generate(p, GREEDY, f"r{i}"):
-                    toks += out.outputs[0].token_ids
-                return toks
-            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts())))
+            outs = await stream_token_ids(engine, prompts(), GREEDY)
         finally:
             await engine.shutdown()
         return outs, in_flight_at_send

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from engine.sampling_params import SamplingParams
-from tests.gpu.test_mp_equivalence import prompts, tiny_checkpoint, token_ids  # noqa: F401 (fixture)
+from tests.gpu.test_mp_equivalence import (prompts, stream_token_ids, tiny_checkpoint,  # noqa: F401 (fixture)
+                                            token_ids)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -46,12 +47,7 @@ def test_next_step_is_sent_before_the_last_outputs_are_delivered(tiny_checkpoint
             return deliver(outputs)
         ex.submit_async, ex.collect_async, engine._deliver = logged_submit, logged_collect, logged_deliver
         try:
-            async def one(i, p):
-                toks: list[int] = []
-                async for out in engine.generate(p, GREEDY, f"r{i}"):
-                    toks += out.outputs[0].token_ids
-                return toks
-            outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts())))
+            outs = await stream_token_ids(engine, prompts(), GREEDY)
         finally:
             await engine.shutdown()
         return outs, events
