@@ -265,10 +265,20 @@ def test_sigterm_lets_the_running_request_finish():
     # took ~10 s there; 300 tokens against 30 s was flaky): the test waits only as long as it runs.
     s = ServerProcess(shutdown_timeout=300)
     try:
-        body = {"model": "tiny", "prompt": "Go", "max_tokens": 150, "ignore_eos": True, "stream": True,
-                "temperature": 0}
+        # uvicorn logs "Waiting for connections to close" only if the stream is still open ~0.2 s
+        # after the signal: a fixed length finished before that on a fast idle box. So the request
+        # is sized from this box's measured speed to last about 4 s.
+        for _ in range(2):  # the second is timed: the first pays the warm-up
+            t0 = time.monotonic()
+            httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "Go", "max_tokens": 64,
+                                                         "ignore_eos": True}, timeout=60).raise_for_status()
+        per_token = (time.monotonic() - t0) / 64
+        max_tokens = int(min(MAX_MODEL_LEN - 16, max(150, 4.0 / per_token)))
+        print(f"{per_token * 1e3:.2f} ms/token: max_tokens {max_tokens}")
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True, "temperature": 0}
         chunks, done = 0, False
-        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue

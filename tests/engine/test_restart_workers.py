@@ -29,6 +29,7 @@ class Builds:
         self.shut_down: list[FakeExecutor] = []
         self.honour_cancel = True  # False: a load that cannot be cut short (goes on to the end)
         self.cancelled = 0  # restarts cut short by their cancel event
+        self.loading = threading.Event()  # set once a restart's build (the model load) has begun
 
     def __call__(self, config, tokenizer=None, cancel=None):
         from engine.bootstrap import EngineParts
@@ -36,6 +37,7 @@ class Builds:
 
         if self.parts:  # a restart: runs off the loop, may be held open by the test
             assert threading.current_thread() is not threading.main_thread()
+            self.loading.set()
             t0 = time.monotonic()
             while not self.gate.wait(0.01):  # the model loads until the gate opens
                 if self.honour_cancel and cancel is not None and cancel.is_set():
@@ -69,6 +71,11 @@ async def started(restart: bool = True, policy=None):
     engine = AsyncEngine(config) if policy is None else AsyncEngine(config, restart_policy=policy)
     await engine.start()
     return engine
+
+
+async def wait_loading(builds: Builds, within: float = 10.0) -> None:
+    """Until a restart's build has begun (its thread may start late on a loaded box)."""
+    assert await asyncio.get_running_loop().run_in_executor(None, builds.loading.wait, within)
 
 
 def kill_workers(executor: FakeExecutor, message: str = DEATH) -> None:
@@ -207,12 +214,32 @@ async def test_shutdown_during_a_restart_stops_the_pool_being_built(builds):
     builds.gate.clear()
     kill_workers(engine.parts.executor)
     await wait_status(engine, "restarting")
+    await wait_loading(builds)  # a shutdown before the load begins builds nothing (tested below)
     shutting = asyncio.ensure_future(engine.shutdown())
     await asyncio.sleep(0.05)
     builds.gate.set()
     await asyncio.wait_for(shutting, 10)
     assert len(builds.parts) == 2
     assert builds.parts[1].executor in builds.shut_down
+
+
+async def test_shutdown_before_the_load_begins_builds_nothing(builds):
+    """A shutdown during the restart's back-off (or before its thread runs) ends the restart:
+    no new pool is built, and shutdown does not wait out the back-off."""
+    from engine.async_engine import RestartPolicy
+
+    engine = await started(policy=RestartPolicy(max_restarts=3, window_s=60.0, backoff_s=30.0))
+    kill_workers(engine.parts.executor)  # the first restart is immediate
+    for _ in range(500):
+        if engine.num_worker_restarts == 1:
+            break
+        await asyncio.sleep(0.01)
+    await wait_status(engine, "ok")
+    kill_workers(engine.parts.executor)  # the second waits the 30 s back-off
+    await wait_status(engine, "restarting")
+    t0 = time.monotonic()
+    await asyncio.wait_for(engine.shutdown(), 5)
+    assert time.monotonic() - t0 < 5 and len(builds.parts) == 2 and builds.cancelled == 0
 
 
 async def test_shutdown_during_a_restart_cancels_the_model_load(builds):
@@ -222,10 +249,7 @@ async def test_shutdown_during_a_restart_cancels_the_model_load(builds):
     builds.gate.clear()  # the new pool's load never ends by itself
     kill_workers(engine.parts.executor)
     await wait_status(engine, "restarting")
-    for _ in range(500):  # the old pool is reaped, the new one is loading
-        if builds.shut_down:
-            break
-        await asyncio.sleep(0.01)
+    await wait_loading(builds)  # the old pool is reaped, the new one is loading
     await asyncio.wait_for(engine.shutdown(), 5)  # the load would hold it 10 s
     assert builds.cancelled == 1 and len(builds.parts) == 1
     builds.gate.set()
