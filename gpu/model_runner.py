@@ -81,6 +81,10 @@ class ModelRunner:
             from kernels import fused
 
             fused.library()  # build (first run on this machine) or load now, not in the first step
+            from gpu.models.packed_linear import warm_row_buckets
+
+            sched = self.config.scheduler
+            warm_row_buckets(self.model, sched.max_num_batched_tokens, sched.max_num_seqs)
         logger.info("loaded model in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype, self.device)
         self.sampler = Sampler()
         self.num_blocks = self._num_blocks()

@@ -18,8 +18,9 @@ The second copy is kept only while all of them fit in an eighth of the machine's
 (``plain_copy_budget``): a model that fills the box keeps one packed copy, as with
 ``PAGEDSERVE_PACKED_SMALL_ROWS=0``. A tied LM
 head's plain table always stays (the embedding lookup reads it). Quantized layers
-(``module.qweight``) are left alone. Off on other devices and where the ops are missing; off by default
-(``enabled``: memory grows with each new batch size), on with ``PAGEDSERVE_PACKED_LINEAR=1``.
+(``module.qweight``) are left alone. Off on other devices and where the ops are missing, and with
+``PAGEDSERVE_PACKED_LINEAR=0``. Batch rows are padded to buckets, each built once at start-up
+(``enabled`` says why).
 """
 from __future__ import annotations
 
@@ -49,11 +50,32 @@ SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 1}
 
 
 def enabled() -> bool:
-    """Opt-in (``PAGEDSERVE_PACKED_LINEAR=1``): oneDNN builds and caches one primitive per
-    distinct batch size, ~0.65 MB each for one 3072x576 weight (260 MB after M = 2..400), so a
-    server's RSS grows with every new step size; the bounded soak (tests/e2e/test_soak.py) caught
-    +25 %. On by default once batch sizes are bucketed (loadtest/PERF.md)."""
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    """On by default (``PAGEDSERVE_PACKED_LINEAR=0`` turns it off). oneDNN builds and caches one
+    primitive per distinct (weight shape, batch rows), ~0.6-1.8 MB each: left alone a server's RSS
+    grows with every new step size (the bounded soak caught +25 %), so rows are padded to a few
+    buckets (``row_bucket``) and every bucket is built at start-up (``warm_row_buckets``)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def row_bucket(rows: int) -> int:
+    """The batch rows a packed matmul runs with: ``rows`` rounded up to 4, then to steps of 8 up
+    to 32, 16 up to 128, 32 up to 256, 128 up to 1024 and 256 above, so 25 buckets cover 2048
+    rows. The padding costs little where it is large (few rows: the weight read dominates) and
+    at most ~14 % of the FLOPs from 32 rows up (loadtest/PERF.md)."""
+    for limit, step in ((4, 4), (32, 8), (128, 16), (256, 32), (1024, 128)):
+        if rows <= limit:
+            return -(-rows // step) * step
+    return -(-rows // 256) * 256
+
+
+def buckets_upto(rows: int) -> list[int]:
+    """Every bucket a batch of at most ``rows`` rows may run with."""
+    out, m = [], 1
+    while m <= rows:
+        b = row_bucket(m)
+        out.append(b)
+        m = b + 1
+    return out
 
 
 def small_rows(dtype: torch.dtype) -> int:
@@ -83,6 +105,24 @@ def can_pack(weight: torch.Tensor) -> bool:
             and weight.dtype in (torch.bfloat16, torch.float32) and _onednn(weight.dtype))
 
 
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The one call into oneDNN's packed matmul (it builds a primitive per new row count)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _packed_mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T (+ bias) on the packed weight, the rows padded up to their bucket."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    bucket = row_bucket(rows)
+    if bucket != rows:
+        padded = x2.new_zeros((bucket, x2.shape[1]))
+        padded[:rows].copy_(x2)
+        x2 = padded
+    y = _onednn_linear(x2, packed, bias)
+    return y[:rows].view(*x.shape[:-1], y.shape[-1])
+
+
 class PackedWeight:
     """One layer's weight (this rank's shard) in oneDNN's layout, the matmul that reads it, and
     optionally the plain weight for the smallest batches."""
@@ -104,7 +144,7 @@ class PackedWeight:
                 return F.linear(x, self.plain, bias)
             y = fused.gemv_bf16(x.contiguous(), self.plain)
             return y if bias is None else y.add_(bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return _packed_mm(x, self.packed, bias)
 
     def dense(self) -> torch.Tensor:
         """The plain weight back, read through the packed matmul (exact: x is the identity)."""
@@ -174,3 +214,31 @@ def pack_model(model: nn.Module) -> int:
         logger.info("packed %d linear weights for oneDNN (%.0f MB of plain copies freed) in %.2f s",
                     packed, plain_bytes / 1e6, time.perf_counter() - t0)
     return packed
+
+
+def warm_row_buckets(model: nn.Module, max_tokens: int, max_seqs: int) -> int:
+    """Run every packed weight shape once per row bucket a step can produce (``max_tokens`` rows,
+    ``max_seqs`` for the LM head), so oneDNN builds its primitives now: start-up pays ~0.5 s and
+    ~100-150 MB once, instead of the RSS growing and the first steps of each size stalling while
+    serving. Returns the number of primitives built."""
+    from gpu.models.layers import ParallelLMHead
+
+    shapes: dict[tuple, tuple[PackedWeight, torch.Tensor | None, int]] = {}
+    for module in model.modules():
+        pw = getattr(module, "pweight", None)
+        if isinstance(pw, PackedWeight):
+            limit = max_seqs if isinstance(module, ParallelLMHead) else max_tokens
+            bias = getattr(module, "bias", None)
+            key = (pw.out_features, pw.in_features, pw.dtype, bias is None)
+            shapes[key] = (pw, bias, max(limit, shapes.get(key, (pw, bias, 0))[2]))
+    t0, built = time.perf_counter(), 0
+    with torch.no_grad():
+        for pw, bias, limit in shapes.values():
+            for rows in buckets_upto(limit):
+                if rows > pw.small_rows:
+                    pw.linear(torch.zeros(rows, pw.in_features, dtype=pw.dtype), bias)
+                    built += 1
+    if built:
+        logger.info("built %d packed-matmul primitives (%d weight shapes, rows up to %d) in %.2f s",
+                    built, len(shapes), max_tokens, time.perf_counter() - t0)
+    return built

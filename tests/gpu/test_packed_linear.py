@@ -21,15 +21,65 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 @pytest.fixture(autouse=True)
 def packing_on(monkeypatch):
-    """Packing is opt-in (memory grows with each new batch size); these tests turn it on."""
+    """Packing is on unless PAGEDSERVE_PACKED_LINEAR=0 (a test environment might set it)."""
     monkeypatch.setenv(packed_linear.ENV, "1")
 
 
-def test_packing_is_off_by_default(monkeypatch):
+def test_packing_is_on_by_default_and_can_be_turned_off(monkeypatch):
     monkeypatch.delenv(packed_linear.ENV)
+    assert packed_linear.enabled()
+    monkeypatch.setenv(packed_linear.ENV, "0")
     assert not packed_linear.enabled()
     model = torch.nn.Sequential(ColumnParallelLinear(8, 8))
     assert pack_model(model) == 0 and model[0].pweight is None
+
+
+def test_row_buckets_cover_every_batch_with_bounded_padding():
+    buckets = packed_linear.buckets_upto(2048)
+    assert len(buckets) == len(set(buckets)) <= 25 and buckets == sorted(buckets)
+    for rows in range(1, 2049):
+        b = packed_linear.row_bucket(rows)
+        assert b >= rows and b in buckets
+        if rows > 32:
+            assert b / rows <= 1.5 and (b - rows) / b < 0.34  # at most ~a third of the rows padded
+    assert packed_linear.row_bucket(17) == 24 and packed_linear.row_bucket(16) == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_warm_up_builds_every_bucket_serving_then_uses(dtype, monkeypatch):
+    """RSS stays flat while serving: after warm_row_buckets no batch size reaches the packed
+    matmul with a row count (hence an oneDNN primitive) it has not seen."""
+    _need_packing(dtype)
+    rows_seen: set[int] = set()
+    real = packed_linear._onednn_linear
+
+    def recording(x, packed, bias):
+        rows_seen.add(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(packed_linear, "_onednn_linear", recording)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ColumnParallelLinear(96, 64, bias=True), RowParallelLinear(64, 96),
+                                ParallelLMHead(500, 96))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    model.to(dtype)
+    assert pack_model(model) == 3
+    built = packed_linear.warm_row_buckets(model, max_tokens=300, max_seqs=40)
+    warmed = set(rows_seen)
+    assert warmed == {b for b in packed_linear.buckets_upto(300) if b > small_rows(dtype)}
+    assert built == 2 * len(warmed) + len([b for b in warmed if b <= packed_linear.row_bucket(40)])
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for rows in (3, 5, 17, 33, 100, 257, 299, 300):
+            x = torch.randn(rows, 96, generator=g).to(dtype)
+            h = model[0](x)  # padded to its bucket, cut back to ``rows``
+            want = F.linear(x, dense_weight(model[0]), model[0].bias)
+            assert h.shape == want.shape
+            assert (h.float() - want.float()).abs().max() / want.float().abs().max() < TOL[dtype]
+            model[1](h)
+    assert rows_seen == warmed  # no new row count: no new primitive, no RSS growth
 
 
 def _need_packing(dtype) -> None:
