@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from kernels import fused
 from kernels.metadata import AttentionMetadata
 from kernels.cpu_attention import paged_attention_cpu
 from kernels.torch_attention import write_kv_cache_torch
@@ -38,6 +39,8 @@ def write_kv_cache(
         from kernels.triton_attention import write_kv_cache_triton
 
         write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    elif fused.can_write_kv(k, v, k_cache, slot_mapping):
+        fused.write_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
         write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
 

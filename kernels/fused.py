@@ -59,6 +59,7 @@ def library() -> ctypes.CDLL | None:
     lib.fz_rotary_neox.restype = None
     lib.fz_rotary_neox.argtypes = [P, I64, I64, I64, I64, I64, P, P, I]
     lib.fz_gemv_bf16.restype, lib.fz_gemv_bf16.argtypes = I, [P, I64, I64, P, I64, P, I]
+    lib.fz_write_kv.restype, lib.fz_write_kv.argtypes = I64, [P, P, I64, P, P, P, I64, I64, I64]
     return lib
 
 
@@ -103,6 +104,28 @@ def rotary_neox_(x: torch.Tensor, heads: int, head_dim: int, rotary_dim: int, co
     ``cos_sin_cache`` fp32 [P, rotary_dim]; ``positions`` int64 [T]."""
     library().fz_rotary_neox(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, rotary_dim,
                              cos_sin_cache.data_ptr(), positions.data_ptr(), _DTYPE_CODE[x.dtype])
+
+
+def can_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+    """``write_kv`` takes these: CPU, one dtype, rows of contiguous heads with one stride for k
+    and v, contiguous caches, int64 slots."""
+    return (k.device.type == "cpu" and library() is not None and k.dtype == v.dtype == k_cache.dtype
+            and k.dim() == 3 and k.stride(2) == 1 and k.stride(1) == k.shape[2] and k.stride() == v.stride()
+            and k_cache.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous())
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Rows ``k, v [T, Hkv, D]`` into caches ``[blocks, block_size, Hkv, D]`` at ``slots[:T]``
+    (-1 skips a row); a slot past the cache raises instead of writing."""
+    T = k.shape[0]
+    row_bytes = k.shape[1] * k.shape[2] * k.element_size()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    assert v_cache.shape == k_cache.shape and v_cache.is_contiguous() and slots.shape[0] >= T
+    bad = library().fz_write_kv(k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), k_cache.data_ptr(),
+                                v_cache.data_ptr(), slots.data_ptr(), T, row_bytes, num_slots)
+    if bad:
+        raise IndexError(f"{bad} KV cache slots out of range (the cache has {num_slots})")
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

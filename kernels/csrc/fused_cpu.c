@@ -4,6 +4,8 @@
  *   fz_add_rms_norm    residual += x; x = rms_norm(residual) * w      (in place, both)
  *   fz_rms_norm        out = rms_norm(x) * w
  *   fz_rotary_neox     q/k heads rotated in place, cos/sin read from the fp32 table by position
+ *   fz_write_kv        new K/V rows copied into the paged caches at their slots (torch's
+ *                      index_copy_ opened an OpenMP region per call: ~3 ms of a 16-row step)
  *   fz_gemv_bf16       y = x @ W^T for M <= 16 rows, bf16 in/out, fp32 accumulation
  *                      (AVX512-BF16 only: torch's bf16 GEMV reads weights at about half the
  *                      rate of its fp32 one on these CPUs; see loadtest/PERF.md)
@@ -115,6 +117,26 @@ int fz_rms_norm(const void *x, int64_t x_stride, const float *w, void *out, int6
         norm_row(a, w, H, eps, dtype, (char *)out + (size_t)m * H * es);
     }
     return 0;
+}
+
+/* Copy row t of k and of v (row_bytes each, rows src_stride bytes apart) to row slots[t] of
+ * k_cache / v_cache (rows row_bytes apart); a negative slot skips the row. Returns the number
+ * of slots past num_slots (nothing is written for them: the caller raises). */
+int64_t fz_write_kv(const char *k, const char *v, int64_t src_stride, char *k_cache, char *v_cache,
+                    const int64_t *slots, int64_t T, int64_t row_bytes, int64_t num_slots) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = slots[t];
+        if (slot < 0)
+            continue;
+        if (slot >= num_slots) {
+            bad++;
+            continue;
+        }
+        memcpy(k_cache + slot * row_bytes, k + t * src_stride, (size_t)row_bytes);
+        memcpy(v_cache + slot * row_bytes, v + t * src_stride, (size_t)row_bytes);
+    }
+    return bad;
 }
 
 /* Rotate heads in place (neox layout: element i pairs with i + rot/2 within the first `rot`

@@ -82,6 +82,31 @@ def test_gemv_bf16_matches_fp32_matmul(m, k, n):
     torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-3 * k ** 0.5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_the_torch_scatter(dtype):
+    """Rows of the fused qkv output (strided) land where write_kv_cache_torch puts them; -1 skips."""
+    from kernels.torch_attention import write_kv_cache_torch
+
+    g = torch.Generator().manual_seed(7)
+    T, hkv, d = 11, 3, 64
+    qkv = torch.randn(T, 9 * d + 2 * hkv * d, generator=g).to(dtype)
+    k = qkv[:, 9 * d: 9 * d + hkv * d].view(T, hkv, d)
+    v = qkv[:, 9 * d + hkv * d:].view(T, hkv, d)
+    slots = torch.randperm(40 * 16, generator=g)[:T].to(torch.int64)
+    slots[[2, 7]] = -1
+    caches = [torch.randn(40, 16, hkv, d, generator=g).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    assert fused.can_write_kv(k, v, caches[0], slots)
+    fused.write_kv(k, v, caches[0], caches[1], slots)
+    write_kv_cache_torch(k, v, want[0], want[1], slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    before = [c.clone() for c in caches]
+    with pytest.raises(IndexError, match="out of range"):
+        fused.write_kv(k, v, caches[0], caches[1], torch.full((T,), 40 * 16, dtype=torch.int64))
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+    assert not fused.can_write_kv(k, v, caches[0], slots.to(torch.int32))  # falls back to torch
+
+
 def test_portable_and_avx2_builds_agree():
     """The other builds, forced in fresh processes, give the same fp32 results."""
     code = ("import torch; from kernels import fused; assert fused.available(); "
