@@ -30,9 +30,10 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # one thread: an OpenMP region costs more than it saves, and on a busy box it waits for the
 # second thread to be scheduled.
 PARALLEL_MIN_MACS = 1 << 20
-# With fewer (request, KV head) items than this many per thread, split each request's tokens
-# into parts (flash-decoding) so that every thread has work.
+# With fewer requests than this many per thread, split each request's tokens into parts
+# (flash-decoding) so that every thread has work.
 ITEMS_PER_THREAD = 4
+MIN_PART_BLOCKS = 4  # a part is at least this many blocks (each part costs a combine)
 
 
 @functools.cache
@@ -71,25 +72,66 @@ def _kernel_for(q: torch.Tensor, k_cache: torch.Tensor) -> ctypes.CDLL | None:
         return None
     head_dim = k_cache.shape[3]
     group = q.shape[1] // k_cache.shape[2]
-    if head_dim % lib.pa_width() or head_dim > lib.pa_max_head_dim() or group > lib.pa_max_group():
+    width, max_head_dim, max_group = _limits(lib)
+    if head_dim % width or head_dim > max_head_dim or group > max_group:
         return None
     return lib
 
 
+@functools.cache
+def _limits(lib: ctypes.CDLL) -> tuple[int, int, int]:
+    """(vector width, largest head_dim, largest group) of a build, asked once (called every layer)."""
+    return lib.pa_width(), lib.pa_max_head_dim(), lib.pa_max_group()
+
+
 def _threads_and_parts(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
                        block_size: int) -> tuple[int, int]:
-    """(threads, tokens per part; 0 = no split) for one decode call."""
+    """(threads, tokens per part; 0 = no split) for one decode call.
+
+    The kernel's work item is one request (all its KV heads) or one part of its tokens. With fewer
+    than ITEMS_PER_THREAD requests per thread, every request is cut into ``parts`` pieces of whole
+    blocks, ``parts`` chosen so that the items divide evenly among the threads (one request on two
+    threads: two halves, not three thirds that leave one thread a third idle)."""
     threads = torch.get_num_threads()
     if threads <= 1 or 2 * sum(seq_lens) * num_heads * head_dim < PARALLEL_MIN_MACS:
         return 1, 0
-    items = len(seq_lens) * num_kv_heads
-    if items >= ITEMS_PER_THREAD * threads:
+    requests = len(seq_lens)
+    if requests >= ITEMS_PER_THREAD * threads:
         return threads, 0
-    parts = -(-ITEMS_PER_THREAD * threads // items)
+    parts = -(-threads // requests)
+    while (requests * parts) % threads:
+        parts += 1
     longest = max(seq_lens)
     part = -(-longest // parts)
-    part = max(4 * block_size, -(-part // block_size) * block_size)  # whole blocks, not tiny
+    part = max(MIN_PART_BLOCKS * block_size, -(-part // block_size) * block_size)  # whole blocks, not tiny
     return threads, (part if part < longest else 0)
+
+
+class _StepCall:
+    """The arguments of the kernel call that are the same for every layer of a step (int32 block
+    tables and lengths, thread count and split), built by the first layer's call."""
+
+    __slots__ = ("tables", "seq_lens", "threads", "part", "tables_ptr", "tables_stride", "seq_lens_ptr")
+
+    def __init__(self, meta: AttentionMetadata, threads: int, part: int) -> None:
+        self.threads, self.part = threads, part
+        tables = meta.block_tables
+        if tables.dtype != torch.int32 or tables.stride(1) != 1:
+            tables = tables.to(torch.int32).contiguous()
+        seq_lens = meta.seq_lens
+        if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+            seq_lens = seq_lens.to(torch.int32).contiguous()
+        self.tables, self.seq_lens = tables, seq_lens  # kept alive: the kernel reads their memory
+        self.tables_ptr, self.tables_stride = tables.data_ptr(), tables.stride(0)
+        self.seq_lens_ptr = seq_lens.data_ptr()
+
+
+def step_call(meta: AttentionMetadata, key: tuple, threads: int, part: int) -> _StepCall:
+    """Pin the thread count and split of this step's decode calls (tests, benchmarks); ``key`` as
+    in decode_attention_c. Kept in ``meta.cpu_plan`` as (key, call), the torch path's form."""
+    call = _StepCall(meta, threads, part)
+    meta.cpu_plan = (key, call)
+    return call
 
 
 def decode_attention_c(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -102,25 +144,20 @@ def decode_attention_c(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
     target = out
     if out.stride(2) != 1 or out.stride(1) != head_dim:
         target = torch.empty_like(q)
-    tables = meta.block_tables
-    if tables.dtype != torch.int32 or tables.stride(1) != 1:
-        tables = tables.to(torch.int32).contiguous()
-    seq_lens = meta.seq_lens
-    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
-        seq_lens = seq_lens.to(torch.int32).contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the CPU attention kernel needs contiguous KV caches")
     plan = meta.cpu_plan
     key = ("c", batch, num_heads, num_kv_heads, head_dim, block_size)
     if plan is not None and plan[0] == key:
-        threads, part = plan[1]
+        call = plan[1]
     else:
         threads, part = _threads_and_parts(meta.seq_lens_host[:batch], num_heads, num_kv_heads, head_dim,
                                            block_size)
-        meta.cpu_plan = (key, (threads, part))
-    rc = lib.pa_decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                       tables.stride(0), seq_lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-                       block_size, scale, target.data_ptr(), target.stride(0), _DTYPES[q.dtype], part, threads)
+        call = step_call(meta, key, threads, part)
+    rc = lib.pa_decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), call.tables_ptr,
+                       call.tables_stride, call.seq_lens_ptr, batch, num_heads, num_kv_heads, head_dim,
+                       block_size, scale, target.data_ptr(), target.stride(0), _DTYPES[q.dtype], call.part,
+                       call.threads)
     if rc != 0:
         raise RuntimeError(f"paged attention kernel rejected its arguments (B={batch} H={num_heads} "
                            f"Hkv={num_kv_heads} D={head_dim} block={block_size}) or ran out of memory")

@@ -31,8 +31,8 @@ def _decode(isa: str, batch, scale: float, threads: int = 1, part: int = 0) -> t
     assert lib is not None
     b = batch.meta.num_decodes
     out = torch.full_like(batch.q[:b], float("nan"))
-    batch.meta.cpu_plan = (("c", b, batch.q.shape[1], batch.k_cache.shape[2], batch.k_cache.shape[3],
-                            batch.k_cache.shape[1]), (threads, part))
+    cpu_attention.step_call(batch.meta, ("c", b, batch.q.shape[1], batch.k_cache.shape[2], batch.k_cache.shape[3],
+                                         batch.k_cache.shape[1]), threads, part)
     cpu_attention.decode_attention_c(lib, batch.q[:b], batch.k_cache, batch.v_cache, batch.meta, scale, out)
     return out
 
@@ -99,11 +99,28 @@ def test_plan_threads_and_parts(monkeypatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     # tiny work: one thread, no split
     assert cpu_attention._threads_and_parts([10, 12], 9, 3, 64, 16) == (1, 0)
-    # many (request, KV head) items: every thread busy without splitting
+    # many requests: every thread busy without splitting
     assert cpu_attention._threads_and_parts([500] * 48, 9, 3, 64, 16) == (2, 0)
-    # one long request: split into whole blocks so that 3 KV heads x parts >= 4 items per thread
+    # one long request on two threads: two halves of whole blocks (three parts left a thread idle a third)
     threads, part = cpu_attention._threads_and_parts([2000], 9, 3, 64, 16)
-    assert threads == 2 and part % 16 == 0 and 3 * -(-2000 // part) >= 8
+    assert threads == 2 and part % 16 == 0 and -(-2000 // part) == 2
+    # three requests on two threads: each in two parts, six items, three per thread
+    threads, part = cpu_attention._threads_and_parts([900, 1000, 1000], 9, 3, 64, 16)
+    assert threads == 2 and part % 16 == 0 and -(-1000 // part) == 2 and -(-900 // part) == 2
+
+
+def test_step_call_built_once_per_step() -> None:
+    """The int32 tables and lengths are prepared by the first layer's call and reused by the others."""
+    batch = make_batch([(40, 1), (17, 1)], 6, 2, 32, 16, seed=5)
+    batch.meta.block_tables = batch.meta.block_tables.to(torch.int64)  # needs a conversion
+    want = naive_attention(batch, 0.25).float()
+    first = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25)
+    call = batch.meta.cpu_plan[1]
+    assert isinstance(call, cpu_attention._StepCall) and call.tables.dtype == torch.int32
+    second = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25)
+    assert batch.meta.cpu_plan[1] is call
+    torch.testing.assert_close(first, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(second, want, atol=2e-5, rtol=1e-4)
 
 
 def test_torch_env_selects_the_torch_path(monkeypatch) -> None:
