@@ -139,10 +139,12 @@ def decode_attention_c(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
     """The first ``meta.num_decodes`` requests (one query row each): q ``[B, H, D]`` -> ``out``."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
+    q_strides = q.stride()
+    if q_strides[2] != 1 or q_strides[1] != head_dim:
         q = q.contiguous()
     target = out
-    if out.stride(2) != 1 or out.stride(1) != head_dim:
+    out_strides = out.stride()
+    if out_strides[2] != 1 or out_strides[1] != head_dim:
         target = torch.empty_like(q)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the CPU attention kernel needs contiguous KV caches")
@@ -177,7 +179,13 @@ def paged_attention_cpu(
     lib = _kernel_for(q, k_cache)
     if lib is None or meta.num_decodes == 0:
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, out)
-    return split_decode_prefill(q, k_cache, v_cache, meta, scale, out, functools.partial(decode_attention_c, lib))
+    return split_decode_prefill(q, k_cache, v_cache, meta, scale, out, _decode_with(lib))
+
+
+@functools.cache
+def _decode_with(lib: ctypes.CDLL):
+    """decode_attention_c bound to ``lib``, made once rather than on every layer's call."""
+    return functools.partial(decode_attention_c, lib)
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build now (install step), print the path taken

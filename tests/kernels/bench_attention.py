@@ -38,6 +38,27 @@ def _set_impl(impl: str) -> None:
         os.environ.pop(cpu_attention.IMPL_ENV, None)
 
 
+def _wrapper_overhead(dtype, heads: int, kv_heads: int, dim: int, bs: int, scale: float, iters: int) -> None:
+    """Python cost of one layer's decode call: paged_attention against the bare ctypes call, on an
+    empty context (the kernel does next to nothing), one thread."""
+    lib = cpu_attention.library()
+    if lib is None:
+        return
+    batch = make_batch([(0, 1)], heads, kv_heads, dim, bs, dtype)
+    out = torch.empty_like(batch.q)
+    meta = batch.meta
+    fn = lambda: paged_attention(batch.q, batch.k_cache, batch.v_cache, meta, scale, out=out)  # noqa: E731
+    args = (batch.q.data_ptr(), heads * dim, batch.k_cache.data_ptr(), batch.v_cache.data_ptr(),
+            meta.block_tables.data_ptr(), meta.block_tables.stride(0), meta.seq_lens.data_ptr(), 1, heads, kv_heads,
+            dim, bs, scale, out.data_ptr(), heads * dim, cpu_attention._DTYPES[dtype], 0, 1)
+    raw = lambda: lib.pa_decode(*args)  # noqa: E731
+    fn()
+    full = statistics.median(_once(fn, iters)[0] for _ in range(5))
+    bare = statistics.median(_once(raw, iters)[0] for _ in range(5))
+    print(f"  {'wrapper: paged_attention, empty ctx':<38} {full:9.1f} us; bare ctypes call {bare:.1f} us; "
+          f"Python around it {full - bare:.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=10)
@@ -57,6 +78,7 @@ def main() -> None:
     for dtype in dtypes:
         cases = [
             ("decode 1 req, ctx 400", [(400, 1)], 10),
+            ("decode 1 req, ctx 320", [(320, 1)], 10),
             ("decode 16 reqs, ctx 256-384", [(rng.randint(256, 384), 1) for _ in range(16)], 1),
             ("decode 48 reqs, ctx 300-600", [(rng.randint(300, 600), 1) for _ in range(48)], 1),
             ("mixed: 32 decodes + 2 prefill chunks",
@@ -87,6 +109,7 @@ def main() -> None:
                 line += f" {impl:>5} {wall:8.0f} / {cpu:8.0f}"
             print(line + f"   torch/c {med['torch'] / med['c']:5.2f}x")
         _set_impl("c")
+        _wrapper_overhead(dtype, heads, kv_heads, dim, bs, scale, args.iters * 30)
         k = torch.randn(48, kv_heads, dim).to(dtype)
         decode = make_batch([(300, 1)] * 48, heads, kv_heads, dim, bs, dtype)
         wall, cpu = _once(lambda: write_kv_cache(k, k, decode.k_cache, decode.v_cache, decode.meta.slot_mapping),
