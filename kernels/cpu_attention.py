@@ -28,8 +28,10 @@ ISA_ENV = "PAGEDSERVE_ATTN_ISA"  # avx512bf16 | avx512 | avx2 | scalar: force a 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Below this many multiply-adds (tokens x heads x head_dim, Q.K and P.V) a decode call runs on
 # one thread: an OpenMP region costs more than it saves, and on a busy box it waits for the
-# second thread to be scheduled.
-PARALLEL_MIN_MACS = 1 << 20
+# second thread to be scheduled. 2^18 is one request of ~230 tokens of the default model (9 heads
+# x 64): one request of 320 tokens in two halves took 14.6 us against ~22 us on one thread
+# (loadtest/PERF.md, "decode attention: per-step arguments, even split").
+PARALLEL_MIN_MACS = 1 << 18
 # With fewer requests than this many per thread, split each request's tokens into parts
 # (flash-decoding) so that every thread has work.
 ITEMS_PER_THREAD = 4

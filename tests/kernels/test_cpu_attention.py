@@ -101,6 +101,9 @@ def test_plan_threads_and_parts(monkeypatch) -> None:
     assert cpu_attention._threads_and_parts([10, 12], 9, 3, 64, 16) == (1, 0)
     # many requests: every thread busy without splitting
     assert cpu_attention._threads_and_parts([500] * 48, 9, 3, 64, 16) == (2, 0)
+    # one request of the default model at ~320 tokens (single-stream decode): both threads, two halves
+    threads, part = cpu_attention._threads_and_parts([320], 9, 3, 64, 16)
+    assert threads == 2 and part == 160
     # one long request on two threads: two halves of whole blocks (three parts left a thread idle a third)
     threads, part = cpu_attention._threads_and_parts([2000], 9, 3, 64, 16)
     assert threads == 2 and part % 16 == 0 and -(-2000 // part) == 2
