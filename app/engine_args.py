@@ -22,6 +22,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--prompt-admit-tokens", type=int, default=0,
+                   help="a step takes no further waiting prompt once it holds this many prompt tokens "
+                        "(one prompt's chunk may still fill --max-num-batched-tokens): when many prompts "
+                        "arrive at once each gets its first token sooner; 0 = fill the token budget "
+                        "(default: 256 for serve, 0 offline)")
     g.add_argument("--kv-cache-memory", type=float, default=4.0, help="KV cache budget in GiB (CPU)")
     g.add_argument("--num-gpu-blocks-override", dest="num_blocks", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
@@ -90,6 +95,7 @@ def engine_config_from_args(args: argparse.Namespace, default_executor: str | No
         enforce_eager=args.enforce_eager,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prompt_admit_tokens=getattr(args, "prompt_admit_tokens", 0),
         policy=args.scheduling_policy,
         preemption_mode=getattr(args, "preemption_mode", "recompute"),
         swap_space_gib=getattr(args, "swap_space", 4.0),

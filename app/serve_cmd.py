@@ -31,10 +31,14 @@ logger = logging.getLogger("pagedserve.serve")
 
 STARTUP_ERRORS = (ConfigError, ModelLoadError, ExecutorError)
 DEFAULT_EXECUTOR = "mp"  # model compute in worker processes: the event loop stays free
+# Online, the time to first token counts: a step takes new prompts up to this many prompt tokens
+# (gpu/config.py SchedulerConfig.prompt_admit_tokens says what it buys and costs).
+SERVE_PROMPT_ADMIT_TOKENS = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
+    parser.set_defaults(prompt_admit_tokens=SERVE_PROMPT_ADMIT_TOKENS)
     g = parser.add_argument_group("server")
     g.add_argument("--served-model-name", default=None,
                    help="model name the API answers to (default: the model file or directory name)")

@@ -68,6 +68,7 @@ class Scheduler:
         self.preemption_mode = mode
         self.bm = block_manager
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.prompt_admit_tokens = max(0, getattr(config, "prompt_admit_tokens", 0) or 0)
         # Every running sequence needs at least one token of budget per step.
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting: list[Sequence] = []
@@ -221,6 +222,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         budget = self.max_num_batched_tokens
+        prompt_tokens = 0  # tokens of prompt chunks (more than one new token) in this step
         B = self.bm.block_size
         scheduled: dict[int, tuple[Sequence, int, list[int]]] = {}  # seq id -> (seq, n, new blocks)
         preempted: list[Sequence] = []
@@ -251,6 +253,7 @@ class Scheduler:
                 continue
             scheduled[seq.seq_id] = (seq, num_new, new_blocks)
             budget -= num_new
+            prompt_tokens += num_new if num_new > 1 else 0
 
         # 2. waiting sequences
         new_seqs, block_copies = self._announce_forks(forks) if forks else ([], [])
@@ -258,6 +261,8 @@ class Scheduler:
             admitted: set[int] = set()
             i = 0
             while i < len(self.waiting):
+                if self.prompt_admit_tokens and prompt_tokens >= self.prompt_admit_tokens:
+                    break  # enough prompt work in this step: the next prompt starts in the next one
                 seq = self.waiting[i]
                 if seq in preempted:
                     break  # a victim of this very step does not come back in it
@@ -301,6 +306,7 @@ class Scheduler:
                 seq.on_worker = True
                 scheduled[seq.seq_id] = (seq, num_new, [])
                 budget -= num_new
+                prompt_tokens += num_new
 
         if not scheduled:
             if new_seqs or block_copies:  # cannot happen (a fork always has a token to compute)

@@ -110,6 +110,12 @@ class ParallelConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # A step takes no further waiting prompt once it holds this many prompt tokens (a prompt's own
+    # chunk may still fill max_num_batched_tokens); 0 = fill the budget. When many prompts arrive
+    # at once, each gets its first token a step after the one before it instead of all after one
+    # big step: `serve` defaults to 256 (c=16 median TTFT 938 -> 386 ms, loadtest/PERF.md); offline
+    # runs keep 0, their throughput being what counts (W1 11 % slower at 256).
+    prompt_admit_tokens: int = 0
     policy: str = "fcfs"  # fcfs | priority
     # recompute (free the blocks, compute them again on resume) | swap (copy the blocks to the
     # host swap pool and back; recompute when the pool is full)

@@ -84,7 +84,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], bias=bool(cfg.get("mlp_bias")))
 
+    fast_decode = None  # a gpu.models.fast_decode.FastDecodeLayer: small bf16 batches in two C calls
+
     def forward(self, rope, x, residual):
+        fast = self.fast_decode
+        if fast is not None and x.shape[0] <= fast.max_rows:
+            out = fast.forward(rope, x, residual)
+            if out is not None:
+                return out
         if residual is None:
             residual = x
             x = self.input_layernorm.forward(x)

@@ -248,3 +248,101 @@ int fz_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int
     return -1;
 #endif
 }
+
+/* ---- one decoder layer around attention, for a few bf16 rows (AVX512-BF16 builds) ----------
+ * A batch-1 decode step spent ~4 ms of ~20 in the Python and torch glue between the C calls of
+ * its 30 layers (loadtest/PERF.md); these two calls do a Llama layer's work before and after
+ * attention with the same C pieces the eager path calls one by one (so the same roundings). */
+#if FZ_BF16_GEMV
+/* e^x for |x| <= 88: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6 (rel. error
+ * ~2e-7, far below bf16's 4e-3). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline void store16_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* a[M][I] = silu(h[:, :I]) * h[:, I:], rounded to bf16 after the silu and after the product
+ * as torch's F.silu(gate).mul_(up) rounds them. */
+static void silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *g = h + m * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i += 16) {
+            __mmask16 k = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
+            __m512 gv = load16_bf16(g + i, k);
+            __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s)), 16));
+            store16_bf16(a + m * I + i, _mm512_mul_ps(s, load16_bf16(u + i, k)), k);
+        }
+    }
+}
+#endif
+
+/* Before attention: [residual += x;] x = rms_norm(residual) * w_norm (without a residual yet:
+ * residual = x first); qkv = x @ w_qkv^T; the q and k heads rotated; k and v written into the
+ * caches at slots. 0 on success, -1 when this build has no bf16 path, -2 for a slot past the
+ * cache. */
+int fz_attn_in(uint16_t *x, uint16_t *residual, int has_residual, const float *w_norm, float eps,
+               int64_t M, int64_t H, const uint16_t *w_qkv, int64_t n_qkv, uint16_t *qkv,
+               int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rot, const float *cs,
+               const int64_t *positions, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
+               int64_t num_slots, int nthreads) {
+#if FZ_BF16_GEMV
+    if (has_residual) {
+        if (fz_add_rms_norm(x, residual, w_norm, M, H, eps, 1)) return -1;
+    } else {
+        memcpy(residual, x, (size_t)(M * H) * 2);
+        if (fz_rms_norm(residual, H, w_norm, x, M, H, eps, 1)) return -1;
+    }
+    if (fz_gemv_bf16(x, M, H, w_qkv, n_qkv, qkv, nthreads)) return -1;
+    fz_rotary_neox(qkv, M, n_qkv, q_heads + kv_heads, head_dim, rot, cs, positions, 1);
+    int64_t kv = kv_heads * head_dim;
+    const uint16_t *k = qkv + q_heads * head_dim, *v = k + kv;
+    if (fz_write_kv((const char *)k, (const char *)v, n_qkv * 2, (char *)k_cache, (char *)v_cache, slots, M,
+                    kv * 2, num_slots))
+        return -2;
+    return 0;
+#else
+    (void)x; (void)residual; (void)has_residual; (void)w_norm; (void)eps; (void)M; (void)H; (void)w_qkv;
+    (void)n_qkv; (void)qkv; (void)q_heads; (void)kv_heads; (void)head_dim; (void)rot; (void)cs;
+    (void)positions; (void)k_cache; (void)v_cache; (void)slots; (void)num_slots; (void)nthreads;
+    return -1;
+#endif
+}
+
+/* After attention: y = attn @ w_o^T; residual += y; y = rms_norm(residual) * w_norm;
+ * h = y @ w_gu^T; a = silu(gate) * up; out = a @ w_down^T. y [M][H], h [M][2I], a [M][I] are
+ * scratch. 0 on success, -1 when this build has no bf16 path. */
+int fz_mlp_out(const uint16_t *attn, int64_t A, const uint16_t *w_o, uint16_t *y, uint16_t *residual,
+               const float *w_norm, float eps, int64_t M, int64_t H, const uint16_t *w_gu, int64_t I,
+               uint16_t *h, uint16_t *a, const uint16_t *w_down, uint16_t *out, int nthreads) {
+#if FZ_BF16_GEMV
+    if (fz_gemv_bf16(attn, M, A, w_o, H, y, nthreads)) return -1;
+    if (fz_add_rms_norm(y, residual, w_norm, M, H, eps, 1)) return -1;
+    if (fz_gemv_bf16(y, M, H, w_gu, 2 * I, h, nthreads)) return -1;
+    silu_mul_bf16(h, M, I, a);
+    return fz_gemv_bf16(a, M, I, w_down, H, out, nthreads);
+#else
+    (void)attn; (void)A; (void)w_o; (void)y; (void)residual; (void)w_norm; (void)eps; (void)M; (void)H;
+    (void)w_gu; (void)I; (void)h; (void)a; (void)w_down; (void)out; (void)nthreads;
+    return -1;
+#endif
+}

@@ -439,3 +439,51 @@ def test_a_step_that_cannot_be_encoded_fails_its_requests_and_the_engine_goes_on
     assert after.finished and after.outputs[0].finish_reason == "length"
     assert len(ex.seqs) == 1  # only "after" (forgotten at the next step): ok1 did not leak
     assert core.block_manager.num_free_blocks == 63
+
+
+# ---- prompt admission (SchedulerConfig.prompt_admit_tokens) ------------------------------------
+
+def _first_step_prompts(admit: int, lengths: list[int], budget: int = 512) -> list[int]:
+    core, ex = make_core(num_blocks=512, max_num_batched_tokens=budget, max_model_len=2048)
+    core.scheduler.prompt_admit_tokens = admit
+    for i, n in enumerate(lengths):
+        core.add_request(f"r{i}", None, prompt(i, n), SamplingParams(max_tokens=2, **GREEDY))
+    core.step()
+    return list(ex.steps[0].num_new_tokens)
+
+
+def test_a_step_stops_taking_prompts_once_it_holds_the_admit_tokens():
+    assert _first_step_prompts(0, [100] * 4) == [100] * 4  # 0: the budget alone limits
+    assert _first_step_prompts(256, [100] * 4) == [100, 100, 100]  # 300 >= 256: the fourth waits
+    assert _first_step_prompts(100, [100] * 4) == [100]
+    # one long prompt's chunk still fills the whole budget
+    assert _first_step_prompts(256, [1500, 100]) == [512]
+
+
+def test_prompt_admission_keeps_outputs_and_serves_each_prompt_in_order():
+    ref_core, _ = make_core(num_blocks=512, max_num_batched_tokens=512)
+    add_workload(ref_core, num=6, plen=lambda i: 40 + i)
+    want = outputs_of(run_to_completion(ref_core))
+    core, ex = make_core(num_blocks=512, max_num_batched_tokens=512)
+    core.scheduler.prompt_admit_tokens = 40
+    add_workload(core, num=6, plen=lambda i: 40 + i)
+    assert outputs_of(run_to_completion(core)) == want
+    # one new prompt per step, in arrival order, while the earlier ones decode beside it
+    firsts = [next(k for k, s in enumerate(ex.steps) if any(len(ns.token_ids) == 40 + i for ns in s.new_seqs))
+              for i in range(6)]
+    assert firsts == list(range(6))
+
+
+def test_serve_defaults_to_admitting_256_prompt_tokens_per_step_offline_to_the_budget():
+    import argparse
+
+    from app import serve_cmd
+    from app.engine_args import add_engine_args, engine_config_from_args
+
+    serve = argparse.ArgumentParser()
+    serve_cmd.add_arguments(serve)
+    offline = argparse.ArgumentParser()
+    add_engine_args(offline)
+    assert engine_config_from_args(serve.parse_args([])).scheduler.prompt_admit_tokens == 256
+    assert engine_config_from_args(serve.parse_args(["--prompt-admit-tokens", "0"])).scheduler.prompt_admit_tokens == 0
+    assert engine_config_from_args(offline.parse_args([])).scheduler.prompt_admit_tokens == 0
