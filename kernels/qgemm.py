@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from kernels import cbuild
+from kernels import cbuild, qgemm_n16
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,8 @@ class PackedLinear:
     Python work is kept to allocating ``y`` and one ctypes call. fp32 and bf16 activations go to
     the kernel as they are and come back in the same dtype; others are computed in fp32."""
 
-    __slots__ = ("mode", "tensors", "bias", "n", "k", "_mm", "_dequant", "_rows", "_wargs", "_bp")
+    __slots__ = ("mode", "tensors", "bias", "n", "k", "_mm", "_dequant", "_rows", "_wargs", "_bp", "_mmargs",
+                 "_fused_max", "n16")
 
     def __init__(self, mode: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None):
         lib = library()
@@ -237,6 +238,13 @@ class PackedLinear:
             self._mm, self._dequant, self._rows = lib.qg_int4_mm, lib.qg_int4_dequant, lib.qg_int4_rows
         if mode != "int8c" and tuple(tensors[1].shape) != (self.n, self.k // GROUP):
             raise ValueError(f"{mode}: scales of shape {tuple(tensors[1].shape)} for a {self.n}x{self.k} weight")
+        self._mmargs, self._fused_max, self.n16 = self._wargs, FUSED_MAX_M, None
+        n16 = qgemm_n16.library() if mode != "int8c" else None
+        if n16 is not None:  # AVX-512 VNNI: the 16-channel layout for the fused matmul
+            self.n16 = qgemm_n16.repack(mode, tensors)
+            self._mm = n16.qn_q4_mm if mode == "q4_1" else n16.qn_q8_mm
+            self._mmargs = tuple(t.data_ptr() for t in self.n16)
+            self._fused_max = qgemm_n16.FUSED_MAX_M
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
@@ -251,11 +259,11 @@ class PackedLinear:
             x2 = x.reshape(-1, self.k).to(dt).contiguous()
         flags = X_BF16 | Y_BF16 if dt is torch.bfloat16 else 0
         m = x2.shape[0]
-        if m > FUSED_MAX_M:
+        if m > self._fused_max:
             y = self._blocked(x2)
         else:
             y = torch.empty((m, self.n), dtype=dt)
-            if self._mm(x2.data_ptr(), m, self.k, *self._wargs, self._bp, y.data_ptr(), self.n,
+            if self._mm(x2.data_ptr(), m, self.k, *self._mmargs, self._bp, y.data_ptr(), self.n,
                         torch.get_num_threads(), flags):
                 raise MemoryError(f"qgemm: no memory for the {self.mode} kernel's activation scratch")
         return y if x2 is x else y.reshape(*x.shape[:-1], self.n)
