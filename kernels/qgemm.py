@@ -207,7 +207,7 @@ class PackedLinear:
     the kernel as they are and come back in the same dtype; others are computed in fp32."""
 
     __slots__ = ("mode", "tensors", "bias", "n", "k", "_mm", "_dequant", "_rows", "_wargs", "_bp", "_mmargs",
-                 "_fused_max", "n16")
+                 "_fused_max", "n16", "_amx")
 
     def __init__(self, mode: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None):
         lib = library()
@@ -238,13 +238,20 @@ class PackedLinear:
             self._mm, self._dequant, self._rows = lib.qg_int4_mm, lib.qg_int4_dequant, lib.qg_int4_rows
         if mode != "int8c" and tuple(tensors[1].shape) != (self.n, self.k // GROUP):
             raise ValueError(f"{mode}: scales of shape {tuple(tensors[1].shape)} for a {self.n}x{self.k} weight")
-        self._mmargs, self._fused_max, self.n16 = self._wargs, FUSED_MAX_M, None
+        self._mmargs, self._fused_max, self.n16, self._amx = self._wargs, FUSED_MAX_M, None, None
         n16 = qgemm_n16.library() if mode != "int8c" else None
-        if n16 is not None:  # AVX-512 VNNI: the 16-channel layout for the fused matmul
-            self.n16 = qgemm_n16.repack(mode, tensors)
-            self._mm = n16.qn_q4_mm if mode == "q4_1" else n16.qn_q8_mm
-            self._mmargs = tuple(t.data_ptr() for t in self.n16)
+        if n16 is not None:  # AVX-512 VNNI: only the 16-channel layout is kept (memory = the file's)
+            self.n16 = self.tensors = qgemm_n16.repack(mode, tensors)
+            q4 = mode == "q4_1"
+            self._mm = n16.qn_q4_mm if q4 else n16.qn_q8_mm
+            self._dequant = n16.qn_q4_dequant_t if q4 else n16.qn_q8_dequant_t  # writes W^T
+            self._rows = n16.qn_q4_rows if q4 else n16.qn_q8_rows
+            self._mmargs = self._wargs = tuple(t.data_ptr() for t in self.n16)
             self._fused_max = qgemm_n16.FUSED_MAX_M
+            amx = qgemm_n16.amx_library()
+            if amx is not None:  # bf16 batches: AMX tiles on the same layout
+                self._amx = amx.qa_q4_mm if mode == "q4_1" else amx.qa_q8_mm
+                self._fused_max = qgemm_n16.FUSED_MAX_M_AMX
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
@@ -263,7 +270,8 @@ class PackedLinear:
             y = self._blocked(x2)
         else:
             y = torch.empty((m, self.n), dtype=dt)
-            if self._mm(x2.data_ptr(), m, self.k, *self._mmargs, self._bp, y.data_ptr(), self.n,
+            mm = self._amx if self._amx is not None and flags and m >= qgemm_n16.AMX_MIN_M else self._mm
+            if mm(x2.data_ptr(), m, self.k, *self._mmargs, self._bp, y.data_ptr(), self.n,
                         torch.get_num_threads(), flags):
                 raise MemoryError(f"qgemm: no memory for the {self.mode} kernel's activation scratch")
         return y if x2 is x else y.reshape(*x.shape[:-1], self.n)
@@ -276,18 +284,27 @@ class PackedLinear:
         dt = x2.dtype
         flags = Y_BF16 if dt is torch.bfloat16 else 0
         y = torch.empty(x2.shape[0], n, dtype=dt)
-        scratch = torch.empty(min(n, _DEQUANT_ROWS), k, dtype=dt)
-        for n0 in range(0, n, _DEQUANT_ROWS):
+        scratch = torch.empty(min(n, _DEQUANT_ROWS) * k, dtype=dt)
+        for n0 in range(0, n, _DEQUANT_ROWS):  # (a multiple of 16, as the n16 layout needs)
             n1 = min(n, n0 + _DEQUANT_ROWS)
-            w = scratch[: n1 - n0]
-            self._dequant(*self._wargs, k, n0, n1, w.data_ptr(), nt, flags)
+            self._dequant(*self._wargs, k, n0, n1, scratch.data_ptr(), nt, flags)
+            if self.n16 is None:
+                wt = scratch[: (n1 - n0) * k].view(n1 - n0, k).t()
+            else:  # the n16 dequantize writes W^T
+                wt = scratch[: (n1 - n0) * k].view(k, n1 - n0)
             if n1 - n0 == n:
-                torch.matmul(x2, w.t(), out=y)
+                torch.matmul(x2, wt, out=y)
             else:
-                y[:, n0:n1] = x2 @ w.t()
+                y[:, n0:n1] = x2 @ wt
         if self.bias is not None:
             y += self.bias
         return y
+
+    def row_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The weight in its LAYOUTS form (rebuilt from the 16-channel copy where that is what is kept)."""
+        if self.n16 is None:
+            return self.tensors
+        return qgemm_n16.unrepack(self.mode, self.n16, self.n, self.k)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantized rows ``ids`` of W (an embedding lookup on a quantized table); ids outside

@@ -27,13 +27,17 @@ NEEDS = frozenset({"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"})
 FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vnni"]
 BLOCK = 16  # output channels per vector
 GROUP = 32
-FUSED_MAX_M = 16  # above this many rows qgemm.PackedLinear dequantizes blocks for the BLAS matmul
+# Above this many rows qgemm.PackedLinear widens blocks of W for the BLAS matmul instead (measured
+# on the default model's shapes, loadtest/PERF.md: VNNI beats dequantize + matmul to 64 rows, AMX
+# to ~128).
+FUSED_MAX_M = 64
+FUSED_MAX_M_AMX = 96
 
 
 def wanted(cpu: set[str], forced: str | None) -> bool:
     """Whether this CPU (its /proc/cpuinfo flags) runs the n16 kernel: it must have the
     extensions, and no lower path may be forced."""
-    return NEEDS <= cpu and forced in (None, "", "vnni")
+    return NEEDS <= cpu and forced in (None, "", "vnni", "amx")
 
 
 @functools.cache
@@ -52,7 +56,42 @@ def library() -> ctypes.CDLL | None:
     lib.qn_q4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I, I]
     lib.qn_q8_mm.restype = I
     lib.qn_q8_mm.argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
+    lib.qn_q8_dequant_t.restype = lib.qn_q4_dequant_t.restype = None
+    lib.qn_q8_dequant_t.argtypes = [P, P, I64, I64, I64, P, I, I]
+    lib.qn_q4_dequant_t.argtypes = [P, P, P, I64, I64, I64, P, I, I]
+    lib.qn_q8_rows.restype = lib.qn_q4_rows.restype = None
+    lib.qn_q8_rows.argtypes = [P, P, I64, I64, P, I64, P, I]
+    lib.qn_q4_rows.argtypes = [P, P, P, I64, I64, P, I64, P, I]
     logger.info("quantized kernel: AVX-512 VNNI path (16-channel layout)")
+    return lib
+
+
+AMX_NEEDS = NEEDS | {"amx_tile", "amx_bf16", "avx512_bf16"}
+AMX_FLAGS = FLAGS + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+AMX_MIN_M = 10  # bf16 batches of this many rows or more go to AMX (VNNI won at 8, AMX at 16: PERF.md)
+
+
+@functools.cache
+def amx_library() -> ctypes.CDLL | None:
+    """The AMX bf16 kernel on the n16 layout (csrc/qgemm_amx.c), or None where the CPU lacks AMX,
+    Linux refuses the tile state, or ``PAGEDSERVE_QGEMM_ISA`` names another path."""
+    forced = os.environ.get("PAGEDSERVE_QGEMM_ISA")
+    if library() is None or not AMX_NEEDS <= cbuild.cpu_flags() or forced not in (None, "", "amx"):
+        return None
+    try:
+        lib = cbuild.build("qgemm_amx.c", AMX_FLAGS)
+    except cbuild.KernelBuildError as e:
+        logger.warning("quantized kernel: the AMX build failed, the VNNI path runs: %s", e)
+        return None
+    if lib.qa_init() != 0:
+        logger.warning("quantized kernel: Linux refused the AMX tile state, the VNNI path runs")
+        return None
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.qa_q4_mm.restype = I
+    lib.qa_q4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I, I]
+    lib.qa_q8_mm.restype = I
+    lib.qa_q8_mm.argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
+    logger.info("quantized kernel: AMX bf16 tiles for batches of %d+ rows", AMX_MIN_M)
     return lib
 
 
@@ -98,3 +137,22 @@ def repack_q8_0(w8: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def repack(mode: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return repack_q4_1(*tensors) if mode == "q4_1" else repack_q8_0(*tensors)
+
+
+def _unscales(s: torch.Tensor, n: int) -> torch.Tensor:
+    return s.permute(0, 2, 1).reshape(-1, s.shape[1])[:n].contiguous()
+
+
+def unrepack(mode: str, tensors: tuple[torch.Tensor, ...], n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """The row-layout tensors (kernels/qgemm.py) back from n16 ones: exact inverse of ``repack``."""
+    g = k // GROUP
+    if mode == "q8_0":
+        codes, d = tensors
+        q = codes.reshape(-1, g, 16, BLOCK, 2).permute(0, 3, 1, 2, 4).reshape(-1, k)[:n]
+        return q.contiguous(), _unscales(d, n)
+    words, d, mn = tensors
+    b = words.reshape(-1, g, 4, 32, 2)
+    q = torch.stack([b[..., 0] & 0x0F, b[..., 0] >> 4, b[..., 1] & 0x0F, b[..., 1] >> 4], dim=3)  # [NB, G, t, s, l]
+    q = q.reshape(-1, g, 16, BLOCK, 2).permute(0, 3, 1, 2, 4).reshape(-1, g, GROUP)[:n]  # codes in input order
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return packed.reshape(n, k // 2).contiguous(), _unscales(d, n), _unscales(mn, n)

@@ -228,3 +228,126 @@ int qn_q8_mm(const void *x, int64_t M, int64_t K, const int8_t *w, const uint16_
     xprep_free(&p);
     return 0;
 }
+
+/* ---------------------------------------------------------------- dequantize / rows ------
+ * The n16 weights widened back to rows (prefill's dequantize-then-matmul, embedding lookups),
+ * so a layer keeps only this layout in memory. */
+
+static inline int q4_code(const uint16_t *w, int64_t G, int64_t n, int64_t k) {
+    int64_t b = n >> 4, g = k >> 5;
+    int c = (int)(n & 15), kk = (int)(k & 31), j = kk >> 1, e = kk & 1;
+    uint16_t word = w[(b * G + g) * 128 + (j >> 2) * 32 + 2 * c + e];
+    return (word >> (4 * (j & 3))) & 0xF;
+}
+
+static inline int q8_code(const int8_t *w, int64_t G, int64_t n, int64_t k) {
+    int64_t b = n >> 4, g = k >> 5;
+    int c = (int)(n & 15), kk = (int)(k & 31);
+    return w[(b * G + g) * 512 + (kk >> 1) * 32 + 2 * c + (kk & 1)];
+}
+
+static inline float scale_at(const uint16_t *s, int64_t G, int64_t n, int64_t g) {
+    return _cvtsh_ss(s[((n >> 4) * G + g) * 16 + (n & 15)]);
+}
+
+/* One row n of W (K values) as fp32 into buf. */
+static void row_f32(const void *w, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t n, float *buf, int is_q4) {
+    int64_t G = K / QN_GROUP;
+    for (int64_t g = 0; g < G; g++) {
+        float dg = scale_at(d, G, n, g), mg = is_q4 ? scale_at(mn, G, n, g) : 0.0f;
+        for (int64_t k = g * QN_GROUP; k < (g + 1) * QN_GROUP; k++)
+            buf[k] = is_q4 ? dg * (float)q4_code((const uint16_t *)w, G, n, k) + mg
+                           : dg * (float)q8_code((const int8_t *)w, G, n, k);
+    }
+}
+
+static void store_row(void *out, int64_t off, const float *buf, int64_t K, int flags) {
+    if (flags & QN_Y_BF16) {
+        uint16_t *o = (uint16_t *)out + off;
+        for (int64_t k = 0; k < K; k++) o[k] = f2bf(buf[k]);
+    } else {
+        memcpy((float *)out + off, buf, sizeof(float) * (size_t)K);
+    }
+}
+
+/* W^T for rows [n0, n1) of W (n0 a multiple of 16): out[k][n - n0], row stride n1 - n0, fp32 or
+ * bf16. Transposed because the n16 lanes already hold 16 channels at one input: even int16 lanes
+ * of register j are input 2j, odd ones 2j+1, so each is one 16-value run of W^T (~0.5 instructions
+ * per weight; the row order would need a 16 x 16 transpose per group). Prefill's matmul reads it
+ * as x @ W^T. */
+static inline void store16(void *out, int64_t off, __m512 v, int nv, int flags) {
+    __mmask16 mk = (__mmask16)((1u << nv) - 1u);
+    if (flags & QN_Y_BF16) {
+        __m512i u = _mm512_castps_si512(v); /* round to nearest even (finite values: fp16 scales) */
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+        _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + off, mk, _mm512_srli_epi32(r, 16));
+    } else {
+        _mm512_mask_storeu_ps((float *)out + off, mk, v);
+    }
+}
+
+static void dequant_t(const void *w, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t n0, int64_t n1,
+                      void *out, int nthreads, int flags, int is_q4) {
+    int64_t G = K / QN_GROUP, ld = n1 - n0;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
+    for (int64_t b = n0 / 16; b < (n1 + 15) / 16; b++)
+        for (int64_t g = 0; g < G; g++) {
+            int nv = (int)(n1 - 16 * b < 16 ? n1 - 16 * b : 16);
+            __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (b * G + g) * 16)));
+            __m512 mv = is_q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + (b * G + g) * 16)))
+                              : _mm512_setzero_ps();
+            for (int j = 0; j < 16; j++) {
+                __m512i v, ev, od;
+                if (is_q4) {
+                    __m512i wd = _mm512_loadu_si512((const void *)((const uint16_t *)w + (b * G + g) * 128 + (j >> 2) * 32));
+                    v = _mm512_and_si512(_mm512_srli_epi16(wd, 4 * (j & 3)), _mm512_set1_epi16(0x000F));
+                    ev = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF));
+                    od = _mm512_srli_epi32(v, 16);
+                } else {
+                    v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)w + (b * G + g) * 512 + 32 * j)));
+                    ev = _mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16);
+                    od = _mm512_srai_epi32(v, 16);
+                }
+                int64_t k = g * QN_GROUP + 2 * j, col = 16 * b - n0;
+                store16(out, k * ld + col, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ev), dv), mv), nv, flags);
+                store16(out, (k + 1) * ld + col, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(od), dv), mv), nv, flags);
+            }
+        }
+}
+
+void qn_q4_dequant_t(const uint16_t *w, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t n0, int64_t n1,
+                     void *out, int nthreads, int flags) {
+    dequant_t(w, d, mn, K, n0, n1, out, nthreads, flags, 1);
+}
+
+void qn_q8_dequant_t(const int8_t *w, const uint16_t *d, int64_t K, int64_t n0, int64_t n1, void *out, int nthreads,
+                     int flags) {
+    dequant_t(w, d, NULL, K, n0, n1, out, nthreads, flags, 0);
+}
+
+static void rows(const void *w, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t N, const int64_t *ids,
+                 int64_t n_ids, void *out, int flags, int is_q4) {
+    float *buf = (float *)calloc((size_t)K + 1, sizeof(float));
+    if (!buf) return;
+    for (int64_t i = 0; i < n_ids; i++) {
+        int64_t r = ids[i];
+        if (r < 0 || r >= N)
+            memset(buf, 0, sizeof(float) * (size_t)K);
+        else
+            row_f32(w, d, mn, K, r, buf, is_q4);
+        store_row(out, i * K, buf, K, flags);
+    }
+    free(buf);
+}
+
+void qn_q4_rows(const uint16_t *w, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t N, const int64_t *ids,
+                int64_t n_ids, void *out, int flags) {
+    rows(w, d, mn, K, N, ids, n_ids, out, flags, 1);
+}
+
+void qn_q8_rows(const int8_t *w, const uint16_t *d, int64_t K, int64_t N, const int64_t *ids, int64_t n_ids, void *out,
+                int flags) {
+    rows(w, d, NULL, K, N, ids, n_ids, out, flags, 0);
+}

@@ -47,10 +47,15 @@ def candidates(k: int, n: int, m: int, dt: torch.dtype) -> dict:
     out = {}
     for mode in ("q4_1", "q8_0"):
         packed = qgemm.quantize(w, mode)
-        row, new = _row_layout(mode, packed), qgemm.PackedLinear(mode, packed)
-        out[f"{mode} row"] = lambda f=row: f(x)
-        if new.n16 is not None:
-            out[f"{mode} n16"] = lambda f=new: f(x)
+        row = _row_layout(mode, packed)
+        out[f"{mode} row"] = lambda f=row: f(x)  # above FUSED_MAX_M rows: dequantize + matmul
+        vnni, amx = qgemm.PackedLinear(mode, packed), qgemm.PackedLinear(mode, packed)
+        if vnni.n16 is not None:
+            vnni._amx, vnni._fused_max = None, 1 << 30  # the kernel itself at every M
+            out[f"{mode} vnni"] = lambda f=vnni: f(x)
+        if amx._amx is not None and dt is torch.bfloat16:
+            amx._fused_max = 1 << 30
+            out[f"{mode} amx"] = lambda f=amx: f(x)
     if dt is torch.bfloat16:
         wb = w.to(dt)
         wp = torch.ops.mkldnn._reorder_linear_weight(wb, 16)
@@ -71,6 +76,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dt = torch.float32 if args.fp32 else torch.bfloat16
     print(f"threads={torch.get_num_threads()} dtype={dt} n16={qgemm_n16.library() is not None} "
+          f"amx={qgemm_n16.amx_library() is not None} "
           f"loadavg={os.getloadavg()}")
     for m in args.m:
         totals: dict[str, float] = {}

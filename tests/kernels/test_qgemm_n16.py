@@ -14,7 +14,8 @@ import torch
 from kernels import cbuild, qgemm, qgemm_n16
 from tests.kernels.test_qgemm import RTOL, _check, _poisoned_kernel_output
 
-needs_n16 = pytest.mark.skipif(qgemm_n16.library() is None,
+# skipped only where the CPU lacks the extensions or a path is forced: a failed build fails
+needs_n16 = pytest.mark.skipif(not qgemm_n16.wanted(cbuild.cpu_flags(), os.environ.get("PAGEDSERVE_QGEMM_ISA")),
                                reason="this CPU (or a forced PAGEDSERVE_QGEMM_ISA) runs the row-layout kernel")
 
 
@@ -132,11 +133,13 @@ def test_the_n16_path_follows_the_cpu_and_the_forced_path():
     assert not qgemm_n16.wanted({"avx2", "fma", "f16c"}, "vnni")  # never beyond the CPU
 
 
-@pytest.mark.parametrize("path", ["avx2", "scalar", "vnni"])
+@pytest.mark.parametrize("path", ["avx2", "scalar", "vnni", "amx"])
 def test_forced_paths_pick_their_kernel(tmp_path, path):
     """A fresh process: PAGEDSERVE_QGEMM_ISA=avx2|scalar run the row-layout kernel (CI boxes
-    without VNNI), vnni the n16 one where the CPU has it; each gives the reference's result."""
+    without VNNI), vnni the n16 one without AMX, amx both, where the CPU has them; each gives the
+    reference's result."""
     has = qgemm_n16.wanted(cbuild.cpu_flags(), path)
+    amx = path == "amx" and qgemm_n16.AMX_NEEDS <= cbuild.cpu_flags()
     if path == "avx2" and not {"avx2", "fma"} <= cbuild.cpu_flags():
         pytest.skip("no AVX2 here")
     code = (
@@ -147,8 +150,11 @@ def test_forced_paths_pick_their_kernel(tmp_path, path):
         "for lay in ('q4_1', 'q8_0'):\n"
         "    p = qgemm.quantize(w, lay); lin = qgemm.PackedLinear(lay, p)\n"
         f"    assert (lin.n16 is not None) == {has!r}, lin.n16\n"
+        f"    assert (lin._amx is not None) == {amx!r}\n"
         "    ref = x @ qgemm.dequantize(lay, p).t()\n"
         f"    assert (lin(x) - ref).abs().max() <= {RTOL} * max(1.0, ref.abs().max())\n"
+        "    xb = x.bfloat16(); refb = xb.float() @ qgemm.dequantize(lay, p).t()\n"
+        "    assert (lin(xb).float() - refb).abs().max() <= 4e-3 * refb.abs().max()\n"
         "print('ok')\n"
     )
     env = {**os.environ, "PAGEDSERVE_QGEMM_ISA": path, "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
@@ -156,3 +162,68 @@ def test_forced_paths_pick_their_kernel(tmp_path, path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=root)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n", [16, 21, 50])
+def test_unrepack_gives_the_row_layout_back(layout, n):
+    packed = qgemm.quantize(torch.randn(n, 96), layout)
+    back = qgemm_n16.unrepack(layout, qgemm_n16.repack(layout, packed), n, 96)
+    assert all(torch.equal(a, b) for a, b in zip(back, packed))
+
+
+@needs_n16
+@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
+def test_only_the_n16_copy_is_kept_and_it_dequantizes_and_looks_up_rows(layout):
+    """One copy of the weight in memory (a 7B GGUF must fit in about its file size): the row
+    lookup and the prefill's dequantize read the n16 layout."""
+    from gpu.models.quantization import QuantizedWeight
+
+    n, k = 37, 128
+    packed = qgemm.quantize(torch.randn(n, k), layout)
+    qw = QuantizedWeight(layout, packed)
+    lin = qw._linear
+    assert lin.tensors is lin.n16
+    assert all(torch.equal(a, b) for a, b in zip(qw.tensors, packed))
+    full = qgemm.dequantize(layout, packed)
+    for dt in (torch.float32, torch.bfloat16):
+        out = torch.full((k, n - 16), math.nan, dtype=dt)  # W^T of rows 16..36
+        lin._dequant(*lin._wargs, k, 16, n, out.data_ptr(), 2, qgemm.Y_BF16 if dt is torch.bfloat16 else 0)
+        assert torch.equal(out, full[16:].t().to(dt))
+        ids = torch.tensor([0, 36, 17, -1, 37])
+        rows = lin.rows(ids, dt)
+        assert torch.equal(rows[:3], full[[0, 36, 17]].to(dt)) and (rows[3:] == 0).all()
+
+
+needs_amx = pytest.mark.skipif(not qgemm_n16.AMX_NEEDS <= cbuild.cpu_flags()
+                               or os.environ.get("PAGEDSERVE_QGEMM_ISA") not in (None, "", "amx"),
+                               reason="no AMX bf16 here (or a path is forced)")
+
+
+@needs_amx
+@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m,k,n", [(2, 64, 7), (5, 96, 130), (16, 576, 97), (17, 1536, 33), (40, 160, 48)])
+def test_amx_bf16_batches_match_the_reference(layout, m, k, n):
+    """bf16 rows through the AMX tiles (odd group counts, partial 16-row tiles, N not a multiple
+    of 16), within test_qgemm's bf16 bound; the codes and bf16 activations multiply exactly."""
+    gen = torch.Generator().manual_seed(m * 7 + k + n)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen)
+    packed = qgemm.quantize(w, layout)
+    lin = qgemm.PackedLinear(layout, packed, bias)
+    lin._fused_max = 1 << 30  # the kernel itself at every M here
+    assert lin._amx is not None
+    y = lin(x)
+    ref = x.float() @ qgemm.dequantize(layout, packed).t() + bias
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert (y.float() - ref).abs().max().item() <= 4e-3 * ref.abs().max().item() + 1e-6
+
+
+@needs_amx
+def test_amx_nan_row_stays_in_its_row():
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    x[1, 5] = math.nan
+    lin = qgemm.PackedLinear("q4_1", qgemm.quantize(torch.randn(20, 64), "q4_1"))
+    y = lin(x)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
