@@ -12,6 +12,11 @@ second process (or a tensor-parallel worker) loads it without compiling. The pat
 flags, not ``-march=native``, so a cached build stays valid on any CPU with those extensions.
 ``PAGEDSERVE_QGEMM_ISA=avx512`` builds the AVX-512 path where the CPU has it (measured no faster,
 see build_flags); ``avx2|scalar`` force a lower path (tests, benchmarks).
+
+On CPUs with AVX-512 VNNI, q8_0 / q4_1 layers are instead re-laid 16 output channels side by side
+and computed by kernels/qgemm_n16.py (VNNI, and AMX bf16 tiles for batches of bf16 rows): 2x the
+row kernel's speed for one row of q4_1, 3.8x (VNNI) to 6.8x (AMX) for 16 rows (loadtest/PERF.md).
+Only that copy is kept; ``PackedLinear.row_tensors()`` gives the LAYOUTS form back.
 """
 from __future__ import annotations
 

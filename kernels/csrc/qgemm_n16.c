@@ -30,7 +30,6 @@
 #define XQ_MAX 16383
 #define QN_ROWS 64 /* rows of x per pass: their accumulators (4 KiB) stay in L1 */
 
-int qn_ok(void) { return 1; }
 
 static inline uint16_t f2bf(float f) { /* round to nearest even, NaN stays NaN */
     union { float f; uint32_t u; } v;
