@@ -195,7 +195,8 @@ def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str
         tracker.load_all(((n, w) for n, w in iter_gguf_weights(path, hf_config, reader, only=wanted)), source=path)
     row = quantizable_types()[1]
     counts: dict[str, int] = defaultdict(int)
-    for module_name, tensors in slots.items():
+    for module_name in list(slots):  # popped: a kernel that re-lays the weight frees the file's copy here
+        tensors = slots.pop(module_name)
         module = modules[module_name]
         bias = None if isinstance(module, row) else getattr(module, "bias", None)
         if bias is not None:

@@ -32,14 +32,14 @@ class QuantizedWeight:
     """The packed weight of one linear layer or embedding table (this rank's shard), the matmul
     that reads it and its row lookup."""
 
-    __slots__ = ("mode", "tensors", "bias", "out_features", "in_features", "dtype", "_linear")
+    __slots__ = ("mode", "bias", "out_features", "in_features", "dtype", "_linear")
 
     def __init__(self, mode: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32):
         from kernels.qgemm import PackedLinear
 
         self._linear = PackedLinear(mode, tensors, bias)
-        self.mode, self.tensors, self.bias = self._linear.mode, tensors, bias
+        self.mode, self.bias = self._linear.mode, bias  # (the kernel may keep only a re-laid copy)
         self.out_features, self.in_features = self._linear.n, self._linear.k
         self.dtype = dtype  # the model's dtype: what the row lookup returns
 
@@ -55,8 +55,13 @@ class QuantizedWeight:
         b = None if bias is None else bias.detach().to(torch.float32).contiguous()
         return cls(layout, qgemm.quantize(weight, layout), b, weight.dtype)
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The packed weight in its layout's form (kernels/qgemm.py LAYOUTS)."""
+        return self._linear.row_tensors()
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(t.numel() * t.element_size() for t in self._linear.tensors)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x)

@@ -1,0 +1,158 @@
+"""The AVX-512 VNNI matmul for q8_0 / q4_1 weights (csrc/qgemm_n16.c) and its weight layout.
+
+Why: the row-layout kernel (csrc/qgemm.c) spends ~12 instructions per 32 multiply-adds on a
+per-group horizontal sum and scale, so it is instruction-bound at M=1 and slower than oneDNN's
+bf16 matmul at M=16 (loadtest/PERF.md). Re-laying 16 output channels side by side lets one
+vpdpwssd do 32 multiply-adds straight into per-channel sums, and widens each group of weights
+once for all rows of x.
+
+Used where the CPU has AVX-512 F+BW+VNNI and F16C, unless ``PAGEDSERVE_QGEMM_ISA`` forces a
+path (``avx2``, ``scalar``, ``avx512``: the row-layout kernels, for tests and comparisons;
+``vnni`` asks for this one). The repacked weights are made once per layer at load time.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from kernels import cbuild
+
+logger = logging.getLogger(__name__)
+
+NEEDS = frozenset({"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"})
+FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vnni"]
+BLOCK = 16  # output channels per vector
+GROUP = 32
+# Above this many rows qgemm.PackedLinear widens blocks of W for the BLAS matmul instead (measured
+# on the default model's shapes, loadtest/PERF.md: VNNI beats dequantize + matmul to 64 rows, AMX
+# to ~128).
+FUSED_MAX_M = 64
+FUSED_MAX_M_AMX = 96
+
+
+def wanted(cpu: set[str], forced: str | None) -> bool:
+    """Whether this CPU (its /proc/cpuinfo flags) runs the n16 kernel: it must have the
+    extensions, and no lower path may be forced."""
+    return NEEDS <= cpu and forced in (None, "", "vnni", "amx")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled n16 kernel, or None where it is not wanted or cannot be built (the row-layout
+    kernel then runs; a build failure is logged, never raised)."""
+    if not wanted(cbuild.cpu_flags(), os.environ.get("PAGEDSERVE_QGEMM_ISA")):
+        return None
+    try:
+        lib = cbuild.build("qgemm_n16.c", FLAGS)
+    except cbuild.KernelBuildError as e:
+        logger.warning("quantized kernel: the AVX-512 VNNI build failed, the AVX2 path runs: %s", e)
+        return None
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.qn_q4_mm.restype = I
+    lib.qn_q4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I, I]
+    lib.qn_q8_mm.restype = I
+    lib.qn_q8_mm.argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
+    lib.qn_q8_dequant_t.restype = lib.qn_q4_dequant_t.restype = None
+    lib.qn_q8_dequant_t.argtypes = [P, P, I64, I64, I64, P, I, I]
+    lib.qn_q4_dequant_t.argtypes = [P, P, P, I64, I64, I64, P, I, I]
+    lib.qn_q8_rows.restype = lib.qn_q4_rows.restype = None
+    lib.qn_q8_rows.argtypes = [P, P, I64, I64, P, I64, P, I]
+    lib.qn_q4_rows.argtypes = [P, P, P, I64, I64, P, I64, P, I]
+    logger.info("quantized kernel: AVX-512 VNNI path (16-channel layout)")
+    return lib
+
+
+AMX_NEEDS = NEEDS | {"amx_tile", "amx_bf16", "avx512_bf16"}
+AMX_FLAGS = FLAGS + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+AMX_MIN_M = 10  # bf16 batches of this many rows or more go to AMX (VNNI won at 8, AMX at 16: PERF.md)
+
+
+@functools.cache
+def amx_library() -> ctypes.CDLL | None:
+    """The AMX bf16 kernel on the n16 layout (csrc/qgemm_amx.c), or None where the CPU lacks AMX,
+    Linux refuses the tile state, or ``PAGEDSERVE_QGEMM_ISA`` names another path."""
+    forced = os.environ.get("PAGEDSERVE_QGEMM_ISA")
+    if library() is None or not AMX_NEEDS <= cbuild.cpu_flags() or forced not in (None, "", "amx"):
+        return None
+    try:
+        lib = cbuild.build("qgemm_amx.c", AMX_FLAGS)
+    except cbuild.KernelBuildError as e:
+        logger.warning("quantized kernel: the AMX build failed, the VNNI path runs: %s", e)
+        return None
+    if lib.qa_init() != 0:
+        logger.warning("quantized kernel: Linux refused the AMX tile state, the VNNI path runs")
+        return None
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.qa_q4_mm.restype = I
+    lib.qa_q4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I, I]
+    lib.qa_q8_mm.restype = I
+    lib.qa_q8_mm.argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
+    logger.info("quantized kernel: AMX bf16 tiles for batches of %d+ rows", AMX_MIN_M)
+    return lib
+
+
+def _blocks(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, ...] -> [NB, 16, ...], padding rows with zeros up to a multiple of 16."""
+    nb = -(-n // BLOCK)
+    if nb * BLOCK != n:
+        t = torch.cat([t, t.new_zeros((nb * BLOCK - n, *t.shape[1:]))])
+    return t.reshape(nb, BLOCK, *t.shape[1:])
+
+
+def _scales(s: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, G] fp16 -> [NB, G, 16]."""
+    return _blocks(s, n).permute(0, 2, 1).contiguous()
+
+
+def repack_q4_1(w4: torch.Tensor, d: torch.Tensor, mn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Row-layout q4_1 (kernels/qgemm.py) -> (codes [NB, G*256] uint8, d, m [NB, G, 16] fp16);
+    see csrc/qgemm_n16.c for the byte order."""
+    n, half = w4.shape
+    g = half // 16
+    p = w4.reshape(n, g, 16)
+    q = torch.cat([p & 0x0F, p >> 4], dim=2)  # [n, G, 32] codes in input order
+    q = _blocks(q, n)  # [NB, 16 ch, G, 32]
+    nb = q.shape[0]
+    # [NB, G, 16 pairs j, 16 ch, 2] -> lanes l = 2 ch + e; j = 4 t + s
+    q = q.reshape(nb, BLOCK, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, g, 4, 4, 32)
+    lo = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # byte 0 of word (t, l): nibbles s = 0, 1
+    hi = q[:, :, :, 2] | (q[:, :, :, 3] << 4)  # byte 1: s = 2, 3
+    words = torch.stack([lo, hi], dim=-1)  # [NB, G, 4 t, 32 l, 2 bytes]
+    return words.reshape(nb, g * 256).contiguous(), _scales(d, n), _scales(mn, n)
+
+
+def repack_q8_0(w8: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Row-layout q8_0 -> (codes [NB, G*512] int8, d [NB, G, 16] fp16)."""
+    n, k = w8.shape
+    g = k // GROUP
+    q = _blocks(w8.reshape(n, g, GROUP), n)  # [NB, 16 ch, G, 32]
+    nb = q.shape[0]
+    q = q.reshape(nb, BLOCK, g, 16, 2).permute(0, 2, 3, 1, 4)  # [NB, G, 16 j, 16 ch, 2]
+    return q.reshape(nb, g * 512).contiguous(), _scales(d, n)
+
+
+def repack(mode: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return repack_q4_1(*tensors) if mode == "q4_1" else repack_q8_0(*tensors)
+
+
+def _unscales(s: torch.Tensor, n: int) -> torch.Tensor:
+    return s.permute(0, 2, 1).reshape(-1, s.shape[1])[:n].contiguous()
+
+
+def unrepack(mode: str, tensors: tuple[torch.Tensor, ...], n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """The row-layout tensors (kernels/qgemm.py) back from n16 ones: exact inverse of ``repack``."""
+    g = k // GROUP
+    if mode == "q8_0":
+        codes, d = tensors
+        q = codes.reshape(-1, g, 16, BLOCK, 2).permute(0, 3, 1, 2, 4).reshape(-1, k)[:n]
+        return q.contiguous(), _unscales(d, n)
+    words, d, mn = tensors
+    b = words.reshape(-1, g, 4, 32, 2)
+    q = torch.stack([b[..., 0] & 0x0F, b[..., 0] >> 4, b[..., 1] & 0x0F, b[..., 1] >> 4], dim=3)  # [NB, G, t, s, l]
+    q = q.reshape(-1, g, 16, BLOCK, 2).permute(0, 3, 1, 2, 4).reshape(-1, g, GROUP)[:n]  # codes in input order
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return packed.reshape(n, k // 2).contiguous(), _unscales(d, n), _unscales(mn, n)
