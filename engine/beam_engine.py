@@ -86,9 +86,13 @@ def add_beam_request(core: "EngineCore", request_id: str, prompt: str | None, pr
 
 
 def _check_beam_fits(core: "EngineCore", num_prompt: int, params: BeamSearchParams) -> None:
-    """The prompt once, plus for every beam its own generated blocks and a partial one."""
+    """Every beam on private blocks: prompt, its generated tokens and a partial block. Beams
+    share the prompt's blocks while they run, but a preempted beam comes back on private blocks
+    and its siblings wait for it holding theirs: with room only for the shared layout it could
+    never be re-admitted and the request would wait for ever (found by
+    tests/engine/test_scheduler_property.py: a 3-beam request cycling through self-preemption)."""
     bm = core.block_manager
-    need = bm.blocks_for(num_prompt) + params.beam_width * (bm.blocks_for(params.max_tokens) + 1)
+    need = params.beam_width * (bm.blocks_for(num_prompt + params.max_tokens) + 1)
     if need > bm.num_usable_blocks:
         raise RequestRejectedError(
             f"beam search over {num_prompt} prompt tokens with beam_width {params.beam_width} and max_tokens "

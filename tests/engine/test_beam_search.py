@@ -118,15 +118,26 @@ def test_a_tiny_cache_preempts_beams_and_the_result_is_unchanged():
     prompt = [BYTE0 + i for i in range(9)]
     params = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
     want = reference_beam_search(prompt, params)
-    # 3 beams of 9 + 10 tokens in blocks of 2 fit alone in 23 blocks; beside another request
-    # they do not, so beams get preempted and recomputed.
+    # 3 beams of 9 + 10 tokens in blocks of 2 need 3 x 11 = 33 blocks on private blocks (what the
+    # admission check asks: a preempted beam comes back on its own); beside another request of 60
+    # tokens (30 blocks) they do not fit, so beams get preempted and recomputed.
     from engine.sampling_params import SamplingParams
-    core, ex = make_core(top_logprobs=fake_top, num_blocks=24, block_size=2, max_num_batched_tokens=8)
-    core.add_request("other", None, [BYTE0 + 60 + i for i in range(20)], SamplingParams(temperature=0, max_tokens=20))
+    core, ex = make_core(top_logprobs=fake_top, num_blocks=34, block_size=2, max_num_batched_tokens=8)
+    core.add_request("other", None, [BYTE0 + 60 + i for i in range(30)], SamplingParams(temperature=0, max_tokens=30))
     core.add_request("beam", None, prompt, params)
     results, _ = run(core)
     assert core.stats().num_preemptions > 0
     assert [o.token_ids for o in results["beam"].outputs] == [h.token_ids for h in want]
+
+
+def test_a_beam_request_that_fits_only_with_shared_prompt_blocks_is_rejected():
+    """Found by the scheduler property test: 3 beams whose private copies exceed the cache, once
+    one was preempted, cycled through self-preemption for ever beside siblings holding theirs."""
+    core, _ = make_core(top_logprobs=fake_top, num_blocks=24, block_size=2)
+    with pytest.raises(RequestRejectedError, match="may need 33 KV blocks but the cache has 23"):
+        core.add_request("beam", None, [BYTE0 + i for i in range(9)],
+                         BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))
+    assert not core.requests
 
 
 def test_abort_returns_every_block_and_ends_the_request():

@@ -97,9 +97,11 @@ async def test_an_overloaded_replica_gives_up_its_prefix_affinity(monkeypatch):
 
 
 async def test_a_dead_replica_fails_only_its_own_requests(monkeypatch):
-    engine, built = await started(monkeypatch)
+    engine, _ = await started(monkeypatch)
     try:
-        gate = built[0].executor
+        # the replica's own executor: replicas start concurrently, so the build order (``built``)
+        # need not be the replica order (CI once patched replica 1's and saw d0 finish)
+        gate = engine.replicas[0].parts.executor
 
         async def broken(step):
             raise RuntimeError("worker of replica 0 died (test)")
@@ -120,7 +122,7 @@ async def test_a_dead_replica_fails_only_its_own_requests(monkeypatch):
             assert outs[-1].outputs[0].finish_reason == "length"
         assert engine.num_routed == [1, 4]
         assert engine.stats().num_running == 0  # the live replica's stats still read
-        built[1].executor.execute_async = broken
+        engine.replicas[1].parts.executor.execute_async = broken
         with pytest.raises(EngineDeadError):
             await drain(engine.generate(ids("last one"), greedy(), "last"))
         assert engine.health_status() == "dead"
