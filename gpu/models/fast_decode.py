@@ -46,7 +46,7 @@ class FastDecodeLayer:
     """One LlamaDecoderLayer's weights and shapes, bound once; ``forward`` mirrors the layer's."""
 
     def __init__(self, layer: nn.Module, weights: dict[str, tuple[torch.Tensor, int]]):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         self.layer_idx = attn.attn.layer_idx
         self.scale = attn.attn.scale
         self.q_heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
