@@ -47,14 +47,21 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg;
 
-static void tiles_on(int G) {
+/* Pass 1 (scores) and pass 3 (P.V) use the tiles differently: each loads its own config. */
+static void tiles_scores(int G) { /* 0,1 = S^T (16 x 4G); 2,3 = K rows (16 x 64); 4,5 = Q^T (16 x 4G) */
     tilecfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = 16, c.colsb[0] = (uint16_t)(4 * G);
-    c.rows[1] = 16, c.colsb[1] = 64;
-    c.rows[2] = 16, c.colsb[2] = (uint16_t)(4 * G);
-    for (int t = 3; t < 8; t++) c.rows[t] = (uint8_t)G, c.colsb[t] = 64;
+    for (int t = 0; t < 6; t++) c.rows[t] = 16, c.colsb[t] = (uint16_t)(t == 2 || t == 3 ? 64 : 4 * G);
+    _tile_loadconfig(&c);
+}
+
+static void tiles_values(int G) { /* 0 = P (G x 64); 1,2 = V pairs (16 x 64); 4..7 = O (G x 64) */
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = t == 1 || t == 2 ? 16 : (uint8_t)G, c.colsb[t] = 64;
+    c.rows[3] = 0, c.colsb[3] = 0;
     _tile_loadconfig(&c);
 }
 
@@ -92,32 +99,47 @@ typedef struct { /* one call's arguments that every item reads */
 } call_t;
 
 typedef struct { /* per-thread buffers */
-    float *s;      /* [H][Tp] scores, then probabilities (fp32) */
+    float *st;     /* [Hkv][Tp][G]: S^T as the tiles store it */
+    float *s;      /* [H][Tp] scaled scores */
     uint16_t *p;   /* [H][Tp] probabilities, bf16, zero past the item's tokens */
     uint16_t *qt;  /* [Hkv][D/32][16 rows][G][2]: Q^T in VNNI pairs */
     uint16_t *kt;  /* [16][D]: K rows of a tile that crosses a block or the item's end */
-    uint16_t *vt;  /* [4][16 rows][32]: one step's V pairs, 64 output columns */
+    uint16_t *vt;  /* [2][4][16 rows][32]: two steps' V pairs, 64 output columns */
+    int64_t *rows; /* [Tp]: cache row (element index, head 0) of each of the item's tokens */
     float *acc;    /* [H][D] */
-    float *st;     /* [16][G] one S^T tile */
 } bufs_t;
 
-/* Cache row (element index of head 0) of token t of a request. */
-static inline int64_t row_of(const call_t *c, const int32_t *table, int64_t t) {
-    return ((int64_t)table[t / c->BS] * c->BS + t % c->BS) * c->Hkv * c->D;
-}
+/* S^T of KV head kh += K rows (tile A) . Q^T (tile B) over the head's D dims, into tile C; two
+ * (A, B) pairs alternate so a tile load does not wait for the previous product to read it. */
+#define PAM_SCORE(C, a, astride, qt, G, D)                       \
+    do {                                                         \
+        _tile_zero(C);                                           \
+        int64_t d = 0;                                           \
+        for (; d + 64 <= (D); d += 64) {                         \
+            _tile_loadd(2, (a) + d, astride);                    \
+            _tile_loadd(4, (qt) + (d / 32) * 32 * (G), 4 * (G)); \
+            _tile_dpbf16ps(C, 2, 4);                             \
+            _tile_loadd(3, (a) + d + 32, astride);               \
+            _tile_loadd(5, (qt) + (d / 32 + 1) * 32 * (G), 4 * (G)); \
+            _tile_dpbf16ps(C, 3, 5);                             \
+        }                                                        \
+        if (d < (D)) {                                           \
+            _tile_loadd(2, (a) + d, astride);                    \
+            _tile_loadd(4, (qt) + (d / 32) * 32 * (G), 4 * (G)); \
+            _tile_dpbf16ps(C, 2, 4);                             \
+        }                                                        \
+    } while (0)
 
-/* Pass 1: b->s[h][t - t0] = scale * q_h . k_t for t in [t0, t1). */
-static void scores(const call_t *c, const int32_t *table, int64_t t0, int64_t t1, bufs_t *b) {
+/* Pass 1: b->st[kh][t - t0][g] = q_(kh,g) . k_t for t in [t0, t1) (rows past t1: anything). */
+static void scores(const call_t *c, int64_t t0, int64_t t1, bufs_t *b) {
     const int64_t G = c->G, D = c->D, Hkv = c->Hkv, ts = Hkv * D, Tp = c->Tp;
-    const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)G));
-    const __m512 sc = _mm512_set1_ps(c->scale);
+    tiles_scores((int)G);
     for (int64_t t = t0; t < t1; t += 16) {
-        int64_t nt = t1 - t < 16 ? t1 - t : 16, off = t % c->BS;
-        int direct = off + 16 <= c->BS; /* 16 rows in one block: load them in place */
-        const uint16_t *base = c->k + row_of(c, table, t);
+        int64_t nt = t1 - t < 16 ? t1 - t : 16;
+        int direct = t % c->BS + 16 <= c->BS; /* 16 rows in one block: load them in place */
+        const uint16_t *base = c->k + b->rows[t - t0];
         if (t + 16 < t1) { /* next tile's rows */
-            const char *nx = (const char *)(c->k + row_of(c, table, t + 16));
+            const char *nx = (const char *)(c->k + b->rows[t + 16 - t0]);
             int64_t nn = t1 - t - 16 < 16 ? t1 - t - 16 : 16;
             if ((t + 16) % c->BS + nn <= c->BS)
                 for (int64_t i = 0; i < nn * ts * 2; i += 64) _mm_prefetch(nx + i, _MM_HINT_T0);
@@ -126,94 +148,110 @@ static void scores(const call_t *c, const int32_t *table, int64_t t0, int64_t t1
             const uint16_t *a = base + kh * D;
             int64_t astride = ts * 2;
             if (!direct) {
+                uint16_t *kt = b->kt + (kh & 1) * 16 * D;
                 for (int64_t i = 0; i < 16; i++) {
                     if (i < nt)
-                        memcpy(b->kt + i * D, c->k + row_of(c, table, t + i) + kh * D, (size_t)D * 2);
+                        memcpy(kt + i * D, c->k + b->rows[t + i - t0] + kh * D, (size_t)D * 2);
                     else
-                        memset(b->kt + i * D, 0, (size_t)D * 2);
+                        memset(kt + i * D, 0, (size_t)D * 2);
                 }
-                a = b->kt, astride = D * 2;
+                a = kt, astride = D * 2;
             }
-            _tile_zero(0);
-            for (int64_t d = 0; d < D; d += 32) {
-                _tile_loadd(1, a + d, astride);
-                _tile_loadd(2, b->qt + (kh * (D / 32) + d / 32) * 32 * G, 4 * G);
-                _tile_dpbf16ps(0, 1, 2);
-            }
-            _tile_stored(0, b->st, 4 * G);
-            for (int64_t g = 0; g < G; g++) {
-                __m512 v = _mm512_i32gather_ps(gidx, b->st + g, 4);
-                _mm512_storeu_ps(b->s + (kh * G + g) * Tp + (t - t0), _mm512_mul_ps(v, sc));
+            const uint16_t *qt = b->qt + kh * (D / 32) * 32 * G;
+            float *dst = b->st + (kh * Tp + (t - t0)) * G;
+            if (kh & 1) {
+                PAM_SCORE(1, a, astride, qt, G, D);
+                _tile_stored(1, dst, 4 * G);
+            } else {
+                PAM_SCORE(0, a, astride, qt, G, D);
+                _tile_stored(0, dst, 4 * G);
             }
         }
     }
 }
 
-/* Pass 2: per head, softmax numerators in place (fp32) and as bf16 pairs in b->p; m, l out. */
+/* Pass 2: per head, scaled scores gathered into b->s, softmax numerators as bf16 in b->p (zero
+ * past the item's tokens); m, l out. */
 static void softmax(const call_t *c, int64_t T, bufs_t *b, float *m, float *l) {
-    const int64_t Tp = c->Tp;
+    const int64_t Tp = c->Tp, G = c->G;
+    const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)G));
+    const __m512 sc = _mm512_set1_ps(c->scale);
     for (int64_t h = 0; h < c->H; h++) {
         float *s = b->s + h * Tp;
+        const float *st = b->st + (h / G) * Tp * G + h % G;
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int64_t i = 0; i < T; i += 16) {
             __mmask16 k = T - i >= 16 ? 0xffff : (__mmask16)((1u << (T - i)) - 1u);
-            mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + i));
+            __m512 v = _mm512_mul_ps(_mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, gidx, st + i * G, 4), sc);
+            _mm512_store_ps(s + i, v);
+            mv = _mm512_mask_max_ps(mv, k, mv, v);
         }
         float mx = _mm512_reduce_max_ps(mv);
         __m512 mb = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
         uint16_t *p = b->p + h * Tp;
         for (int64_t i = 0; i < Tp; i += 16) {
             __mmask16 k = i >= T ? 0 : T - i >= 16 ? 0xffff : (__mmask16)((1u << (T - i)) - 1u);
-            __m512 e = _mm512_maskz_mov_ps(k, v_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mb)));
+            __m512 e = _mm512_maskz_mov_ps(k, v_exp(_mm512_sub_ps(_mm512_maskz_load_ps(k, s + i), mb)));
             sum = _mm512_add_ps(sum, e);
-            _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(e));
+            _mm256_store_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(e));
         }
         m[h] = T > 0 ? mx : -INFINITY;
         l[h] = T > 0 ? _mm512_reduce_add_ps(sum) : 0.0f;
     }
 }
 
-/* O tile c (a literal: the intrinsic pastes it into the instruction) += P . V pairs of tile i */
-#define PAM_DP(i, c)                           \
-    do {                                       \
-        _tile_loadd(1, b->vt + (i) * 512, 64); \
-        _tile_dpbf16ps(c, 3, 1);               \
-    } while (0)
+/* V rows of tokens [t, t + 32) (zeros at and past t1), dims d0 .. d0 + 32 * halves, as token pairs:
+ * row j of tile 2s + lo/hi holds tokens t + 2j, t + 2j + 1 of unpack{lo,hi}_epi16 of dims d0 + 32s. */
+static inline void relay_values(const bufs_t *b, int64_t t0, int64_t t, int64_t t1,
+                                const uint16_t *vbase, int halves, uint16_t *vt) {
+    for (int64_t j = 0; j < 16; j++) {
+        int64_t ta = t + 2 * j, tb = ta + 1;
+        const uint16_t *ra = ta < t1 ? vbase + b->rows[ta - t0] : NULL;
+        const uint16_t *rb = tb < t1 ? vbase + b->rows[tb - t0] : NULL;
+        for (int s = 0; s < halves; s++) {
+            __m512i x = ra ? _mm512_loadu_si512(ra + 32 * s) : _mm512_setzero_si512();
+            __m512i y = rb ? _mm512_loadu_si512(rb + 32 * s) : _mm512_setzero_si512();
+            _mm512_store_si512(vt + (2 * s) * 512 + j * 32, _mm512_unpacklo_epi16(x, y));
+            _mm512_store_si512(vt + (2 * s + 1) * 512 + j * 32, _mm512_unpackhi_epi16(x, y));
+        }
+    }
+}
 
-/* Pass 3: b->acc[h][D] = sum_t p[h][t] v_t (unnormalised; columns in the pair lane order). */
-static void weighted_values(const call_t *c, const int32_t *table, int64_t t0, int64_t t1, bufs_t *b) {
+/* Pass 3: b->acc[h][D] = sum_t p[h][t] v_t (unnormalised; columns in the pair lane order). The
+ * next step's V pairs are laid out (other half of b->vt) before this step's products are issued,
+ * so the tile loads do not wait for just-made stores. */
+static void weighted_values(const call_t *c, int64_t t0, int64_t t1, bufs_t *b) {
     const int64_t G = c->G, D = c->D, Tp = c->Tp;
+    tiles_values((int)G);
     for (int64_t kh = 0; kh < c->Hkv; kh++) {
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            const int nc = D - d0 >= 64 ? 4 : 2; /* C tiles of 16 columns in this chunk */
+            const int halves = D - d0 >= 64 ? 2 : 1; /* 32-dim halves in this chunk: 2 C tiles each */
+            const uint16_t *vbase = c->v + kh * D + d0;
             _tile_zero(4);
             _tile_zero(5);
             _tile_zero(6);
             _tile_zero(7);
-            for (int64_t t = t0; t < t1; t += 32) {
-                for (int64_t j = 0; j < 16; j++) { /* token pair j: rows t + 2j, t + 2j + 1 */
-                    int64_t ta = t + 2 * j, tb = ta + 1;
-                    const uint16_t *ra = ta < t1 ? c->v + row_of(c, table, ta) + kh * D + d0 : NULL;
-                    const uint16_t *rb = tb < t1 ? c->v + row_of(c, table, tb) + kh * D + d0 : NULL;
-                    for (int s = 0; s < nc / 2; s++) {
-                        __m512i x = ra ? _mm512_loadu_si512(ra + 32 * s) : _mm512_setzero_si512();
-                        __m512i y = rb ? _mm512_loadu_si512(rb + 32 * s) : _mm512_setzero_si512();
-                        _mm512_store_si512(b->vt + (2 * s) * 512 + j * 32, _mm512_unpacklo_epi16(x, y));
-                        _mm512_store_si512(b->vt + (2 * s + 1) * 512 + j * 32, _mm512_unpackhi_epi16(x, y));
-                    }
-                }
-                _tile_loadd(3, b->p + kh * G * Tp + (t - t0), Tp * 2);
-                PAM_DP(0, 4);
-                PAM_DP(1, 5);
-                if (nc == 4) {
-                    PAM_DP(2, 6);
-                    PAM_DP(3, 7);
+            relay_values(b, t0, t0, t1, vbase, halves, b->vt);
+            for (int64_t t = t0, step = 0; t < t1; t += 32, step++) {
+                uint16_t *vt = b->vt + (step & 1) * 2048;
+                if (t + 32 < t1) relay_values(b, t0, t + 32, t1, vbase, halves, b->vt + ((step + 1) & 1) * 2048);
+                _tile_loadd(0, b->p + kh * G * Tp + (t - t0), Tp * 2);
+                _tile_loadd(1, vt, 64);
+                _tile_dpbf16ps(4, 0, 1);
+                _tile_loadd(2, vt + 512, 64);
+                _tile_dpbf16ps(5, 0, 2);
+                if (halves == 2) {
+                    _tile_loadd(1, vt + 1024, 64);
+                    _tile_dpbf16ps(6, 0, 1);
+                    _tile_loadd(2, vt + 1536, 64);
+                    _tile_dpbf16ps(7, 0, 2);
                 }
             }
             float *o = b->acc + kh * G * D + d0;
             _tile_stored(4, o, D * 4);
             _tile_stored(5, o + 16, D * 4);
-            if (nc == 4) {
+            if (halves == 2) {
                 _tile_stored(6, o + 32, D * 4);
                 _tile_stored(7, o + 48, D * 4);
             }
@@ -255,11 +293,15 @@ static void run_item(const call_t *c, int64_t n, int64_t part, bufs_t *b) {
                     const uint16_t *src = q + (kh * G + g) * D + d + 2 * j;
                     dst[0] = src[0], dst[1] = src[1];
                 }
+    for (int64_t t = t0; t < t1;) { /* cache rows, block by block (no division per token) */
+        int64_t off = t % c->BS, row = ((int64_t)table[t / c->BS] * c->BS + off) * c->Hkv * D;
+        for (; off < c->BS && t < t1; off++, t++, row += c->Hkv * D) b->rows[t - t0] = row;
+    }
     float m[PAM_MAX_H], l[PAM_MAX_H];
-    scores(c, table, t0, t1, b);
+    scores(c, t0, t1, b);
     softmax(c, t1 - t0, b, m, l);
     if (t1 > t0) {
-        weighted_values(c, table, t0, t1, b);
+        weighted_values(c, t0, t1, b);
         unpermute(b->acc, H, D);
     } else {
         memset(b->acc, 0, sizeof(float) * (size_t)(H * D));
@@ -339,19 +381,18 @@ int pam_decode(const void *q, int64_t q_row_stride, const void *k_cache, const v
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         bufs_t b;
+        b.st = (float *)alloc64(sizeof(float) * (size_t)(H * c.Tp));
         b.s = (float *)alloc64(sizeof(float) * (size_t)(H * c.Tp));
+        b.rows = (int64_t *)alloc64(sizeof(int64_t) * (size_t)c.Tp);
         b.p = (uint16_t *)alloc64(2 * (size_t)(H * c.Tp));
         b.qt = (uint16_t *)alloc64(2 * (size_t)(H * D));
-        b.kt = (uint16_t *)alloc64(2 * (size_t)(16 * D));
-        b.vt = (uint16_t *)alloc64(2 * 4 * 512);
+        b.kt = (uint16_t *)alloc64(2 * (size_t)(2 * 16 * D));
+        b.vt = (uint16_t *)alloc64(2 * 2 * 4 * 512);
         b.acc = (float *)alloc64(sizeof(float) * (size_t)(H * D));
-        b.st = (float *)alloc64(sizeof(float) * 16 * PAM_MAX_G);
-        int ok = b.s && b.p && b.qt && b.kt && b.vt && b.acc && b.st;
+        int ok = b.st && b.s && b.p && b.qt && b.kt && b.vt && b.acc && b.rows;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
-        } else {
-            tiles_on((int)c.G);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++)
@@ -360,8 +401,8 @@ int pam_decode(const void *q, int64_t q_row_stride, const void *k_cache, const v
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++) combine(&c, n, b.acc);
         }
-        if (ok) _tile_release();
-        free(b.s), free(b.p), free(b.qt), free(b.kt), free(b.vt), free(b.acc), free(b.st);
+        _tile_release();
+        free(b.st), free(b.s), free(b.p), free(b.qt), free(b.kt), free(b.vt), free(b.acc), free(b.rows);
     }
     free(c.scratch);
     return failed ? -1 : 0;
