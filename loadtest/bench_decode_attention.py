@@ -7,8 +7,10 @@ Default-model shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, bloc
 Every request of a case has the same context; the caches of ``--layers`` layers are cycled as in a
 step (a layer's K/V is not hot in L2 when its turn comes). The thread count and the split into
 parts are the ones the server picks (kernels.cpu_attention._threads_and_parts). Each rep times
-every path back to back (interleaved, so a busy neighbour slows both) and the median over reps of
-wall time per layer call is printed, with the ratio to the first path. Not a test.
+every path back to back (interleaved, so a busy neighbour slows both); the median and the minimum
+over reps of wall time per layer call are printed, with the ratio of the medians (first path over
+last). On a busy box at ``nice -n 19`` a two-thread OpenMP region can wait milliseconds for its
+second thread: such reps show as medians far above the minima. Not a test.
 """
 from __future__ import annotations
 
@@ -84,14 +86,14 @@ def main() -> None:
                           shell=True, capture_output=True, text=True).stdout.strip()
     print(f"machine: {kind}; torch threads {args.threads}; {args.layers} layers cycled; median of {args.reps} reps; "
           f"us per layer call (H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} block={BLOCK}, bf16)")
-    head = "".join(f"{p:>10}" for p in args.paths)
-    print(f"{'batch':>5} {'ctx':>5} {'thr':>3} {'part':>5}{head}  ratio(first/last)  max|diff|")
+    head = "".join(f"{p + ' med':>12}{'min':>8}" for p in args.paths)
+    print(f"{'batch':>5} {'ctx':>5} {'thr':>3} {'part':>5}{head}  ratio(med)  max|diff|")
     for b in args.batches:
         for c in args.contexts:
             r = _case(b, c, args.layers, args.paths, args.reps, args.min_time)
             med = r["median"]
-            cols = "".join(f"{med[p]:10.1f}" for p in args.paths)
-            print(f"{b:5d} {c:5d} {r['threads']:3d} {r['part']:5d}{cols}  {med[args.paths[0]] / med[args.paths[-1]]:10.2f}x"
+            cols = "".join(f"{med[p]:12.1f}{min(r['all'][p]):8.1f}" for p in args.paths)
+            print(f"{b:5d} {c:5d} {r['threads']:3d} {r['part']:5d}{cols}  {med[args.paths[0]] / med[args.paths[-1]]:9.2f}x"
                   f"  {r['diff']:.4f}", flush=True)
 
 
