@@ -262,17 +262,13 @@ static void weighted_values(const call_t *c, int64_t t0, int64_t t1, bufs_t *b) 
 /* Undo the pair lane order: in each 32-column chunk, lane 4b+e holds dim 8b+e and lane 16+4b+e
  * holds dim 8b+4+e (as unpermute_acc in paged_attn.c). */
 static void unpermute(float *acc, int64_t rows, int64_t D) {
-    float tmp[32];
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < D; c += 32) {
-            float *a = acc + r * D + c;
-            for (int q = 0; q < 4; q++)
-                for (int e = 0; e < 4; e++) {
-                    tmp[8 * q + e] = a[4 * q + e];
-                    tmp[8 * q + 4 + e] = a[16 + 4 * q + e];
-                }
-            memcpy(a, tmp, sizeof tmp);
-        }
+    const __m512i i0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i i1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int64_t i = 0; i < rows * D; i += 32) {
+        __m512 lo = _mm512_loadu_ps(acc + i), hi = _mm512_loadu_ps(acc + i + 16);
+        _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(lo, i0, hi));
+        _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(lo, i1, hi));
+    }
 }
 
 static void run_item(const call_t *c, int64_t n, int64_t part, bufs_t *b) {
@@ -285,14 +281,14 @@ static void run_item(const call_t *c, int64_t n, int64_t part, bufs_t *b) {
     }
     const int32_t *table = c->tables + n * c->bt_stride;
     const uint16_t *q = c->q + n * c->q_stride;
-    for (int64_t kh = 0; kh < c->Hkv; kh++) /* Q^T pairs: row j of chunk d holds dims d+2j, d+2j+1 */
+    /* Q^T pairs: row j of chunk d holds dims d+2j, d+2j+1 of the G heads (a dword transpose) */
+    const __m512i jg = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)G));
+    for (int64_t kh = 0; kh < c->Hkv; kh++)
         for (int64_t d = 0; d < D; d += 32)
-            for (int64_t j = 0; j < 16; j++)
-                for (int64_t g = 0; g < G; g++) {
-                    uint16_t *dst = b->qt + ((kh * (D / 32) + d / 32) * 16 + j) * 2 * G + 2 * g;
-                    const uint16_t *src = q + (kh * G + g) * D + d + 2 * j;
-                    dst[0] = src[0], dst[1] = src[1];
-                }
+            for (int64_t g = 0; g < G; g++)
+                _mm512_i32scatter_epi32(b->qt + (kh * (D / 32) + d / 32) * 32 * G + 2 * g, jg,
+                                        _mm512_loadu_si512(q + (kh * G + g) * D + d), 4);
     for (int64_t t = t0; t < t1;) { /* cache rows, block by block (no division per token) */
         int64_t off = t % c->BS, row = ((int64_t)table[t / c->BS] * c->BS + off) * c->Hkv * D;
         for (; off < c->BS && t < t1; off++, t++, row += c->Hkv * D) b->rows[t - t0] = row;
@@ -317,8 +313,10 @@ static void run_item(const call_t *c, int64_t n, int64_t part, bufs_t *b) {
     }
     uint16_t *o = c->out + n * c->out_stride;
     for (int64_t h = 0; h < H; h++) {
-        float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int64_t d = 0; d < D; d++) o[h * D + d] = f32_to_bf16(b->acc[h * D + d] * inv);
+        __m512 inv = _mm512_set1_ps(l[h] > 0.0f ? 1.0f / l[h] : 0.0f);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(o + h * D + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(b->acc + h * D + d), inv)));
     }
 }
 
