@@ -4,7 +4,8 @@ Same arguments as ``pa_decode`` of csrc/paged_attn.c (kernels/cpu_attention.py c
 bf16 caches with head_dim a multiple of 32 and at most 16 query heads per KV head. Used where the
 CPU has AMX (amx_tile, amx_bf16, avx512_bf16) and Linux grants the tile state, for every batch
 size and context length: it measured faster than the AVX-512 kernel at batch 1, 4 and 16 and
-contexts 128 to 1024 (loadtest/PERF.md, "AMX decode attention"). ``PAGEDSERVE_ATTN_ISA`` forces a
+contexts 128 to 1024, 1.2-1.7x with a step's caches coming from DRAM and 1.2-2.2x cache-hot (one
+thread; loadtest/PERF.md, "AMX decode attention"). ``PAGEDSERVE_ATTN_ISA`` forces a
 path: ``amx`` this one (where the shapes allow), any other value (``avx512bf16`` ...) that
 build of the AVX-512 / AVX2 / scalar kernel and no AMX.
 """

@@ -196,4 +196,5 @@ def _decode_with(lib: ctypes.CDLL):
 
 if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build now (install step), print the path taken
     logging.basicConfig(level=logging.INFO)
-    print(f"CPU attention kernel ready: {isa()} build")
+    amx = " + AMX for bf16 decodes" if attn_amx.library() is not None else ""
+    print(f"CPU attention kernel ready: {isa()} build{amx}")
