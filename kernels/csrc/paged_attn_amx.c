@@ -3,7 +3,9 @@
  *
  * Why: the AVX-512 kernel is compute bound at ~170 cycles per context token (default model): a
  * vdpbf16ps issues every 2 cycles here and every (head, 16 tokens) needs a transpose-add of 16
- * dot products. One tdpbf16ps does a whole 16 x G x 32 block of multiply-adds.
+ * dot products. One tdpbf16ps does a whole 16 x G x 32 block of multiply-adds. Measured: ~2x the
+ * AVX-512 kernel with the caches in L2/L3, ~1.3x when a step's caches come from DRAM (then both
+ * wait on memory; loadtest/PERF.md, "AMX decode attention").
  *
  * One work item is a request (or a part of its tokens, for flash-decoding), in three passes:
  *  1. scores, transposed: S^T[16 tokens][G] = K[16 tokens][32 dims] . Q^T[32 dims][G] per KV head,
@@ -18,10 +20,9 @@
  * part's end) are never used: their score rows are masked, their V rows and P columns are zeros
  * (a NaN in an unused slot times a zero would still be a NaN).
  *
- * Tiles (palette 1): 0 = S^T (16 x 4G bytes), 1 = K rows (A) or V pairs (B) (16 x 64), 2 = Q^T
- * (16 x 4G), 3 = P (G x 64), 4..7 = O, one per 16 output columns (G x 64). Built with -mamx-tile
- * -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw (kernels/attn_amx.py), which asks Linux for the
- * tile state once (pam_init); each OpenMP thread loads the tile config in its own region.
+ * Tiles (palette 1): each pass loads its own config (tiles_scores, tiles_values), in every OpenMP
+ * thread. Built with -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw (kernels/attn_amx.py),
+ * which asks Linux for the tile state once per process (pam_init).
  */
 #define _GNU_SOURCE /* syscall() */
 #include <immintrin.h>
@@ -103,7 +104,7 @@ typedef struct { /* per-thread buffers */
     float *s;      /* [H][Tp] scaled scores */
     uint16_t *p;   /* [H][Tp] probabilities, bf16, zero past the item's tokens */
     uint16_t *qt;  /* [Hkv][D/32][16 rows][G][2]: Q^T in VNNI pairs */
-    uint16_t *kt;  /* [16][D]: K rows of a tile that crosses a block or the item's end */
+    uint16_t *kt;  /* [2][16][D]: K rows of a tile that crosses a block (zeros past the end), per KV head parity */
     uint16_t *vt;  /* [2][4][16 rows][32]: two steps' V pairs, 64 output columns */
     int64_t *rows; /* [Tp]: cache row (element index, head 0) of each of the item's tokens */
     float *acc;    /* [H][D] */
