@@ -176,10 +176,10 @@ void fz_rotary_neox(void *x, int64_t T, int64_t row_stride, int64_t heads, int64
 /* rows n0..n1 of y[M][N] = x[M][K] @ W[N][K]^T, M <= 16. FZ_ROWS weight rows at a time share
  * each activation load; K is walked in 32-element (64-byte) steps, the tail masked. */
 #ifndef FZ_ROWS
-#define FZ_ROWS 2
+#define FZ_ROWS 4
 #endif
 #ifndef FZ_PREFETCH
-#define FZ_PREFETCH 2048 /* bytes ahead; 2 rows + 2 KiB measured best of 2/4/8 rows, 0/1/2 KiB */
+#define FZ_PREFETCH 12288 /* bytes ahead; 4 rows + 12 KiB measured best of 2/4/8 rows, 2-16 KiB (PERF.md) */
 #endif
 static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int64_t N, uint16_t *y,
                       int64_t n0, int64_t n1) {
