@@ -5,8 +5,9 @@ of a step into decodes and prefill chunks: ``split_decode_prefill``).
 Why a kernel: the torch decode path copies every block it reads into a scratch buffer and, in
 bf16, spends Hkv times the FLOPs on a block-diagonal GQA query. The C kernel reads K/V rows where
 they are in the cache, once for all the query heads of a KV head, with an online softmax
-(figures in loadtest/PERF.md). ``PAGEDSERVE_CPU_ATTENTION=torch`` selects the torch path; a
-machine without a C compiler falls back to it with one warning.
+(figures in loadtest/PERF.md). Where the CPU has AMX, bf16 decodes run the AMX kernel instead
+(kernels/attn_amx.py, csrc/paged_attn_amx.c; same arguments). ``PAGEDSERVE_CPU_ATTENTION=torch``
+selects the torch path; a machine without a C compiler falls back to it with one warning.
 """
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import os
 
 import torch
 
-from kernels import cbuild
+from kernels import attn_amx, cbuild
 from kernels.metadata import AttentionMetadata
 from kernels.torch_attention import paged_attention_torch, split_decode_prefill
 
 logger = logging.getLogger(__name__)
 
 IMPL_ENV = "PAGEDSERVE_CPU_ATTENTION"  # "torch": the torch path only
-ISA_ENV = "PAGEDSERVE_ATTN_ISA"  # avx512bf16 | avx512 | avx2 | scalar: force a build (tests)
+ISA_ENV = attn_amx.ISA_ENV  # amx | avx512bf16 | avx512 | avx2 | scalar: force a path (tests)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Below this many multiply-adds (tokens x heads x head_dim, Q.K and P.V) a decode call runs on
 # one thread: an OpenMP region costs more than it saves, and on a busy box it waits for the
@@ -41,8 +42,9 @@ MIN_PART_BLOCKS = 4  # a part is at least this many blocks (each part costs a co
 @functools.cache
 def library(isa: str | None = None) -> ctypes.CDLL | None:
     """The decode kernel for this CPU (or the forced ``isa``); None when it cannot be built."""
+    forced = isa or os.environ.get(ISA_ENV) or None
     try:
-        name, flags = cbuild.pick_isa(isa or os.environ.get(ISA_ENV) or None)
+        name, flags = cbuild.pick_isa(None if forced == "amx" else forced)
         lib = cbuild.build("paged_attn.c", flags)
     except cbuild.KernelBuildError as e:
         logger.warning("CPU attention kernel unavailable, using the torch path: %s", e)
@@ -113,10 +115,11 @@ class _StepCall:
     """The arguments of the kernel call that are the same for every layer of a step (int32 block
     tables and lengths, thread count and split), built by the first layer's call."""
 
-    __slots__ = ("tables", "seq_lens", "threads", "part", "tables_ptr", "tables_stride", "seq_lens_ptr")
+    __slots__ = ("tables", "seq_lens", "threads", "part", "tables_ptr", "tables_stride", "seq_lens_ptr", "decode")
 
-    def __init__(self, meta: AttentionMetadata, threads: int, part: int) -> None:
+    def __init__(self, meta: AttentionMetadata, threads: int, part: int, decode=None) -> None:
         self.threads, self.part = threads, part
+        self.decode = decode  # the AMX kernel's entry point, or None: the library's pa_decode
         tables = meta.block_tables
         if tables.dtype != torch.int32 or tables.stride(1) != 1:
             tables = tables.to(torch.int32).contiguous()
@@ -128,10 +131,11 @@ class _StepCall:
         self.seq_lens_ptr = seq_lens.data_ptr()
 
 
-def step_call(meta: AttentionMetadata, key: tuple, threads: int, part: int) -> _StepCall:
-    """Pin the thread count and split of this step's decode calls (tests, benchmarks); ``key`` as
-    in decode_attention_c. Kept in ``meta.cpu_plan`` as (key, call), the torch path's form."""
-    call = _StepCall(meta, threads, part)
+def step_call(meta: AttentionMetadata, key: tuple, threads: int, part: int, decode=None) -> _StepCall:
+    """Pin the thread count, split and kernel (``decode``: ``pam_decode`` of kernels.attn_amx, or
+    None for the library's ``pa_decode``) of this step's decode calls (tests, benchmarks); ``key``
+    as in decode_attention_c. Kept in ``meta.cpu_plan`` as (key, call), the torch path's form."""
+    call = _StepCall(meta, threads, part, decode)
     meta.cpu_plan = (key, call)
     return call
 
@@ -157,8 +161,8 @@ def decode_attention_c(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
     else:
         threads, part = _threads_and_parts(meta.seq_lens_host[:batch], num_heads, num_kv_heads, head_dim,
                                            block_size)
-        call = step_call(meta, key, threads, part)
-    rc = lib.pa_decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), call.tables_ptr,
+        call = step_call(meta, key, threads, part, attn_amx.decode_fn(q.dtype, num_heads, num_kv_heads, head_dim))
+    rc = (call.decode or lib.pa_decode)(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), call.tables_ptr,
                        call.tables_stride, call.seq_lens_ptr, batch, num_heads, num_kv_heads, head_dim,
                        block_size, scale, target.data_ptr(), target.stride(0), _DTYPES[q.dtype], call.part,
                        call.threads)
@@ -192,4 +196,5 @@ def _decode_with(lib: ctypes.CDLL):
 
 if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build now (install step), print the path taken
     logging.basicConfig(level=logging.INFO)
-    print(f"CPU attention kernel ready: {isa()} build")
+    amx = " + AMX for bf16 decodes" if attn_amx.library() is not None else ""
+    print(f"CPU attention kernel ready: {isa()} build{amx}")

@@ -1,0 +1,64 @@
+"""The AMX decode attention kernel (csrc/paged_attn_amx.c): loader and when to use it.
+
+Same arguments as ``pa_decode`` of csrc/paged_attn.c (kernels/cpu_attention.py calls either), for
+bf16 caches with head_dim a multiple of 32 and at most 16 query heads per KV head. Used where the
+CPU has AMX (amx_tile, amx_bf16, avx512_bf16) and Linux grants the tile state, for every batch
+size and context length: it measured faster than the AVX-512 kernel at batch 1, 4 and 16 and
+contexts 128 to 1024, 1.2-1.7x with a step's caches coming from DRAM and 1.2-2.2x cache-hot (one
+thread; loadtest/PERF.md, "AMX decode attention"). ``PAGEDSERVE_ATTN_ISA`` forces a
+path: ``amx`` this one (where the shapes allow), any other value (``avx512bf16`` ...) that
+build of the AVX-512 / AVX2 / scalar kernel and no AMX.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from kernels import cbuild
+
+logger = logging.getLogger(__name__)
+
+ISA_ENV = "PAGEDSERVE_ATTN_ISA"
+NEEDS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "avx2", "fma"})
+FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The AMX kernel, or None where the CPU lacks AMX, Linux refuses the tile state, the build
+    fails, or ``PAGEDSERVE_ATTN_ISA`` names another build."""
+    if os.environ.get(ISA_ENV) not in (None, "", "amx") or not NEEDS <= cbuild.cpu_flags():
+        return None
+    try:
+        lib = cbuild.build("paged_attn_amx.c", FLAGS)
+    except cbuild.KernelBuildError as e:
+        logger.warning("AMX decode attention unavailable, the AVX-512 kernel runs: %s", e)
+        return None
+    if lib.pam_init() != 0:
+        logger.warning("AMX decode attention: Linux refused the tile state, the AVX-512 kernel runs")
+        return None
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.pam_max_group.restype = I
+    lib.pam_max_group.argtypes = []
+    lib.pam_decode.restype = I
+    lib.pam_decode.argtypes = [P, I64, P, P, P, I64, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64, I, I64, I]
+    logger.info("CPU attention: AMX bf16 tiles for decodes")
+    return lib
+
+
+def applies(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the AMX kernel takes these shapes (bf16, head_dim % 32 == 0, group <= 16)."""
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16)
+
+
+def decode_fn(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int):
+    """``pam_decode`` when this step's decodes should run on AMX, else None (the caller's kernel)."""
+    if not applies(dtype, num_heads, num_kv_heads, head_dim):
+        return None
+    lib = library()
+    return None if lib is None else lib.pam_decode
