@@ -60,11 +60,24 @@ def library() -> ctypes.CDLL | None:
     lib.fz_rotary_neox.argtypes = [P, I64, I64, I64, I64, I64, P, P, I]
     lib.fz_gemv_bf16.restype, lib.fz_gemv_bf16.argtypes = I, [P, I64, I64, P, I64, P, I]
     lib.fz_write_kv.restype, lib.fz_write_kv.argtypes = I64, [P, P, I64, P, P, P, I64, I64, I64]
-    lib.fz_attn_in.restype = I
+    lib.fz_attn_in.restype = I  # the fz_linear arguments are pointers to LinearSpec
     lib.fz_attn_in.argtypes = [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I]
     lib.fz_mlp_out.restype = I
     lib.fz_mlp_out.argtypes = [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I]
     return lib
+
+
+class LinearSpec(ctypes.Structure):
+    """csrc/fused_cpu.c's ``fz_linear``: one linear layer of the fused decode layer, plain bf16 rows
+    (``KIND_BF16``) or a packed q8_0 / q4_1 weight with the addresses of the kernels that read it."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("big_rows", ctypes.c_int64), ("w", ctypes.c_void_p),
+                ("d", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("small", ctypes.c_void_p),
+                ("big", ctypes.c_void_p)]
+
+
+KIND_BF16, KIND_Q8_0, KIND_Q4_1 = 0, 1, 2
+KERNEL_FAILED = -3  # fz_attn_in / fz_mlp_out: a quantized kernel found no memory for its scratch
 
 
 def available() -> bool:

@@ -1,4 +1,4 @@
-"""Small-batch bf16 decode of a Llama layer in two C calls (kernels/csrc/fused_cpu.c).
+"""Small-batch decode of a Llama layer in two C calls (kernels/csrc/fused_cpu.c).
 
 Why: a batch-1 decode step of the default model spent ~4 of ~20 ms in Python and torch glue
 between the dozen C calls each of its 30 layers makes (norm, qkv GEMV, rotary, KV write, o GEMV,
@@ -6,13 +6,15 @@ add + norm, gate/up GEMV, SiLU and mul, down GEMV). ``fz_attn_in`` does everythi
 attention and ``fz_mlp_out`` everything after, with the same C pieces (so the same roundings);
 attention itself stays the one paged-attention dispatch (kernels.attention).
 
-When: CPU, bf16 weights kept plain (our AVX512-BF16 GEMV reads them), batches of at most
-``max_rows`` rows, one tensor-parallel rank, a Llama layer without biases or q/k norms. Anything
-else (prefill chunks, fp32 machines, quantized weights) takes the eager path. ``PAGEDSERVE_FAST_DECODE=0``
-turns it off.
+When: CPU with AVX512-BF16, bf16 activations, one tensor-parallel rank, a Llama layer without
+biases or q/k norms, and each linear either plain bf16 rows (our bf16 GEMV reads them; up to
+``fused.GEMV_MAX_M`` rows) or a q8_0 / q4_1 weight on the 16-channel layout (the fused layer calls
+the same VNNI / AMX kernels the eager path would, up to the rows those take). Larger batches,
+fp32 machines and other layouts take the eager path. ``PAGEDSERVE_FAST_DECODE=0`` turns it off.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from gpu.forward_context import get_forward_context
-from kernels import fused
+from kernels import fused, qgemm_n16
 from kernels.attention import paged_attention
 
 logger = logging.getLogger(__name__)
@@ -28,10 +30,31 @@ logger = logging.getLogger(__name__)
 ENV = "PAGEDSERVE_FAST_DECODE"
 
 
-def _plain_bf16(module: nn.Module) -> tuple[torch.Tensor, int] | None:
-    """(plain bf16 weight, rows it serves) of an unquantized, bias-free linear layer, or None."""
-    if getattr(module, "qweight", None) is not None or getattr(module, "bias", None) is not None:
+class BoundLinear:
+    """One linear layer as the fused layer calls it: its LinearSpec (and the spec's address),
+    output size and the most rows the path takes."""
+
+    __slots__ = ("spec", "address", "out_features", "max_rows")
+
+    def __init__(self, spec: fused.LinearSpec, out_features: int, max_rows: int):
+        self.spec, self.out_features, self.max_rows = spec, out_features, max_rows
+        self.address = ctypes.addressof(spec)  # the module keeps the tensors it points at alive
+
+
+def bind_linear(module: nn.Module) -> BoundLinear | None:
+    """The fused layer's view of a bias-free linear layer, or None where it cannot read the weight."""
+    if getattr(module, "bias", None) is not None:
         return None
+    qweight = getattr(module, "qweight", None)
+    if qweight is not None:
+        kind = {"q8_0": fused.KIND_Q8_0, "q4_1": fused.KIND_Q4_1}.get(qweight.mode)
+        entry = qweight.kernel.fused_entry() if kind is not None else None
+        if entry is None:
+            return None
+        tensors, small, big, rows = entry
+        ptrs = [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
+        spec = fused.LinearSpec(kind, qgemm_n16.AMX_MIN_M if big else 0, *ptrs, small, big)
+        return BoundLinear(spec, qweight.out_features, rows)
     pw = getattr(module, "pweight", None)
     if pw is not None:
         weight, rows = pw.plain, pw.small_rows
@@ -39,25 +62,27 @@ def _plain_bf16(module: nn.Module) -> tuple[torch.Tensor, int] | None:
         weight, rows = module.weight, fused.GEMV_MAX_M
     if weight is None or weight.dtype is not torch.bfloat16 or not weight.is_contiguous() or not rows:
         return None
-    return weight, min(rows, fused.GEMV_MAX_M)
+    spec = fused.LinearSpec(fused.KIND_BF16, 0, weight.data_ptr(), None, None, None, None)
+    return BoundLinear(spec, weight.shape[0], min(rows, fused.GEMV_MAX_M))
 
 
 class FastDecodeLayer:
     """One LlamaDecoderLayer's weights and shapes, bound once; ``forward`` mirrors the layer's."""
 
-    def __init__(self, layer: nn.Module, weights: dict[str, tuple[torch.Tensor, int]]):
+    def __init__(self, layer: nn.Module, weights: dict[str, BoundLinear]):
         attn = layer.self_attn
         self.layer_idx = attn.attn.layer_idx
         self.scale = attn.attn.scale
         self.q_heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.rotary = attn.rotary_emb
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
-        self.w_qkv, self.w_o = weights["qkv"][0], weights["o"][0]
-        self.w_gu, self.w_down = weights["gate_up"][0], weights["down"][0]
-        self.hidden = self.w_o.shape[0]
-        self.n_qkv = self.w_qkv.shape[0]
-        self.inter = self.w_down.shape[1]
-        self.max_rows = min(rows for _, rows in weights.values())
+        self.weights = weights  # (keeps the specs alive)
+        self.w_qkv, self.w_o = weights["qkv"].address, weights["o"].address
+        self.w_gu, self.w_down = weights["gate_up"].address, weights["down"].address
+        self.hidden = weights["o"].out_features
+        self.n_qkv = weights["qkv"].out_features
+        self.inter = weights["gate_up"].out_features // 2
+        self.max_rows = min(w.max_rows for w in weights.values())
 
     def forward(self, rope: tuple, x: torch.Tensor, residual: torch.Tensor | None):
         """(out, residual) like LlamaDecoderLayer.forward, or None when this step is not ours."""
@@ -75,14 +100,12 @@ class FastDecodeLayer:
         qkv = x.new_empty((M, self.n_qkv))
         slots = meta.slot_mapping
         rc = lib.fz_attn_in(x.data_ptr(), residual.data_ptr(), int(not first), self.in_norm._weight_f32().data_ptr(),
-                            self.in_norm.eps, M, H, self.w_qkv.data_ptr(), self.n_qkv, qkv.data_ptr(),
+                            self.in_norm.eps, M, H, self.w_qkv, self.n_qkv, qkv.data_ptr(),
                             self.q_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim,
                             self.rotary.cos_sin_cache.data_ptr(), rope[2].data_ptr(), k_cache.data_ptr(),
                             v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1], threads)
-        if rc == -2:
-            raise IndexError("KV cache slot out of range in the fast decode path")
         if rc:
-            raise RuntimeError("the fused decode layer is not available in this build")
+            _raise_for(rc)
         q = qkv[:, : self.q_heads * self.head_dim].view(M, self.q_heads, self.head_dim)
         attn = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(M, self.q_heads * self.head_dim)
         if not attn.is_contiguous():
@@ -91,13 +114,20 @@ class FastDecodeLayer:
         h = x.new_empty((M, 2 * self.inter))
         a = x.new_empty((M, self.inter))
         out = x.new_empty((M, H))
-        rc = lib.fz_mlp_out(attn.data_ptr(), attn.shape[1], self.w_o.data_ptr(), y.data_ptr(), residual.data_ptr(),
+        rc = lib.fz_mlp_out(attn.data_ptr(), attn.shape[1], self.w_o, y.data_ptr(), residual.data_ptr(),
                             self.post_norm._weight_f32().data_ptr(), self.post_norm.eps, M, H,
-                            self.w_gu.data_ptr(), self.inter, h.data_ptr(), a.data_ptr(), self.w_down.data_ptr(),
-                            out.data_ptr(), threads)
+                            self.w_gu, self.inter, h.data_ptr(), a.data_ptr(), self.w_down, out.data_ptr(), threads)
         if rc:
-            raise RuntimeError("the fused decode layer is not available in this build")
+            _raise_for(rc)
         return out, residual
+
+
+def _raise_for(rc: int):
+    if rc == -2:
+        raise IndexError("KV cache slot out of range in the fast decode path")
+    if rc == fused.KERNEL_FAILED:
+        raise MemoryError("the quantized kernel found no memory for its activation scratch")
+    raise RuntimeError("the fused decode layer is not available in this build")
 
 
 def enabled() -> bool:
@@ -121,8 +151,10 @@ def bind_fast_decode(model: nn.Module) -> int:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.q_norm is not None or not isinstance(mlp.act, SiluAndMul):
             continue
-        weights = {"qkv": _plain_bf16(attn.qkv_proj), "o": _plain_bf16(attn.o_proj),
-                   "gate_up": _plain_bf16(mlp.gate_up_proj), "down": _plain_bf16(mlp.down_proj)}
+        if layer.input_layernorm.weight.dtype is not torch.bfloat16:
+            continue  # the fused pieces take bf16 activations
+        weights = {"qkv": bind_linear(attn.qkv_proj), "o": bind_linear(attn.o_proj),
+                   "gate_up": bind_linear(mlp.gate_up_proj), "down": bind_linear(mlp.down_proj)}
         if any(w is None for w in weights.values()):
             continue
         layer.fast_decode = FastDecodeLayer(layer, weights)

@@ -112,7 +112,7 @@ def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Modu
     pack_model(model)  # the unquantized CPU linear weights, into the GEMM library's layout
     from gpu.models.fast_decode import bind_fast_decode
 
-    bind_fast_decode(model)  # small bf16 decode batches: each layer in two C calls
+    bind_fast_decode(model)  # small bf16-activation decode batches: each layer in two C calls
     logger.info("loaded %s (%s, %s weights, quantization %s%s) in %.1f s", path or "dummy model", fmt, dtype,
                 quantization, f", packed from the file: {packed}" if packed else "", time.perf_counter() - t0)
     return model

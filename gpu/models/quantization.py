@@ -63,6 +63,11 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._linear.tensors)
 
+    @property
+    def kernel(self):
+        """The kernels.qgemm.PackedLinear that computes this layer."""
+        return self._linear
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x)
         return y if y.dtype is x.dtype else y.to(x.dtype)

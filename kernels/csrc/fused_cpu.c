@@ -176,10 +176,10 @@ void fz_rotary_neox(void *x, int64_t T, int64_t row_stride, int64_t heads, int64
 /* rows n0..n1 of y[M][N] = x[M][K] @ W[N][K]^T, M <= 16. FZ_ROWS weight rows at a time share
  * each activation load; K is walked in 32-element (64-byte) steps, the tail masked. */
 #ifndef FZ_ROWS
-#define FZ_ROWS 2
+#define FZ_ROWS 4
 #endif
 #ifndef FZ_PREFETCH
-#define FZ_PREFETCH 2048 /* bytes ahead; 2 rows + 2 KiB measured best of 2/4/8 rows, 0/1/2 KiB */
+#define FZ_PREFETCH 12288 /* bytes ahead; 4 rows + 12 KiB measured best of 2/4/8 rows, 2-16 KiB (PERF.md) */
 #endif
 static void gemv_rows(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int64_t N, uint16_t *y,
                       int64_t n0, int64_t n1) {
@@ -296,12 +296,42 @@ static void silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a) 
 }
 #endif
 
+/* One linear layer of the fused layer: plain bf16 rows (kind 0, read by fz_gemv_bf16) or packed
+ * q8_0 / q4_1 weights (kinds 1, 2) in the 16-channel layout, run by the quantized kernel whose
+ * address the caller passes (csrc/qgemm_n16.c VNNI, csrc/qgemm_amx.c AMX): both libraries keep
+ * their own builds and flags, and this file never links them. Layout shared with kernels/fused.py. */
+typedef int (*fz_q8_fn)(const void *, int64_t, int64_t, const void *, const void *, const float *, void *,
+                        int64_t, int, int);
+typedef int (*fz_q4_fn)(const void *, int64_t, int64_t, const void *, const void *, const void *,
+                        const float *, void *, int64_t, int, int);
+typedef struct {
+    int64_t kind;     /* 0 bf16, 1 q8_0, 2 q4_1 */
+    int64_t big_rows; /* from this many rows `big` runs instead of `small` (0: never) */
+    const void *w, *d, *mn;
+    void *small, *big;
+} fz_linear;
+
+#define FZ_KERNEL_FAILED (-3) /* the quantized kernel could not allocate its activation scratch */
+
+#if FZ_BF16_GEMV
+/* y[M][N] = x[M][K] @ W^T, bf16 in and out. */
+static int linear_run(const fz_linear *L, const uint16_t *x, int64_t M, int64_t K, int64_t N, uint16_t *y,
+                      int nthreads) {
+    if (L->kind == 0) return fz_gemv_bf16(x, M, K, (const uint16_t *)L->w, N, y, nthreads);
+    void *fn = L->big != NULL && L->big_rows > 0 && M >= L->big_rows ? L->big : L->small;
+    const int bf16_in_out = 3;
+    int rc = L->kind == 1 ? ((fz_q8_fn)fn)(x, M, K, L->w, L->d, NULL, y, N, nthreads, bf16_in_out)
+                          : ((fz_q4_fn)fn)(x, M, K, L->w, L->d, L->mn, NULL, y, N, nthreads, bf16_in_out);
+    return rc ? FZ_KERNEL_FAILED : 0;
+}
+#endif
+
 /* Before attention: [residual += x;] x = rms_norm(residual) * w_norm (without a residual yet:
  * residual = x first); qkv = x @ w_qkv^T; the q and k heads rotated; k and v written into the
  * caches at slots. 0 on success, -1 when this build has no bf16 path, -2 for a slot past the
- * cache. */
+ * cache, -3 when a quantized kernel had no memory. */
 int fz_attn_in(uint16_t *x, uint16_t *residual, int has_residual, const float *w_norm, float eps,
-               int64_t M, int64_t H, const uint16_t *w_qkv, int64_t n_qkv, uint16_t *qkv,
+               int64_t M, int64_t H, const fz_linear *w_qkv, int64_t n_qkv, uint16_t *qkv,
                int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rot, const float *cs,
                const int64_t *positions, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
                int64_t num_slots, int nthreads) {
@@ -312,7 +342,8 @@ int fz_attn_in(uint16_t *x, uint16_t *residual, int has_residual, const float *w
         memcpy(residual, x, (size_t)(M * H) * 2);
         if (fz_rms_norm(residual, H, w_norm, x, M, H, eps, 1)) return -1;
     }
-    if (fz_gemv_bf16(x, M, H, w_qkv, n_qkv, qkv, nthreads)) return -1;
+    int rc = linear_run(w_qkv, x, M, H, n_qkv, qkv, nthreads);
+    if (rc) return rc;
     fz_rotary_neox(qkv, M, n_qkv, q_heads + kv_heads, head_dim, rot, cs, positions, 1);
     int64_t kv = kv_heads * head_dim;
     const uint16_t *k = qkv + q_heads * head_dim, *v = k + kv;
@@ -330,16 +361,17 @@ int fz_attn_in(uint16_t *x, uint16_t *residual, int has_residual, const float *w
 
 /* After attention: y = attn @ w_o^T; residual += y; y = rms_norm(residual) * w_norm;
  * h = y @ w_gu^T; a = silu(gate) * up; out = a @ w_down^T. y [M][H], h [M][2I], a [M][I] are
- * scratch. 0 on success, -1 when this build has no bf16 path. */
-int fz_mlp_out(const uint16_t *attn, int64_t A, const uint16_t *w_o, uint16_t *y, uint16_t *residual,
-               const float *w_norm, float eps, int64_t M, int64_t H, const uint16_t *w_gu, int64_t I,
-               uint16_t *h, uint16_t *a, const uint16_t *w_down, uint16_t *out, int nthreads) {
+ * scratch. 0 on success, -1 when this build has no bf16 path, -3 as fz_attn_in. */
+int fz_mlp_out(const uint16_t *attn, int64_t A, const fz_linear *w_o, uint16_t *y, uint16_t *residual,
+               const float *w_norm, float eps, int64_t M, int64_t H, const fz_linear *w_gu, int64_t I,
+               uint16_t *h, uint16_t *a, const fz_linear *w_down, uint16_t *out, int nthreads) {
 #if FZ_BF16_GEMV
-    if (fz_gemv_bf16(attn, M, A, w_o, H, y, nthreads)) return -1;
+    int rc = linear_run(w_o, attn, M, A, H, y, nthreads);
+    if (rc) return rc;
     if (fz_add_rms_norm(y, residual, w_norm, M, H, eps, 1)) return -1;
-    if (fz_gemv_bf16(y, M, H, w_gu, 2 * I, h, nthreads)) return -1;
+    if ((rc = linear_run(w_gu, y, M, H, 2 * I, h, nthreads))) return rc;
     silu_mul_bf16(h, M, I, a);
-    return fz_gemv_bf16(a, M, I, w_down, H, out, nthreads);
+    return linear_run(w_down, a, M, I, H, out, nthreads);
 #else
     (void)attn; (void)A; (void)w_o; (void)y; (void)residual; (void)w_norm; (void)eps; (void)M; (void)H;
     (void)w_gu; (void)I; (void)h; (void)a; (void)w_down; (void)out; (void)nthreads;

@@ -28,6 +28,12 @@
 #define QN_X_BF16 1
 #define QN_Y_BF16 2
 #define XQ_MAX 16383
+#ifndef QN_PF4
+#define QN_PF4 3072 /* bytes of q4 weights prefetched ahead (1, 2, 3 KiB measured: 3 best, PERF.md) */
+#endif
+#ifndef QN_PF8
+#define QN_PF8 2048 /* bytes of q8 weights prefetched ahead */
+#endif
 #define QN_ROWS 64 /* rows of x per pass: their accumulators (4 KiB) stay in L1 */
 
 
@@ -175,10 +181,7 @@ int qn_q4_mm(const void *x, int64_t M, int64_t K, const uint16_t *w, const uint1
             const uint16_t *wb = w + b * G * 128;
             for (int64_t g = 0; g < G; g++) {
                 const uint16_t *wg = wb + g * 128;
-                _mm_prefetch((const char *)(wg + 512), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wg + 544), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wg + 576), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wg + 608), _MM_HINT_T0);
+                for (int c = 0; c < 4; c++) _mm_prefetch((const char *)wg + QN_PF4 + 64 * c, _MM_HINT_T0);
                 __m512i wv[16];
                 for (int t = 0; t < 4; t++) {
                     __m512i v = _mm512_loadu_si512((const void *)(wg + 32 * t));
@@ -215,7 +218,7 @@ int qn_q8_mm(const void *x, int64_t M, int64_t K, const int8_t *w, const uint16_
             const int8_t *wb = w + b * G * 512;
             for (int64_t g = 0; g < G; g++) {
                 const int8_t *wg = wb + g * 512;
-                for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(wg + 2048 + 64 * c), _MM_HINT_T0);
+                for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(wg + QN_PF8 + 64 * c), _MM_HINT_T0);
                 __m512i wv[16];
                 for (int j = 0; j < 16; j++) wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * j)));
                 __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + (b * G + g) * 16)));
