@@ -149,3 +149,18 @@ def test_fp32_never_takes_amx(fresh_libraries) -> None:
     got = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
     assert batch.meta.cpu_plan[1].decode is None
     torch.testing.assert_close(got.double(), naive_attention(batch, 0.2), atol=2e-5, rtol=1e-4)
+
+
+@needs_amx
+def test_amx_strided_query_in_a_mixed_batch(fresh_libraries) -> None:
+    """Through kernels.attention: q a view of a fused QKV row (row stride past H * D), decodes on
+    AMX, prefill chunks by SDPA."""
+    reqs = [(20, 1), (70, 1), (7, 1), (0, 9), (12, 4)]
+    batch = make_batch(reqs, 9, 3, 64, 16, dtype=torch.bfloat16, seed=13)
+    t = batch.q.shape[0]
+    fused = torch.randn(t, (9 + 2 * 3) * 64).to(torch.bfloat16)
+    fused[:, : 9 * 64] = batch.q.reshape(t, -1)
+    q = fused[:, : 9 * 64].view(t, 9, 64)
+    got = paged_attention(q, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    assert batch.meta.cpu_plan[1].decode is not None
+    torch.testing.assert_close(got.double(), naive_attention(batch, 0.125), atol=BF16_TOL, rtol=BF16_TOL)
