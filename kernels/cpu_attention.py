@@ -162,10 +162,10 @@ def decode_attention_c(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
         threads, part = _threads_and_parts(meta.seq_lens_host[:batch], num_heads, num_kv_heads, head_dim,
                                            block_size)
         call = step_call(meta, key, threads, part, attn_amx.decode_fn(q.dtype, num_heads, num_kv_heads, head_dim))
-    rc = (call.decode or lib.pa_decode)(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), call.tables_ptr,
-                       call.tables_stride, call.seq_lens_ptr, batch, num_heads, num_kv_heads, head_dim,
-                       block_size, scale, target.data_ptr(), target.stride(0), _DTYPES[q.dtype], call.part,
-                       call.threads)
+    kernel = call.decode or lib.pa_decode
+    rc = kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), call.tables_ptr,
+                call.tables_stride, call.seq_lens_ptr, batch, num_heads, num_kv_heads, head_dim, block_size, scale,
+                target.data_ptr(), target.stride(0), _DTYPES[q.dtype], call.part, call.threads)
     if rc != 0:
         raise RuntimeError(f"paged attention kernel rejected its arguments (B={batch} H={num_heads} "
                            f"Hkv={num_kv_heads} D={head_dim} block={block_size}) or ran out of memory")

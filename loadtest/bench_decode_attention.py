@@ -93,7 +93,8 @@ def main() -> None:
             r = _case(b, c, args.layers, args.paths, args.reps, args.min_time)
             med = r["median"]
             cols = "".join(f"{med[p]:12.1f}{min(r['all'][p]):8.1f}" for p in args.paths)
-            print(f"{b:5d} {c:5d} {r['threads']:3d} {r['part']:5d}{cols}  {med[args.paths[0]] / med[args.paths[-1]]:9.2f}x"
+            ratio = med[args.paths[0]] / med[args.paths[-1]]
+            print(f"{b:5d} {c:5d} {r['threads']:3d} {r['part']:5d}{cols}  {ratio:9.2f}x"
                   f"  {r['diff']:.4f}", flush=True)
 
 

@@ -59,7 +59,8 @@ def main() -> None:
             llm.generate(prompts, sp, use_tqdm=False)
             wall = time.perf_counter() - t0
             results[path].append((wall, inside[0]))
-            print(f"round {r} {path:>6}: generate {wall:6.2f} s, decode attention {inside[0] * 1e3:8.1f} ms", flush=True)
+            print(f"round {r} {path:>6}: generate {wall:6.2f} s, decode attention {inside[0] * 1e3:8.1f} ms",
+                  flush=True)
     for path, rows in results.items():
         print(f"median {path:>6}: generate {statistics.median(w for w, _ in rows):6.2f} s, decode attention "
               f"{statistics.median(a for _, a in rows) * 1e3:8.1f} ms")
