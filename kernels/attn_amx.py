@@ -33,12 +33,10 @@ def library() -> ctypes.CDLL | None:
     fails, or ``PAGEDSERVE_ATTN_ISA`` names another build."""
     if os.environ.get(ISA_ENV) not in (None, "", "amx") or not NEEDS <= cbuild.cpu_flags():
         return None
-    try:
-        lib = cbuild.build("paged_attn_amx.c", FLAGS)
-    except cbuild.KernelBuildError as e:
-        logger.warning("AMX decode attention unavailable, the AVX-512 kernel runs: %s", e)
+    lib = cbuild.build_or_none("paged_attn_amx.c", FLAGS, "the AVX-512 attention kernel")
+    if lib is None:
         return None
-    if lib.pam_init() != 0:
+    if not cbuild.amx_tiles_granted():
         logger.warning("AMX decode attention: Linux refused the tile state, the AVX-512 kernel runs")
         return None
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -11,11 +11,14 @@ measured in their modules, from ``cpu_flags``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -86,13 +89,37 @@ def build(source_name: str, extra_flags: list[str]) -> ctypes.CDLL:
                               "(install gcc or set CC)")
     source = CSRC / source_name
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *extra_flags]
-    src = source.read_bytes()
+    src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # shared headers
     key = hashlib.sha256(src + " ".join(flags).encode() + cc_path.encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
     if not out.is_file():
         logger.info("building %s: %s %s -> %s", source_name, cc, " ".join(flags), out)
         _compile(cc, flags, source, out)
     return ctypes.CDLL(str(out))
+
+
+def build_or_none(source_name: str, extra_flags: list[str], fallback: str) -> ctypes.CDLL | None:
+    """``build``, or None with a warning naming ``fallback`` (the path that runs instead) when the
+    compiler rejects the source: an optional kernel never stops the server."""
+    try:
+        return build(source_name, extra_flags)
+    except KernelBuildError as e:
+        logger.warning("%s: the build failed, %s runs: %s", source_name, fallback, e)
+        return None
+
+
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL_X86_64 = 0x1023, 18, 158
+
+
+@functools.cache
+def amx_tiles_granted() -> bool:
+    """Ask Linux once per process for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM); every AMX
+    kernel needs it before its first tile instruction. False where Linux refuses or is not x86-64."""
+    if platform.machine() != "x86_64" or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL_X86_64), ctypes.c_long(_ARCH_REQ_XCOMP_PERM),
+                        ctypes.c_long(_XFEATURE_XTILEDATA)) == 0
 
 
 def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:

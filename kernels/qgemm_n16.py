@@ -46,10 +46,8 @@ def library() -> ctypes.CDLL | None:
     kernel then runs; a build failure is logged, never raised)."""
     if not wanted(cbuild.cpu_flags(), os.environ.get("PAGEDSERVE_QGEMM_ISA")):
         return None
-    try:
-        lib = cbuild.build("qgemm_n16.c", FLAGS)
-    except cbuild.KernelBuildError as e:
-        logger.warning("quantized kernel: the AVX-512 VNNI build failed, the AVX2 path runs: %s", e)
+    lib = cbuild.build_or_none("qgemm_n16.c", FLAGS, "the AVX2 quantized kernel")
+    if lib is None:
         return None
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.qn_q4_mm.restype = I
@@ -78,12 +76,10 @@ def amx_library() -> ctypes.CDLL | None:
     forced = os.environ.get("PAGEDSERVE_QGEMM_ISA")
     if library() is None or not AMX_NEEDS <= cbuild.cpu_flags() or forced not in (None, "", "amx"):
         return None
-    try:
-        lib = cbuild.build("qgemm_amx.c", AMX_FLAGS)
-    except cbuild.KernelBuildError as e:
-        logger.warning("quantized kernel: the AMX build failed, the VNNI path runs: %s", e)
+    lib = cbuild.build_or_none("qgemm_amx.c", AMX_FLAGS, "the VNNI quantized kernel")
+    if lib is None:
         return None
-    if lib.qa_init() != 0:
+    if not cbuild.amx_tiles_granted():
         logger.warning("quantized kernel: Linux refused the AMX tile state, the VNNI path runs")
         return None
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

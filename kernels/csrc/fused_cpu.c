@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define FZ_BF16_GEMV 1
@@ -36,21 +37,6 @@ int fz_isa(void) {
 #else
     return 0;
 #endif
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                             /* nearest even */
-    return (uint16_t)(u >> 16);
 }
 
 #define FZ_MAXH 16384 /* hidden sizes up to this use a stack row buffer */

@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -55,24 +56,10 @@ int pa_width(void) { return PA_W; }
 int pa_max_group(void) { return PA_MAX_G; }
 int pa_max_head_dim(void) { return PA_MAX_D; }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* ------------------------------------------------------------------ vector primitives */
 
 #if PA_ISA == 3
+#include "exp512.h"
 typedef __m512 vf;
 static inline vf v_zero(void) { return _mm512_setzero_ps(); }
 static inline vf v_set1(float x) { return _mm512_set1_ps(x); }
@@ -86,21 +73,7 @@ static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline float v_hsum(vf v) { return _mm512_reduce_add_ps(v); }
-static inline vf v_exp(vf x) { /* x <= 0; Cephes expf polynomial, 2^n by scalef */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    vf p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+static inline vf v_exp(vf x) { return exp512_nonpos(x); } /* x <= 0 */
 #elif PA_ISA == 2
 typedef __m256 vf;
 static inline vf v_zero(void) { return _mm256_setzero_ps(); }

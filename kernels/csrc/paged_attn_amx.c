@@ -22,24 +22,21 @@
  *
  * Tiles (palette 1): each pass loads its own config (tiles_scores, tiles_values), in every OpenMP
  * thread. Built with -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw (kernels/attn_amx.py),
- * which asks Linux for the tile state once per process (pam_init).
+ * which asks Linux for the tile state once per process (kernels/cbuild.py amx_tiles_granted).
  */
-#define _GNU_SOURCE /* syscall() */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "bf16.h"
+#include "exp512.h"
+
 #define PAM_MAX_G 16 /* Q^T tile: 4G bytes a row */
 #define PAM_MAX_D 256
 #define PAM_MAX_H 256
 
-int pam_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 int pam_max_group(void) { return PAM_MAX_G; }
 
 typedef struct {
@@ -66,29 +63,7 @@ static void tiles_values(int G) { /* 0 = P (G x 64); 1,2 = V pairs (16 x 64); 4.
     _tile_loadconfig(&c);
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline __m512 v_exp(__m512 x) { /* x <= 0; as in paged_attn.c */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+static inline __m512 v_exp(__m512 x) { return exp512_nonpos(x); } /* x <= 0 */
 
 typedef struct { /* one call's arguments that every item reads */
     const uint16_t *q, *k, *v;

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -47,22 +48,9 @@ int qg_isa(void) { return QG_AVX512 ? 3 : QG_AVX2 ? 2 : 0; }
 
 /* ---------------------------------------------------------------- conversions ---------- */
 
-static inline float bf2f(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t f2bf(float f) { /* round to nearest even, NaN stays NaN */
-    union { float f; uint32_t u; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
 static inline void put(void *y, int64_t idx, float v, int flags) {
     if (flags & QG_Y_BF16)
-        ((uint16_t *)y)[idx] = f2bf(v);
+        ((uint16_t *)y)[idx] = f32_to_bf16(v);
     else
         ((float *)y)[idx] = v;
 }
@@ -106,7 +94,7 @@ static const float *x_as_f32(const void *x, int64_t M, int64_t K, int flags, flo
     float *f = (float *)malloc(sizeof(float) * (size_t)(M * K + 1));
     if (!f) return NULL;
     const uint16_t *h = (const uint16_t *)x;
-    for (int64_t i = 0; i < M * K; i++) f[i] = bf2f(h[i]);
+    for (int64_t i = 0; i < M * K; i++) f[i] = bf16_to_f32(h[i]);
     *owned = f;
     return f;
 }

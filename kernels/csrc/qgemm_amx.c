@@ -11,23 +11,19 @@
  *
  * Tiles: 0,1 = C (sums of an even / odd group), 2,3 = A (x), 4,5 = B (codes as bf16 pairs, the
  * VNNI order the layout already has: row j = inputs 2j, 2j+1 of 16 channels). Built with
- * -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw -mf16c (kernels/qgemm_amx.py); the
- * loader asks Linux for the tile state (arch_prctl) before the first call.
+ * -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw -mf16c (kernels/qgemm_n16.py); the
+ * loader asks Linux for the tile state (kernels/cbuild.py amx_tiles_granted) before the first call.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "bf16.h"
 
 #define QA_GROUP 32
 #define QA_Y_BF16 2
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 
-/* Ask the kernel for AMX tile state in this process: 0 on success. */
-int qa_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -44,13 +40,6 @@ static void tiles_on(void) {
         c.rows[t] = 16;
     }
     _tile_loadconfig(&c);
-}
-
-static inline uint16_t f2bf(float f) {
-    union { float f; uint32_t u; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 /* B tile (16 rows of 64 bytes) of one q4_1 group of 16 channels: codes to bf16 by table. */
@@ -109,7 +98,7 @@ static int amx_mm(const uint16_t *x, int64_t M, int64_t K, const void *w, const 
             xsum[i * G + g] = s;
         }
     uint16_t tab[32];
-    for (int i = 0; i < 32; i++) tab[i] = f2bf((float)(i & 15));
+    for (int i = 0; i < 32; i++) tab[i] = f32_to_bf16((float)(i & 15));
     const __m512i table = _mm512_loadu_si512((const void *)tab);
     if (nthreads < 1) nthreads = 1;
     const int64_t xstride = K * 2;
@@ -187,7 +176,7 @@ static int amx_mm(const uint16_t *x, int64_t M, int64_t K, const void *w, const 
                     int64_t o = (m0 + r) * N + n0;
                     if (flags & QA_Y_BF16) {
                         uint16_t *yo = (uint16_t *)y + o;
-                        for (int c = 0; c < nv; c++) yo[c] = f2bf(f[c] + (bias ? bias[n0 + c] : 0.0f));
+                        for (int c = 0; c < nv; c++) yo[c] = f32_to_bf16(f[c] + (bias ? bias[n0 + c] : 0.0f));
                     } else {
                         float *yo = (float *)y + o;
                         for (int c = 0; c < nv; c++) yo[c] = f[c] + (bias ? bias[n0 + c] : 0.0f);

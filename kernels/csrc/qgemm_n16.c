@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define QN_GROUP 32
 #define QN_X_BF16 1
 #define QN_Y_BF16 2
@@ -35,14 +37,6 @@
 #define QN_PF8 2048 /* bytes of q8 weights prefetched ahead */
 #endif
 #define QN_ROWS 64 /* rows of x per pass: their accumulators (4 KiB) stay in L1 */
-
-
-static inline uint16_t f2bf(float f) { /* round to nearest even, NaN stays NaN */
-    union { float f; uint32_t u; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* xq[M][K] int16, xs[M] (NaN for a row holding NaN/inf: its outputs become NaN), and for q4_1
  * xsum[M][G] (fp32 sums of each group of x). 0, or -1 when out of memory. */
@@ -156,7 +150,7 @@ static inline void write_block(void *y, int64_t m0, int64_t mr, int64_t N, int64
         int64_t o = (m0 + r) * N + n0;
         if (flags & QN_Y_BF16) {
             uint16_t *yo = (uint16_t *)y + o;
-            for (int c = 0; c < nv; c++) yo[c] = f2bf(f[c] + (bias ? bias[n0 + c] : 0.0f));
+            for (int c = 0; c < nv; c++) yo[c] = f32_to_bf16(f[c] + (bias ? bias[n0 + c] : 0.0f));
         } else {
             float *yo = (float *)y + o;
             for (int c = 0; c < nv; c++) yo[c] = f[c] + (bias ? bias[n0 + c] : 0.0f);
@@ -266,7 +260,7 @@ static void row_f32(const void *w, const uint16_t *d, const uint16_t *mn, int64_
 static void store_row(void *out, int64_t off, const float *buf, int64_t K, int flags) {
     if (flags & QN_Y_BF16) {
         uint16_t *o = (uint16_t *)out + off;
-        for (int64_t k = 0; k < K; k++) o[k] = f2bf(buf[k]);
+        for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(buf[k]);
     } else {
         memcpy((float *)out + off, buf, sizeof(float) * (size_t)K);
     }
