@@ -67,15 +67,15 @@ def isa() -> str:
     return {4: "avx512bf16", 3: "avx512", 2: "avx2"}.get(lib.pa_isa(), "scalar")
 
 
-def _kernel_for(q: torch.Tensor, k_cache: torch.Tensor) -> ctypes.CDLL | None:
+def _kernel_for(dtype: torch.dtype, num_heads: int, k_cache: torch.Tensor) -> ctypes.CDLL | None:
     """The library when the kernel handles these shapes and dtypes, else None (torch path)."""
-    if os.environ.get(IMPL_ENV) == "torch" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype:
+    if os.environ.get(IMPL_ENV) == "torch" or dtype not in _DTYPES or k_cache.dtype != dtype:
         return None
     lib = library()
     if lib is None:
         return None
     head_dim = k_cache.shape[3]
-    group = q.shape[1] // k_cache.shape[2]
+    group = num_heads // k_cache.shape[2]
     width, max_head_dim, max_group = _limits(lib)
     if head_dim % width or head_dim > max_head_dim or group > max_group:
         return None
@@ -140,6 +140,30 @@ def step_call(meta: AttentionMetadata, key: tuple, threads: int, part: int, deco
     return call
 
 
+def _plan(meta: AttentionMetadata, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+          block_size: int, dtype: torch.dtype) -> _StepCall:
+    """This step's decode call (threads, split, kernel), made by its first layer and kept in meta."""
+    plan = meta.cpu_plan
+    key = ("c", batch, num_heads, num_kv_heads, head_dim, block_size)
+    if plan is not None and plan[0] == key:
+        return plan[1]
+    threads, part = _threads_and_parts(meta.seq_lens_host[:batch], num_heads, num_kv_heads, head_dim, block_size)
+    return step_call(meta, key, threads, part, attn_amx.decode_fn(dtype, num_heads, num_kv_heads, head_dim))
+
+
+def decode_call_by_address(meta: AttentionMetadata, dtype: torch.dtype, num_heads: int, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor) -> tuple[int, _StepCall] | None:
+    """(kernel address, step call) for a C caller that runs this step's decodes itself (the fused
+    decode stack, gpu/models/fast_decode.py), or None where paged_attention_cpu would not take them
+    to the C kernel (torch path, shapes, dtypes, strided caches)."""
+    lib = _kernel_for(dtype, num_heads, k_cache)
+    if lib is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    call = _plan(meta, meta.num_decodes, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    return ctypes.cast(call.decode or lib.pa_decode, ctypes.c_void_p).value, call
+
+
 def decode_attention_c(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
     """The first ``meta.num_decodes`` requests (one query row each): q ``[B, H, D]`` -> ``out``."""
@@ -154,14 +178,7 @@ def decode_attention_c(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
         target = torch.empty_like(q)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the CPU attention kernel needs contiguous KV caches")
-    plan = meta.cpu_plan
-    key = ("c", batch, num_heads, num_kv_heads, head_dim, block_size)
-    if plan is not None and plan[0] == key:
-        call = plan[1]
-    else:
-        threads, part = _threads_and_parts(meta.seq_lens_host[:batch], num_heads, num_kv_heads, head_dim,
-                                           block_size)
-        call = step_call(meta, key, threads, part, attn_amx.decode_fn(q.dtype, num_heads, num_kv_heads, head_dim))
+    call = _plan(meta, batch, num_heads, num_kv_heads, head_dim, block_size, q.dtype)
     kernel = call.decode or lib.pa_decode
     rc = kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), call.tables_ptr,
                 call.tables_stride, call.seq_lens_ptr, batch, num_heads, num_kv_heads, head_dim, block_size, scale,
@@ -182,7 +199,7 @@ def paged_attention_cpu(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_attention_torch``; decodes through the C kernel when it applies."""
-    lib = _kernel_for(q, k_cache)
+    lib = _kernel_for(q.dtype, q.shape[1], k_cache)
     if lib is None or meta.num_decodes == 0:
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, out)
     return split_decode_prefill(q, k_cache, v_cache, meta, scale, out, _decode_with(lib))

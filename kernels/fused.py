@@ -64,6 +64,9 @@ def library() -> ctypes.CDLL | None:
     lib.fz_attn_in.argtypes = [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I]
     lib.fz_mlp_out.restype = I
     lib.fz_mlp_out.argtypes = [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I]
+    lib.fz_decode_stack.restype = I
+    lib.fz_decode_stack.argtypes = [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,
+                                    I64, P, I64, F, I64, I, P, P, P, P, P, I]
     return lib
 
 
@@ -76,8 +79,19 @@ class LinearSpec(ctypes.Structure):
                 ("big", ctypes.c_void_p)]
 
 
+class LayerSpec(ctypes.Structure):
+    """csrc/fused_cpu.c's ``fz_layer``: one decoder layer as ``fz_decode_stack`` reads it (fp32 norm
+    weights, the addresses of its four LinearSpecs, its K and V caches)."""
+
+    _fields_ = [("w_in_norm", ctypes.c_void_p), ("w_post_norm", ctypes.c_void_p), ("eps_in", ctypes.c_float),
+                ("eps_post", ctypes.c_float), ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p),
+                ("gu", ctypes.c_void_p), ("down", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
+                ("v_cache", ctypes.c_void_p)]
+
+
 KIND_BF16, KIND_Q8_0, KIND_Q4_1 = 0, 1, 2
 KERNEL_FAILED = -3  # fz_attn_in / fz_mlp_out: a quantized kernel found no memory for its scratch
+ATTN_FAILED = -4  # fz_decode_stack: the attention kernel rejected its arguments or had no memory
 
 
 def available() -> bool:

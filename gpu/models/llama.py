@@ -124,6 +124,8 @@ class LlamaModel(nn.Module):
         self.norm = (RMSNorm(cfg["hidden_size"], float(_cfg(cfg, "rms_norm_eps", default=1e-6)))
                      if plan.last else MissingLayer())
 
+    fast_stack = None  # a gpu.models.fast_decode.FastDecodeStack: decode-only steps in one C call
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: StageActivations | None = None):
         """The final hidden states; on a stage before the last, its StageActivations instead."""
@@ -133,8 +135,12 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary.prepare(positions, x.dtype)  # shared by every layer
-        for layer in self._own_layers:
-            x, residual = layer.forward(rope, x, residual)
+        done = self.fast_stack.forward(rope, x, residual) if self.fast_stack is not None else None
+        if done is not None:
+            x, residual = done
+        else:
+            for layer in self._own_layers:
+                x, residual = layer.forward(rope, x, residual)
         if not self.stage.last:
             return StageActivations(x, residual)
         x, _ = self.norm.forward(x, residual)

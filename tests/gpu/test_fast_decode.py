@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParams
+from gpu.forward_context import get_forward_context
 from gpu.models import fast_decode
 from kernels import fused, qgemm_n16
 from tests.tiny import tiny_llm
@@ -21,22 +22,30 @@ def _run(llm, prompts, max_tokens=24):
     return [o.outputs[0] for o in outs]
 
 
-def _compare(make_llm, prompts, monkeypatch, max_tokens=24):
+def _compare(make_llm, prompts, monkeypatch, max_tokens=24, mode="layer", counted=fast_decode.FastDecodeLayer):
+    """Greedy outputs with the fast path in ``mode`` ("layer": per-layer calls only; "1": the
+    stack for decode-only steps too) against the eager model; returns the (rows, taken) of every
+    call to ``counted.forward``."""
     calls = []
-    real = fast_decode.FastDecodeLayer.forward
+    real = counted.forward
 
     def counting(self, rope, x, residual):
         out = real(self, rope, x, residual)
+        meta = get_forward_context().attn_metadata
         calls.append((x.shape[0], out is not None))
+        if counted is fast_decode.FastDecodeStack:  # it takes exactly the decode-only steps it has rows for
+            decode_only = meta.num_decodes == meta.num_requests == x.shape[0] <= self.max_rows
+            assert (out is not None) == decode_only, meta
         return out
 
-    monkeypatch.setattr(fast_decode.FastDecodeLayer, "forward", counting)
+    monkeypatch.setattr(counted, "forward", counting)
     monkeypatch.setenv(fast_decode.ENV, "0")
     eager = _run(make_llm(), prompts, max_tokens)
     assert calls == []
-    monkeypatch.setenv(fast_decode.ENV, "1")
+    monkeypatch.setenv(fast_decode.ENV, mode)
     fast = _run(make_llm(), prompts, max_tokens)
-    assert all(done for _, done in calls)  # never fell back once it took a batch
+    if counted is fast_decode.FastDecodeLayer:
+        assert all(done for _, done in calls)  # never fell back once it took a batch
     for e, f in zip(eager, fast):
         assert f.token_ids == e.token_ids
         for le, lf in zip(e.logprobs, f.logprobs):
@@ -84,6 +93,49 @@ def test_default_model_greedy_tokens_match_eager(monkeypatch):
 
     make = lambda: LLM(dtype="bfloat16", quantization="none", kv_cache_memory_gib=0.25)  # noqa: E731
     _compare(make, PROMPTS[:2], monkeypatch, max_tokens=32)
+
+
+def _stack_calls(calls):
+    """Rows of the steps the stack ran; it declines (None) only for steps that are not decode-only."""
+    return [rows for rows, taken in calls if taken]
+
+
+def test_tiny_model_decode_stack_matches_eager(monkeypatch):
+    """All layers of a decode-only step in one C call: same tokens as the eager model, for one and
+    for two rows; the prompt steps are declined and run layer by layer."""
+    make = lambda: tiny_llm(dtype="bfloat16")  # noqa: E731
+    for prompts in (PROMPTS[:1], PROMPTS[:2]):
+        calls = _compare(make, prompts, monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
+        assert len(_stack_calls(calls)) >= 23 and set(_stack_calls(calls)) == {len(prompts)}
+        assert any(not taken for _, taken in calls)  # the prefill step
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_tiny_quantized_model_decode_stack_matches_eager(monkeypatch, quantization):
+    if qgemm_n16.library() is None:
+        pytest.skip("no AVX-512 VNNI quantized kernel on this CPU")
+    make = lambda: tiny_llm(dtype="bfloat16", quantization=quantization)  # noqa: E731
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]  # 16 decode rows a step (AMX from 10 rows)
+    calls = _compare(make, prompts, monkeypatch, max_tokens=12, mode="1", counted=fast_decode.FastDecodeStack)
+    assert 16 in _stack_calls(calls)
+
+
+def test_default_model_decode_stack_matches_eager(monkeypatch):
+    from engine.llm import LLM
+
+    for quantization, prompts in (("none", PROMPTS[:1]), ("auto", PROMPTS)):
+        make = lambda: LLM(dtype="bfloat16", quantization=quantization, kv_cache_memory_gib=0.25)  # noqa: E731
+        calls = _compare(make, prompts, monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack)
+        assert len(prompts) in _stack_calls(calls)
+
+
+def test_decode_stack_not_bound_in_layer_mode(monkeypatch):
+    monkeypatch.setenv(fast_decode.ENV, "layer")
+    body = tiny_llm(dtype="bfloat16").parts.executor.runner.model.model
+    assert body.fast_stack is None and all(layer.fast_decode is not None for layer in body.layers)
+    monkeypatch.setenv(fast_decode.ENV, "1")
+    body = tiny_llm(dtype="bfloat16").parts.executor.runner.model.model
+    assert body.fast_stack is not None
 
 
 def test_not_bound_for_fp32_or_when_turned_off(monkeypatch):

@@ -129,7 +129,7 @@ def test_step_call_built_once_per_step() -> None:
 def test_torch_env_selects_the_torch_path(monkeypatch) -> None:
     batch = make_batch([(30, 1), (5, 1)], 4, 2, 16, 8, seed=2)
     monkeypatch.setenv(cpu_attention.IMPL_ENV, "torch")
-    assert cpu_attention._kernel_for(batch.q, batch.k_cache) is None
+    assert cpu_attention._kernel_for(batch.q.dtype, batch.q.shape[1], batch.k_cache) is None
     got = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25)
     torch.testing.assert_close(got, naive_attention(batch, 0.25).float(), atol=2e-5, rtol=1e-4)
 
@@ -139,7 +139,7 @@ def test_unsupported_head_dim_falls_back_to_torch() -> None:
     if width == 1:
         pytest.skip("the scalar build takes any head_dim")
     batch = make_batch([(30, 1), (5, 1)], 4, 2, width + 4, 8, seed=3)
-    assert cpu_attention._kernel_for(batch.q, batch.k_cache) is None
+    assert cpu_attention._kernel_for(batch.q.dtype, batch.q.shape[1], batch.k_cache) is None
     got = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25)
     torch.testing.assert_close(got, naive_attention(batch, 0.25).float(), atol=2e-5, rtol=1e-4)
 
