@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 GROUP = 32  # values per fp16 scale (and minimum) in q8_0 / q4_1, as in GGUF Q8_0 / Q4_1
 FUSED_MAX_M = 16  # above this many rows, dequantize blocks of W and use the BLAS matmul
-_DEQUANT_ROWS = 2048  # rows of W widened at a time on the large-M path (bounded scratch)
+_DEQUANT_ROWS = 2048  # rows of W widened at a time on the large-M path (bounded scratch) ...
+_DEQUANT_BYTES = 4 << 20  # ... or more where they fit in this (one block for the default model's gate_up)
 _SOURCE = "qgemm.c"  # in kernels/csrc
 
 
@@ -298,14 +299,18 @@ class PackedLinear:
         dt = x2.dtype
         flags = Y_BF16 if dt is torch.bfloat16 else 0
         y = torch.empty(x2.shape[0], n, dtype=dt)
-        scratch = torch.empty(min(n, _DEQUANT_ROWS) * k, dtype=dt)
-        for n0 in range(0, n, _DEQUANT_ROWS):  # (a multiple of 16, as the n16 layout needs)
-            n1 = min(n, n0 + _DEQUANT_ROWS)
-            self._dequant(*self._wargs, k, n0, n1, scratch.data_ptr(), nt, flags)
+        block = min(n, max(_DEQUANT_ROWS, _DEQUANT_BYTES // (k * x2.element_size())) // 16 * 16)
+        # The n16 widening writes W^T, rows ``ld`` apart: not a multiple of 1 KB (csrc/qgemm_n16.c dequant_t).
+        ld = block + 16 if (block * x2.element_size()) % 1024 == 0 else block
+        scratch = torch.empty(block * k if self.n16 is None else ld * k, dtype=dt)
+        for n0 in range(0, n, block):  # (a multiple of 16, as the n16 layout needs)
+            n1 = min(n, n0 + block)
             if self.n16 is None:
+                self._dequant(*self._wargs, k, n0, n1, scratch.data_ptr(), nt, flags)
                 wt = scratch[: (n1 - n0) * k].view(n1 - n0, k).t()
-            else:  # the n16 dequantize writes W^T
-                wt = scratch[: (n1 - n0) * k].view(k, n1 - n0)
+            else:
+                self._dequant(*self._wargs, k, n0, n1, scratch.data_ptr(), ld, nt, flags)
+                wt = scratch.as_strided((k, n1 - n0), (ld, 1))
             if n1 - n0 == n:
                 torch.matmul(x2, wt, out=y)
             else:

@@ -55,8 +55,8 @@ def library() -> ctypes.CDLL | None:
     lib.qn_q8_mm.restype = I
     lib.qn_q8_mm.argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
     lib.qn_q8_dequant_t.restype = lib.qn_q4_dequant_t.restype = None
-    lib.qn_q8_dequant_t.argtypes = [P, P, I64, I64, I64, P, I, I]
-    lib.qn_q4_dequant_t.argtypes = [P, P, P, I64, I64, I64, P, I, I]
+    lib.qn_q8_dequant_t.argtypes = [P, P, I64, I64, I64, P, I64, I, I]  # (..., out, out row stride, ...)
+    lib.qn_q4_dequant_t.argtypes = [P, P, P, I64, I64, I64, P, I64, I, I]
     lib.qn_q8_rows.restype = lib.qn_q4_rows.restype = None
     lib.qn_q8_rows.argtypes = [P, P, I64, I64, P, I64, P, I]
     lib.qn_q4_rows.argtypes = [P, P, P, I64, I64, P, I64, P, I]

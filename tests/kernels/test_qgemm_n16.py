@@ -113,6 +113,29 @@ def test_n16_more_rows_than_one_pass(layout):
 
 @needs_n16
 @pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [512, 2048])
+def test_n16_large_batch_widens_blocks_into_a_padded_scratch(monkeypatch, layout, dtype, block):
+    """Past the fused kernels' rows, W is widened block by block into a scratch whose rows are
+    padded off 1 KB multiples (512 and 1024 columns in fp32 / bf16 are such multiples); the last
+    block is partial. Same result as widening the whole weight and one matmul."""
+    monkeypatch.setattr(qgemm, "_DEQUANT_ROWS", block)
+    monkeypatch.setattr(qgemm, "_DEQUANT_BYTES", 0)
+    gen = torch.Generator().manual_seed(block + len(layout))
+    m, k, n = 130, 64, block + 48
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    packed = qgemm.quantize(torch.randn(n, k, generator=gen) * 0.05, layout)
+    lin = qgemm.PackedLinear(layout, packed)
+    assert m > lin._fused_max
+    ref = x @ qgemm.dequantize(layout, packed).to(dtype).t()
+    y = lin(x)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5) if dtype is torch.float32 else \
+        torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_n16
+@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
 def test_n16_nan_row_and_zero_row(layout):
     x = torch.randn(4, 64)
     x[1, 5] = math.nan
@@ -187,9 +210,13 @@ def test_only_the_n16_copy_is_kept_and_it_dequantizes_and_looks_up_rows(layout):
     assert all(torch.equal(a, b) for a, b in zip(qw.tensors, packed))
     full = qgemm.dequantize(layout, packed)
     for dt in (torch.float32, torch.bfloat16):
+        flags = qgemm.Y_BF16 if dt is torch.bfloat16 else 0
         out = torch.full((k, n - 16), math.nan, dtype=dt)  # W^T of rows 16..36
-        lin._dequant(*lin._wargs, k, 16, n, out.data_ptr(), 2, qgemm.Y_BF16 if dt is torch.bfloat16 else 0)
+        lin._dequant(*lin._wargs, k, 16, n, out.data_ptr(), 0, 2, flags)
         assert torch.equal(out, full[16:].t().to(dt))
+        padded = torch.full((k, n + 5), math.nan, dtype=dt)  # the same into rows n + 5 apart
+        lin._dequant(*lin._wargs, k, 16, n, padded.data_ptr(), n + 5, 2, flags)
+        assert torch.equal(padded[:, : n - 16], full[16:].t().to(dt)) and padded[:, n - 16:].isnan().all()
         ids = torch.tensor([0, 36, 17, -1, 37])
         rows = lin.rows(ids, dt)
         assert torch.equal(rows[:3], full[[0, 36, 17]].to(dt)) and (rows[3:] == 0).all()
