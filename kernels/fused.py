@@ -64,6 +64,7 @@ def library() -> ctypes.CDLL | None:
     lib.fz_attn_in.argtypes = [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I]
     lib.fz_mlp_out.restype = I
     lib.fz_mlp_out.argtypes = [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I]
+    lib.fz_silu_mul_bf16.restype, lib.fz_silu_mul_bf16.argtypes = I, [P, I64, I64, P, I]
     lib.fz_decode_stack.restype = I
     lib.fz_decode_stack.argtypes = [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,
                                     I64, P, I64, F, I64, I, P, P, P, P, P, I]
@@ -157,6 +158,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                 v_cache.data_ptr(), slots.data_ptr(), T, row_bytes, num_slots)
     if bad:
         raise IndexError(f"{bad} KV cache slots out of range (the cache has {num_slots})")
+
+
+def silu_and_mul_bf16(h: torch.Tensor) -> torch.Tensor:
+    """silu(h[:, :I]) * h[:, I:] for a contiguous bf16 h [M, 2I] (AVX512-BF16 builds: has_bf16_gemv)."""
+    M, I = h.shape[0], h.shape[1] // 2
+    a = h.new_empty((M, I))
+    if library().fz_silu_mul_bf16(h.data_ptr(), M, I, a.data_ptr(), torch.get_num_threads()):
+        raise ValueError("the fused SiLU-and-mul is not available in this build")
+    return a
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -240,10 +240,11 @@ int fz_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int
  * its 30 layers (loadtest/PERF.md); these two calls do a Llama layer's work before and after
  * attention with the same C pieces the eager path calls one by one (so the same roundings). */
 #if FZ_BF16_GEMV
-/* e^x for |x| <= 88: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6 (rel. error
- * ~2e-7, far below bf16's 4e-3). */
+/* e^x: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6 (rel. error ~2e-7, far below
+ * bf16's 4e-3). Past ~88.7 scalef overflows to +inf as expf does (so silu(-100) is -0 as in torch);
+ * below -88 the result stays at e^-88. */
 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(127.0f)), _mm512_set1_ps(-88.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
@@ -281,6 +282,20 @@ static void silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a) 
     }
 }
 #endif
+
+/* a[M][I] = silu(h[:, :I]) * h[:, I:] for the eager layer's large batches (prefill), rows split
+ * over the threads; -1 when this build has no AVX512-BF16 path. */
+int fz_silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a, int nthreads) {
+#if FZ_BF16_GEMV
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && M * I >= 65536)
+    for (int64_t m = 0; m < M; m++) silu_mul_bf16(h + m * 2 * I, 1, I, a + m * I);
+    return 0;
+#else
+    (void)h; (void)M; (void)I; (void)a; (void)nthreads;
+    return -1;
+#endif
+}
 
 /* One linear layer of the fused layer: plain bf16 rows (kind 0, read by fz_gemv_bf16) or packed
  * q8_0 / q4_1 weights (kinds 1, 2) in the 16-channel layout, run by the quantized kernel whose

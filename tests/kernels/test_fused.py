@@ -82,6 +82,20 @@ def test_gemv_bf16_matches_fp32_matmul(m, k, n):
     torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-3 * k ** 0.5)
 
 
+@pytest.mark.skipif(not fused.has_bf16_gemv(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("m,i", [(1, 1536), (5, 7), (300, 1536), (40, 2000)])
+def test_silu_and_mul_is_torchs_bit_for_bit(m, i):
+    """The eager SiluAndMul's bf16 path: torch's F.silu(gate) * up rounding, on one thread and
+    split over threads (the larger shapes), including saturated gates and a masked tail (i % 16)."""
+    g = torch.Generator().manual_seed(m + i)
+    h = (torch.randn(m, 2 * i, generator=g) * 6).bfloat16()
+    h[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    gate, up = h.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    got = fused.silu_and_mul_bf16(h)
+    assert got.shape == (m, i) and torch.equal(got, ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_matches_the_torch_scatter(dtype):
     """Rows of the fused qkv output (strided) land where write_kv_cache_torch puts them; -1 skips."""
