@@ -76,8 +76,11 @@ class ModelRunner:
         from gpu.sampler import Sampler
 
         t0 = time.perf_counter()
-        self.model = load_model(self.config.model, self.device, self.dtype)
         if self.device.type == "cpu":
+            from gpu.huge_pages import loaded_onto_huge_pages
+
+            with loaded_onto_huge_pages():  # (before the KV cache is allocated: its pages stay untouched)
+                self.model = load_model(self.config.model, self.device, self.dtype)
             from kernels import fused
 
             fused.library()  # build (first run on this machine) or load now, not in the first step
@@ -85,6 +88,8 @@ class ModelRunner:
 
             sched = self.config.scheduler
             warm_row_buckets(self.model, sched.max_num_batched_tokens, sched.max_num_seqs)
+        else:
+            self.model = load_model(self.config.model, self.device, self.dtype)
         logger.info("loaded model in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype, self.device)
         self.sampler = Sampler()
         self.num_blocks = self._num_blocks()
