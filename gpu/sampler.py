@@ -71,6 +71,13 @@ class SamplerOutput:
     logprobs: list[SampledLogprobs | None] | None
 
 
+def greedy(logits: Tensor) -> Tensor:
+    """Index of each row's largest logit, the first of ties (as ``argmax``). ``max(dim)`` rather
+    than ``argmax``: on CPU torch's argmax over a 49k vocabulary took 62 us a row against 22
+    (16 rows: 575 against 160 us, 3 % of a 16-row decode step of the default model)."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     def __init__(self, top_p_candidates: int = TOP_P_CANDIDATES) -> None:
         self.top_p_candidates = top_p_candidates
@@ -111,13 +118,13 @@ class Sampler:
 
         random_rows = [i for i, o in enumerate(options) if o.temperature >= SAMPLING_EPS]
         if not random_rows:
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy(logits)
         else:
             greedy_rows = [i for i, o in enumerate(options) if o.temperature < SAMPLING_EPS]
             tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
             if greedy_rows:
                 g = on_device(logits, greedy_rows)
-                tokens[g] = logits[g].argmax(dim=-1)
+                tokens[g] = greedy(logits[g])
             uniforms = [
                 seeded_uniform(options[i].seed, num_generated(token_ids, num_prompt_tokens, i))
                 for i in random_rows

@@ -44,6 +44,20 @@ def test_temperature_zero_is_argmax():
     assert out.logprobs is None
 
 
+def test_greedy_takes_the_first_of_tied_maxima():
+    """As argmax (and vLLM): the lowest index among equal largest logits, bf16 logits full of ties
+    included, in a batch of greedy rows and in a batch mixed with sampled rows."""
+    logits = torch.zeros(3, 49152)
+    logits[0, [9, 5, 30000]] = 1.0
+    logits[1, [40000, 100]] = 2.0
+    logits[2] = torch.randn(49152).bfloat16().float()  # bf16 values: many ties
+    expected = [5, 100, int(logits[2].argmax())]
+    assert _run(logits.clone(), [SamplingOptions(temperature=0.0)] * 3).token_ids == expected
+    mixed = [SamplingOptions(temperature=0.0), SamplingOptions(temperature=1.0, seed=3), SamplingOptions(temperature=0.0)]
+    out = _run(logits.clone(), mixed).token_ids
+    assert out[0] == 5 and out[2] == expected[2]
+
+
 def test_tiny_temperature_equals_greedy():
     torch.manual_seed(1)
     logits = torch.randn(64, 500)
