@@ -11,12 +11,17 @@ from gpu import huge_pages
 from gpu.huge_pages import HUGE_PAGE, _added, anonymous_ranges, loaded_onto_huge_pages
 
 
-def _thp_allowed() -> bool:
+def _thp_mode() -> str:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
+            text = f.read()
     except OSError:
-        return False
+        return "none"
+    return text[text.find("[") + 1:text.find("]")] if "[" in text else "none"
+
+
+def _thp_allowed() -> bool:
+    return _thp_mode() in ("always", "madvise")
 
 
 def _kernel_at_least(major: int, minor: int) -> bool:
@@ -63,10 +68,14 @@ def test_memory_mapped_inside_the_block_is_collapsed_and_memory_outside_is_not()
     addr = {name: huge_pages.ctypes.addressof(huge_pages.ctypes.c_char.from_buffer(m))
             for name, m in (("inside", inside), ("outside", outside), ("later", later))}
     size = 8 * HUGE_PAGE
+    if _huge_bytes_in(addr["inside"], addr["inside"] + size) == 0 and \
+            huge_pages.collapse([(addr["inside"], addr["inside"] + size)]) == 0:
+        pytest.skip("the kernel refused to collapse (no free huge pages?)")
     assert _huge_bytes_in(addr["inside"], addr["inside"] + size) >= 6 * HUGE_PAGE  # all whole pages inside
     assert inside[:1] == b"y" and inside[-1:] == b"y"  # same contents, same addresses
-    assert _huge_bytes_in(addr["later"], addr["later"] + size) == 0
-    assert _huge_bytes_in(addr["outside"], addr["outside"] + size) == 0
+    assert _huge_bytes_in(addr["later"], addr["later"] + size) == 0  # untouched: nothing resident at all
+    if _thp_mode() == "madvise":  # ("always" gives touched memory huge pages without asking)
+        assert _huge_bytes_in(addr["outside"], addr["outside"] + size) == 0
     rss_before = _rss()
     del later  # (untouched: never resident)
     assert _rss() <= rss_before
