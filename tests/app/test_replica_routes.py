@@ -19,12 +19,16 @@ pytestmark = pytest.mark.asyncio
 
 @pytest.fixture
 async def replicated(monkeypatch):
-    built = patch_build_engine(monkeypatch)
+    patch_build_engine(monkeypatch)
     engine = ReplicatedEngine(make_config(num_blocks=128), 2)
     await engine.start()
     app = build_app(engine, served_model_name="m")
+    # Each replica's own parts, in replica order: the replicas start concurrently, so the build order
+    # need not be theirs (a test that broke "replica 1" through the build list broke replica 0 in about
+    # one run of ten, and then waited forever on the replica it had meant to hold).
+    parts = [r.parts for r in engine.replicas]
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        yield engine, built, c
+        yield engine, parts, c
     await engine.shutdown()
 
 
