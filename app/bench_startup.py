@@ -58,19 +58,32 @@ def _health_ok(port: int) -> bool:
     return head.startswith(b"HTTP/1.1 200")
 
 
+def _logged_at(line: str, wall0: float) -> float | None:
+    """Seconds from ``wall0`` (time.time()) to the asctime stamp a serve log line starts with
+    ("2026-11-24 01:04:35,078 INFO ..."), or None for a line without one. The stamp, not the time our
+    reader thread got to the line: that can come after /health already answered."""
+    try:
+        when = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
+    except (ValueError, OverflowError):
+        return None
+    return when - wall0 if line[19:20] == "," else None
+
+
 def time_one_start(serve_args: list[str], timeout: float) -> dict:
     """Start one server, time it to /health 200, stop it. Raises RuntimeError with its log on failure."""
     port = _free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), *serve_args]
     lines: list[tuple[float, str]] = []
     cpu0 = _children_cpu_s()
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
     def pump() -> None:
         for line in proc.stdout:
-            lines.append((time.perf_counter() - t0, line.rstrip()))
+            read_at = time.perf_counter() - t0
+            logged = _logged_at(line, wall0)
+            lines.append((read_at if logged is None else min(logged, read_at), line.rstrip()))
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()

@@ -32,3 +32,18 @@ def test_bench_startup_reports_a_server_that_cannot_start():
     assert out.returncode == 1
     assert "did not become healthy" in out.stderr and "does not exist" in out.stderr
     assert "Traceback" not in out.stderr.split("did not become healthy")[0]  # one clear message first
+
+
+def test_milestones_are_stamped_with_the_server_logs_own_time():
+    """A milestone's time is the asctime stamp the server wrote (ms), not when our reader thread read
+    the line, which can be after /health already answered (CI once saw ready line 2.960 > 2.959)."""
+    import time
+
+    from app.bench_startup import _logged_at
+
+    wall0 = 1_700_000_000.25
+    when = wall0 + 1.5
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) + f",{int(when * 1000) % 1000:03d}"
+    assert abs(_logged_at(f"{stamp} INFO pagedserve.serve: x | ready", wall0) - 1.5) < 1e-6
+    assert _logged_at("INFO: Uvicorn running", wall0) is None
+    assert _logged_at("2026-11-24 01:04:35 no milliseconds", wall0) is None
