@@ -5,6 +5,7 @@ over the mixed batch of decodes and prefill chunks, samples, and returns a StepO
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -72,15 +73,16 @@ class ModelRunner:
 
     def initialize(self) -> int:
         """Load the model, size and allocate the KV cache; returns the number of blocks."""
+        from gpu.huge_pages import loaded_onto_huge_pages
         from gpu.models.loader import load_model
         from gpu.sampler import Sampler
 
         t0 = time.perf_counter()
-        if self.device.type == "cpu":
-            from gpu.huge_pages import loaded_onto_huge_pages
-
-            with loaded_onto_huge_pages():  # (before the KV cache is allocated: its pages stay untouched)
-                self.model = load_model(self.config.model, self.device, self.dtype)
+        cpu = self.device.type == "cpu"
+        # CPU weights onto 2 MiB pages, before the KV cache is allocated (its pages stay untouched).
+        with loaded_onto_huge_pages() if cpu else contextlib.nullcontext():
+            self.model = load_model(self.config.model, self.device, self.dtype)
+        if cpu:
             from kernels import fused
 
             fused.library()  # build (first run on this machine) or load now, not in the first step
@@ -88,8 +90,6 @@ class ModelRunner:
 
             sched = self.config.scheduler
             warm_row_buckets(self.model, sched.max_num_batched_tokens, sched.max_num_seqs)
-        else:
-            self.model = load_model(self.config.model, self.device, self.dtype)
         logger.info("loaded model in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype, self.device)
         self.sampler = Sampler()
         self.num_blocks = self._num_blocks()
