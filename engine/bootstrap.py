@@ -53,7 +53,21 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
     bs = config.cache.block_size
     if bs < 8 or bs & (bs - 1):
         raise ConfigError(f"--block-size {bs} must be a power of two >= 8")
+    _check_kv_cache_dtype(config)
     return config, hf
+
+
+def _check_kv_cache_dtype(config: EngineConfig) -> None:
+    """--kv-cache-dtype refused before any worker starts (the worker resolves it again)."""
+    import torch
+
+    from gpu.device import resolve_device
+    from kernels.kv_cache_dtype import KVCacheDtypeError, resolve
+
+    try:
+        resolve(config.cache.cache_dtype, torch.bfloat16, resolve_device(config.parallel.device))
+    except KVCacheDtypeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _tokenizer_path(config: EngineConfig) -> str:

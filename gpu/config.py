@@ -64,6 +64,9 @@ class CacheConfig:
     # memory on CUDA. Allocated only in swap mode.
     swap_space_gib: float = 4.0
     num_swap_blocks: int | None = None  # fixed host block count (tests); overrides swap_space_gib
+    # The cache's element type (vLLM's --kv-cache-dtype): auto = the model's dtype, fp8 = e4m3 (CPU;
+    # kernels/kv_cache_dtype.py says why and how).
+    cache_dtype: str = "auto"
 
 
 # Seconds a step may take before its workers count as hung and the executor fails as for a dead
@@ -124,7 +127,7 @@ class SchedulerConfig:
 
 
 # vLLM's names for options that have another name here.
-OPTION_ALIASES = {"distributed_executor_backend": "executor"}
+OPTION_ALIASES = {"distributed_executor_backend": "executor", "kv_cache_dtype": "cache_dtype"}
 
 
 @dataclass(slots=True)

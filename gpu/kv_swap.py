@@ -14,6 +14,7 @@ import logging
 import torch
 
 from gpu.kv_alloc import zeroed_tensor
+from kernels.kv_cache_dtype import index_copy_rows
 from gpu.messages import StepInput
 
 logger = logging.getLogger(__name__)
@@ -64,13 +65,13 @@ class HostSwapPool:
         dev_idx = torch.tensor([d for d, _ in pairs], dtype=torch.long, device=self.device)
         host_idx = torch.tensor([h for _, h in pairs], dtype=torch.long)
         for (dk, dv), (hk, hv) in zip(owned_layers(device_caches), self.caches):
-            hk.index_copy_(0, host_idx, dk.index_select(0, dev_idx).to("cpu"))
-            hv.index_copy_(0, host_idx, dv.index_select(0, dev_idx).to("cpu"))
+            index_copy_rows(hk, host_idx, dk.index_select(0, dev_idx).to("cpu"))
+            index_copy_rows(hv, host_idx, dv.index_select(0, dev_idx).to("cpu"))
 
     def swap_in(self, device_caches, pairs: list[tuple[int, int]]) -> None:
         host_idx = torch.tensor([h for h, _ in pairs], dtype=torch.long)
         dev_idx = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
         non_blocking = self.device.type == "cuda"
         for (dk, dv), (hk, hv) in zip(owned_layers(device_caches), self.caches):
-            dk.index_copy_(0, dev_idx, hk.index_select(0, host_idx).to(self.device, non_blocking=non_blocking))
-            dv.index_copy_(0, dev_idx, hv.index_select(0, host_idx).to(self.device, non_blocking=non_blocking))
+            index_copy_rows(dk, dev_idx, hk.index_select(0, host_idx).to(self.device, non_blocking=non_blocking))
+            index_copy_rows(dv, dev_idx, hv.index_select(0, host_idx).to(self.device, non_blocking=non_blocking))

@@ -20,6 +20,8 @@ from gpu.kv_alloc import zeroed_tensor
 from gpu.kv_swap import owned_layers
 from gpu.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
 from gpu.pooling import new_pooler
+from kernels import kv_cache_dtype
+from kernels.kv_cache_dtype import index_copy_rows
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class ModelRunner:
         self.rank = rank
         self.device = resolve_device(config.parallel.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_dtype = kv_cache_dtype.resolve(config.cache.cache_dtype, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.seqs: dict[int, SeqState] = {}
         self.model = None
@@ -114,7 +117,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     def _num_blocks(self) -> int:
@@ -149,12 +152,13 @@ class ModelRunner:
         m = self.model
         shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         # Zeros, not empty: masked-out slots must hold finite numbers (0 * NaN is NaN).
-        self.kv_caches = [(zeroed_tensor(shape, self.dtype, self.device),
-                           zeroed_tensor(shape, self.dtype, self.device))
+        self.kv_caches = [(zeroed_tensor(shape, self.kv_dtype, self.device),
+                           zeroed_tensor(shape, self.kv_dtype, self.device))
                           for _ in range(m.num_layers)]
         self.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB", num_blocks, self.block_size,
-                    num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / 2**30)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)", num_blocks, self.block_size,
+                    num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / 2**30,
+                    str(self.kv_dtype).removeprefix("torch."))
 
     def _allocate_swap_pool(self) -> None:
         from gpu.kv_swap import HostSwapPool, num_swap_blocks
@@ -305,8 +309,8 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
         for k_cache, v_cache in owned_layers(self.kv_caches):  # a pipeline stage: its own layers
-            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+            index_copy_rows(k_cache, dst, k_cache.index_select(0, src))
+            index_copy_rows(v_cache, dst, v_cache.index_select(0, src))
 
     @staticmethod
     def _token_mask(step: StepInput, sample_batch_idx: list[int]):

@@ -120,7 +120,7 @@ class PipelineModelRunner(ModelRunner):
 
     def kv_bytes_per_block(self) -> int:
         m = self.model
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * len(self._stage_layers) * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -128,8 +128,8 @@ class PipelineModelRunner(ModelRunner):
         (``Attention.layer_idx``), None where another stage owns the layer."""
         m = self.model
         shape = (num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [(zeroed_tensor(shape, self.dtype, self.device),
-                           zeroed_tensor(shape, self.dtype, self.device))
+        self.kv_caches = [(zeroed_tensor(shape, self.kv_dtype, self.device),
+                           zeroed_tensor(shape, self.kv_dtype, self.device))
                           if i in self._stage_layers else None for i in range(m.num_layers)]
         self.num_blocks = num_blocks
         logger.info("KV cache for layers %d..%d: %d blocks x %d tokens, %.2f GiB", self._stage_layers[0],

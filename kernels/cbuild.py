@@ -30,10 +30,11 @@ CSRC = Path(__file__).parent / "csrc"
 
 # Vector ISAs a kernel can be built for, best first: (name, CPU flags required, compiler flags).
 ISAS: list[tuple[str, frozenset[str], list[str]]] = [
-    ("avx512bf16", frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"}),
-     ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16"]),
-    ("avx512", frozenset({"avx512f", "avx512bw", "avx2", "fma"}), ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw"]),
-    ("avx2", frozenset({"avx2", "fma"}), ["-mavx2", "-mfma"]),
+    ("avx512bf16", frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "f16c"}),
+     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512bf16"]),
+    ("avx512", frozenset({"avx512f", "avx512bw", "avx2", "fma", "f16c"}),
+     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw"]),
+    ("avx2", frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c"]),  # f16c: fp8 KV (csrc/fp8.h)
     ("scalar", frozenset(), []),
 ]
 

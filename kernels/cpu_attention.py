@@ -19,6 +19,7 @@ import os
 import torch
 
 from kernels import attn_amx, cbuild
+from kernels.kv_cache_dtype import FP8
 from kernels.metadata import AttentionMetadata
 from kernels.torch_attention import paged_attention_torch, split_decode_prefill
 
@@ -67,9 +68,15 @@ def isa() -> str:
     return {4: "avx512bf16", 3: "avx512", 2: "avx2"}.get(lib.pa_isa(), "scalar")
 
 
+def dtype_code(dtype: torch.dtype, k_cache: torch.Tensor) -> int:
+    """The kernels' ``dtype`` argument: 0 fp32 / 1 bf16 queries and output, + 2 for fp8 caches."""
+    return _DTYPES[dtype] | (2 if k_cache.dtype == FP8 else 0)
+
+
 def _kernel_for(dtype: torch.dtype, num_heads: int, k_cache: torch.Tensor) -> ctypes.CDLL | None:
-    """The library when the kernel handles these shapes and dtypes, else None (torch path)."""
-    if os.environ.get(IMPL_ENV) == "torch" or dtype not in _DTYPES or k_cache.dtype != dtype:
+    """The library when the kernel handles these shapes and dtypes (queries fp32 or bf16, caches
+    the same or fp8), else None (torch path)."""
+    if os.environ.get(IMPL_ENV) == "torch" or dtype not in _DTYPES or k_cache.dtype not in (dtype, FP8):
         return None
     lib = library()
     if lib is None:
@@ -182,7 +189,7 @@ def decode_attention_c(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
     kernel = call.decode or lib.pa_decode
     rc = kernel(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), call.tables_ptr,
                 call.tables_stride, call.seq_lens_ptr, batch, num_heads, num_kv_heads, head_dim, block_size, scale,
-                target.data_ptr(), target.stride(0), _DTYPES[q.dtype], call.part, call.threads)
+                target.data_ptr(), target.stride(0), dtype_code(q.dtype, k_cache), call.part, call.threads)
     if rc != 0:
         raise RuntimeError(f"paged attention kernel rejected its arguments (B={batch} H={num_heads} "
                            f"Hkv={num_kv_heads} D={head_dim} block={block_size}) or ran out of memory")

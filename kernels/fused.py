@@ -21,6 +21,7 @@ import subprocess
 import torch
 
 from kernels import cbuild
+from kernels.kv_cache_dtype import FP8
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +60,15 @@ def library() -> ctypes.CDLL | None:
     lib.fz_rotary_neox.restype = None
     lib.fz_rotary_neox.argtypes = [P, I64, I64, I64, I64, I64, P, P, I]
     lib.fz_gemv_bf16.restype, lib.fz_gemv_bf16.argtypes = I, [P, I64, I64, P, I64, P, I]
-    lib.fz_write_kv.restype, lib.fz_write_kv.argtypes = I64, [P, P, I64, P, P, P, I64, I64, I64]
+    lib.fz_write_kv.restype, lib.fz_write_kv.argtypes = I64, [P, P, I64, P, P, P, I64, I64, I64, I, I]
     lib.fz_attn_in.restype = I  # the fz_linear arguments are pointers to LinearSpec
-    lib.fz_attn_in.argtypes = [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I]
+    lib.fz_attn_in.argtypes = [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I, I]
     lib.fz_mlp_out.restype = I
     lib.fz_mlp_out.argtypes = [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I]
     lib.fz_silu_mul_bf16.restype, lib.fz_silu_mul_bf16.argtypes = I, [P, I64, I64, P, I]
     lib.fz_decode_stack.restype = I
     lib.fz_decode_stack.argtypes = [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,
-                                    I64, P, I64, F, I64, I, P, P, P, P, P, I]
+                                    I64, P, I64, F, I64, I, I, P, P, P, P, P, I]
     return lib
 
 
@@ -139,9 +140,10 @@ def rotary_neox_(x: torch.Tensor, heads: int, head_dim: int, rotary_dim: int, co
 
 
 def can_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor) -> bool:
-    """``write_kv`` takes these: CPU, one dtype, rows of contiguous heads with one stride for k
-    and v, contiguous caches, int64 slots."""
-    return (k.device.type == "cpu" and library() is not None and k.dtype == v.dtype == k_cache.dtype
+    """``write_kv`` takes these: CPU, fp32 or bf16 rows (caches of that dtype or fp8) of contiguous
+    heads with one stride for k and v, contiguous caches, int64 slots."""
+    return (k.device.type == "cpu" and library() is not None and k.dtype == v.dtype and k.dtype in _DTYPE_CODE
+            and k_cache.dtype in (k.dtype, FP8)
             and k.dim() == 3 and k.stride(2) == 1 and k.stride(1) == k.shape[2] and k.stride() == v.stride()
             and k_cache.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous())
 
@@ -149,13 +151,13 @@ def can_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slots:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Rows ``k, v [T, Hkv, D]`` into caches ``[blocks, block_size, Hkv, D]`` at ``slots[:T]``
-    (-1 skips a row); a slot past the cache raises instead of writing."""
+    (-1 skips a row), encoded to fp8 for fp8 caches; a slot past the cache raises instead of writing."""
     T = k.shape[0]
-    row_bytes = k.shape[1] * k.shape[2] * k.element_size()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     assert v_cache.shape == k_cache.shape and v_cache.is_contiguous() and slots.shape[0] >= T
     bad = library().fz_write_kv(k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), k_cache.data_ptr(),
-                                v_cache.data_ptr(), slots.data_ptr(), T, row_bytes, num_slots)
+                                v_cache.data_ptr(), slots.data_ptr(), T, k.shape[1] * k.shape[2], num_slots,
+                                _DTYPE_CODE[k.dtype], int(k_cache.dtype == FP8))
     if bad:
         raise IndexError(f"{bad} KV cache slots out of range (the cache has {num_slots})")
 

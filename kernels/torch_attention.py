@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_cache_dtype import FP8, index_copy_rows
 from kernels.metadata import AttentionMetadata
 
 
@@ -36,12 +37,12 @@ def write_kv_cache_torch(
     valid = slots >= 0
     if k.device.type == "cpu" and bool(valid.all()):
         # Common case (no padding): one contiguous row copy per token, no compaction.
-        k_flat.index_copy_(0, slots, k.to(k_cache.dtype))
-        v_flat.index_copy_(0, slots, v.to(v_cache.dtype))
+        index_copy_rows(k_flat, slots, k.to(k_cache.dtype))
+        index_copy_rows(v_flat, slots, v.to(v_cache.dtype))
         return
     keep = valid.nonzero().squeeze(1)
-    k_flat.index_copy_(0, slots[keep], k[keep].to(k_cache.dtype))
-    v_flat.index_copy_(0, slots[keep], v[keep].to(v_cache.dtype))
+    index_copy_rows(k_flat, slots[keep], k[keep].to(k_cache.dtype))
+    index_copy_rows(v_flat, slots[keep], v[keep].to(v_cache.dtype))
 
 
 class _Workspace:
@@ -72,8 +73,12 @@ class _Workspace:
 _workspace = _Workspace()
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scratch: str | None = None) -> torch.Tensor:
-    """``cache[block_ids]`` for block ids of any shape ``S`` -> ``[*S, block_size, Hkv, D]``."""
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scratch: str | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``cache[block_ids]`` for block ids of any shape ``S`` -> ``[*S, block_size, Hkv, D]``, in
+    ``dtype`` when given (an fp8 cache is read in the queries' dtype)."""
+    if dtype is not None and cache.dtype != dtype:
+        return _gather_blocks(cache, block_ids).to(dtype)
     flat = block_ids.reshape(-1)
     if scratch is None:
         gathered = cache.index_select(0, flat)
@@ -245,8 +250,8 @@ def _decode_attention(
     for chunk in _decode_plan(meta, batch, block_size, bytes_per_token, q.dtype):
         q_c = q if chunk.index is None else q[chunk.index]
         shape = (chunk.tables.shape[0], chunk.num_blocks * block_size, num_kv_heads, head_dim)
-        keys = _gather_blocks(k_cache, chunk.tables, "k").view(shape)
-        values = _gather_blocks(v_cache, chunk.tables, "v").view(shape)
+        keys = _gather_blocks(k_cache, chunk.tables, "k", q.dtype).view(shape)
+        values = _gather_blocks(v_cache, chunk.tables, "v", q.dtype).view(shape)
         if chunk.exact_len is not None:
             keys, values = keys[:, : chunk.exact_len], values[:, : chunk.exact_len]
         if chunk.bias is not None:
@@ -271,8 +276,8 @@ def _prefill_attention(
     query_len, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
-    keys = _gather_blocks(k_cache, block_table[:num_blocks]).view(-1, num_kv_heads, head_dim)[:seq_len]
-    values = _gather_blocks(v_cache, block_table[:num_blocks]).view(-1, num_kv_heads, head_dim)[:seq_len]
+    keys = _gather_blocks(k_cache, block_table[:num_blocks], dtype=q.dtype).view(-1, num_kv_heads, head_dim)[:seq_len]
+    values = _gather_blocks(v_cache, block_table[:num_blocks], dtype=q.dtype).view(-1, num_kv_heads, head_dim)[:seq_len]
     queries = q.transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
     keys = keys.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
     values = values.transpose(0, 1).unsqueeze(0)
@@ -320,7 +325,7 @@ def split_decode_prefill(
     and go to ``decode(q[:n], k_cache, v_cache, meta, scale, out[:n])``; the requests after them
     are prefill chunks (``prefill_attention_torch``). Padding rows past ``meta.num_tokens`` are
     zeroed; ``out`` is allocated when None."""
-    if k_cache.dtype != q.dtype:
+    if k_cache.dtype not in (q.dtype, FP8):
         raise TypeError(f"KV cache dtype {k_cache.dtype} differs from query dtype {q.dtype}")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} KV heads")

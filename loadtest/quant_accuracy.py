@@ -2,10 +2,11 @@
 prompt set and the perplexity of a fixed text.
 
     .venv/bin/python -m loadtest.quant_accuracy [--modes auto int8 int4] [--dtype float32] [--tokens 32]
-        [--text README.md]
+        [--text README.md] [--kv-cache-dtype fp8]
 
 The reference is always ``--quantization none`` in fp32 (the file dequantized, as transformers
-reads it); ``--dtype bfloat16`` runs the quantized modes with bf16 activations against it.
+reads it); ``--dtype bfloat16`` runs the quantized modes with bf16 activations against it; ``--kv-cache-dtype
+fp8`` runs them (``none`` included, listed in ``--modes``) over an fp8 KV cache.
 
 Agreement is position by position over ``--tokens`` greedy tokens of each of the 16 prompts (a
 divergence usually changes the rest of that continuation, so it is a strict measure); the mean
@@ -83,22 +84,25 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="activations of the quantized modes")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--text", default="README.md", help="text whose perplexity is measured")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="KV cache of the compared modes")
     args = parser.parse_args()
     with open(args.text, encoding="utf-8") as f:
         text = f.read()
     results = {}
     for mode in ["none", *args.modes]:
         t0 = time.perf_counter()
-        dtype = "float32" if mode == "none" and "none" not in results else args.dtype
-        llm = LLM(model=args.model, dtype=dtype, quantization=mode, kv_cache_memory_gib=0.25)
+        first = "none" not in results
+        dtype = "float32" if first else args.dtype
+        llm = LLM(model=args.model, dtype=dtype, quantization=mode, kv_cache_memory_gib=0.25,
+                  kv_cache_dtype="auto" if first else args.kv_cache_dtype)
         try:
             toks = greedy_tokens(llm, PROMPTS, args.tokens)
             ppl = perplexity(llm, text)
         finally:
             llm.shutdown()
-        first = "none" not in results
         results[mode if first else f"{mode}/{dtype}"] = toks
-        line = f"{mode:5s} {dtype:9s} perplexity({args.text}) {ppl:8.3f}"
+        kv = "" if first or args.kv_cache_dtype == "auto" else f" kv {args.kv_cache_dtype}"
+        line = f"{mode:5s} {dtype:9s}{kv} perplexity({args.text}) {ppl:8.3f}"
         if not first:
             same, prefix = agreement(results["none"], toks)
             line += f"  greedy agreement {same:.3f} (mean common prefix {prefix:.3f}) over {len(PROMPTS)}x{args.tokens}"

@@ -30,6 +30,7 @@ from torch import nn
 from gpu.forward_context import get_forward_context
 from kernels import cpu_attention, fused, qgemm_n16
 from kernels.attention import paged_attention
+from kernels.kv_cache_dtype import FP8
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class FastDecodeLayer:
         M, H = x.shape
         threads = torch.get_num_threads()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        if k_cache.dtype not in (x.dtype, FP8):
+            return None
         first = residual is None
         if first:
             residual = torch.empty_like(x)
@@ -109,7 +112,8 @@ class FastDecodeLayer:
                             self.in_norm.eps, M, H, self.w_qkv, self.n_qkv, qkv.data_ptr(),
                             self.q_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim,
                             self.rotary.cos_sin_cache.data_ptr(), rope[2].data_ptr(), k_cache.data_ptr(),
-                            v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1], threads)
+                            v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
+                            int(k_cache.dtype == FP8), threads)
         if rc:
             _raise_for(rc)
         q = qkv[:, : self.q_heads * self.head_dim].view(M, self.q_heads, self.head_dim)
@@ -201,7 +205,9 @@ class FastDecodeStack:
             int(not first), out.data_ptr(), M, self.hidden, self.n_qkv, self.q_heads, self.kv_heads, self.head_dim,
             self.rotary.rotary_dim, self.inter, self.rotary.cos_sin_cache.data_ptr(), rope[2].data_ptr(),
             meta.slot_mapping.data_ptr(), k0.shape[0] * k0.shape[1], kernel, call.tables_ptr, call.tables_stride,
-            call.seq_lens_ptr, k0.shape[1], self.scale, call.part, call.threads, qkv.data_ptr(), att.data_ptr(),
+            call.seq_lens_ptr, k0.shape[1], self.scale, call.part, call.threads,
+            cpu_attention.dtype_code(x.dtype, k0), qkv.data_ptr(),
+            att.data_ptr(),
             y.data_ptr(), h.data_ptr(), a.data_ptr(), torch.get_num_threads())
         if rc:
             _raise_for(rc)

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define FZ_BF16_GEMV 1
@@ -105,11 +106,14 @@ int fz_rms_norm(const void *x, int64_t x_stride, const float *w, void *out, int6
     return 0;
 }
 
-/* Copy row t of k and of v (row_bytes each, rows src_stride bytes apart) to row slots[t] of
- * k_cache / v_cache (rows row_bytes apart); a negative slot skips the row. Returns the number
- * of slots past num_slots (nothing is written for them: the caller raises). */
+/* Copy row t of k and of v (row_elems values of src_dtype each, rows src_stride bytes apart) to
+ * row slots[t] of k_cache / v_cache: as they are, or (cache_fp8) encoded to fp8 e4m3 (fp8.h); a
+ * negative slot skips the row. Returns the number of slots past num_slots (nothing is written
+ * for them: the caller raises). */
 int64_t fz_write_kv(const char *k, const char *v, int64_t src_stride, char *k_cache, char *v_cache,
-                    const int64_t *slots, int64_t T, int64_t row_bytes, int64_t num_slots) {
+                    const int64_t *slots, int64_t T, int64_t row_elems, int64_t num_slots, int src_dtype,
+                    int cache_fp8) {
+    const int64_t es = src_dtype == 1 ? 2 : 4, row_bytes = cache_fp8 ? row_elems : row_elems * es;
     int64_t bad = 0;
     for (int64_t t = 0; t < T; t++) {
         int64_t slot = slots[t];
@@ -119,8 +123,13 @@ int64_t fz_write_kv(const char *k, const char *v, int64_t src_stride, char *k_ca
             bad++;
             continue;
         }
-        memcpy(k_cache + slot * row_bytes, k + t * src_stride, (size_t)row_bytes);
-        memcpy(v_cache + slot * row_bytes, v + t * src_stride, (size_t)row_bytes);
+        if (cache_fp8) {
+            fp8_encode_row(k + t * src_stride, src_dtype == 1, row_elems, (uint8_t *)k_cache + slot * row_bytes);
+            fp8_encode_row(v + t * src_stride, src_dtype == 1, row_elems, (uint8_t *)v_cache + slot * row_bytes);
+        } else {
+            memcpy(k_cache + slot * row_bytes, k + t * src_stride, (size_t)row_bytes);
+            memcpy(v_cache + slot * row_bytes, v + t * src_stride, (size_t)row_bytes);
+        }
     }
     return bad;
 }
@@ -332,13 +341,13 @@ static int linear_run(const fz_linear *L, const uint16_t *x, int64_t M, int64_t 
 
 /* Before attention: [residual += x;] x = rms_norm(residual) * w_norm (without a residual yet:
  * residual = x first); qkv = x @ w_qkv^T; the q and k heads rotated; k and v written into the
- * caches at slots. 0 on success, -1 when this build has no bf16 path, -2 for a slot past the
- * cache, -3 when a quantized kernel had no memory. */
+ * caches at slots (encoded to fp8 when kv_fp8). 0 on success, -1 when this build has no bf16
+ * path, -2 for a slot past the cache, -3 when a quantized kernel had no memory. */
 int fz_attn_in(uint16_t *x, uint16_t *residual, int has_residual, const float *w_norm, float eps,
                int64_t M, int64_t H, const fz_linear *w_qkv, int64_t n_qkv, uint16_t *qkv,
                int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rot, const float *cs,
-               const int64_t *positions, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
-               int64_t num_slots, int nthreads) {
+               const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
+               int64_t num_slots, int kv_fp8, int nthreads) {
 #if FZ_BF16_GEMV
     if (has_residual) {
         if (fz_add_rms_norm(x, residual, w_norm, M, H, eps, 1)) return -1;
@@ -352,13 +361,13 @@ int fz_attn_in(uint16_t *x, uint16_t *residual, int has_residual, const float *w
     int64_t kv = kv_heads * head_dim;
     const uint16_t *k = qkv + q_heads * head_dim, *v = k + kv;
     if (fz_write_kv((const char *)k, (const char *)v, n_qkv * 2, (char *)k_cache, (char *)v_cache, slots, M,
-                    kv * 2, num_slots))
+                    kv, num_slots, 1, kv_fp8))
         return -2;
     return 0;
 #else
     (void)x; (void)residual; (void)has_residual; (void)w_norm; (void)eps; (void)M; (void)H; (void)w_qkv;
     (void)n_qkv; (void)qkv; (void)q_heads; (void)kv_heads; (void)head_dim; (void)rot; (void)cs;
-    (void)positions; (void)k_cache; (void)v_cache; (void)slots; (void)num_slots; (void)nthreads;
+    (void)positions; (void)k_cache; (void)v_cache; (void)slots; (void)num_slots; (void)kv_fp8; (void)nthreads;
     return -1;
 #endif
 }
@@ -394,7 +403,7 @@ typedef struct {
     const float *w_in_norm, *w_post_norm;
     float eps_in, eps_post;
     const fz_linear *qkv, *o, *gu, *down;
-    uint16_t *k_cache, *v_cache;
+    void *k_cache, *v_cache;
 } fz_layer;
 
 #define FZ_ATTN_FAILED (-4) /* the attention kernel rejected its arguments or had no memory */
@@ -404,15 +413,16 @@ typedef struct {
  * between the layers' calls (~45 us a layer) and the attention dispatch (~35 us a layer) of the
  * per-layer path; the arithmetic is the same calls in the same order. x [M][H] is clobbered;
  * the last layer's output lands in out [M][H], the residual stream in residual [M][H]. Scratch:
- * qkv [M][n_qkv], att [M][q_heads*head_dim], y [M][H], h [M][2I], a [M][I]. 0 on success, else
- * fz_attn_in / fz_mlp_out's codes or FZ_ATTN_FAILED. */
+ * qkv [M][n_qkv], att [M][q_heads*head_dim], y [M][H], h [M][2I], a [M][I]. attn_dtype: the
+ * attention kernel's dtype argument (1 bf16, 3 bf16 with fp8 caches, which fz_attn_in then writes
+ * as fp8). 0 on success, else fz_attn_in / fz_mlp_out's codes or FZ_ATTN_FAILED. */
 int fz_decode_stack(const fz_layer *layers, int64_t L, uint16_t *x, uint16_t *residual, int has_residual,
                     uint16_t *out, int64_t M, int64_t H, int64_t n_qkv, int64_t q_heads, int64_t kv_heads,
                     int64_t head_dim, int64_t rot, int64_t I, const float *cs, const int64_t *positions,
                     const int64_t *slots, int64_t num_slots, void *attn, const int32_t *tables,
                     int64_t tables_stride, const int32_t *seq_lens, int64_t block_size, float scale,
-                    int64_t part, int attn_threads, uint16_t *qkv, uint16_t *att, uint16_t *y, uint16_t *h,
-                    uint16_t *a, int nthreads) {
+                    int64_t part, int attn_threads, int attn_dtype, uint16_t *qkv, uint16_t *att, uint16_t *y,
+                    uint16_t *h, uint16_t *a, int nthreads) {
 #if FZ_BF16_GEMV
     int64_t A = q_heads * head_dim;
     uint16_t *cur = x, *next = out;
@@ -420,10 +430,10 @@ int fz_decode_stack(const fz_layer *layers, int64_t L, uint16_t *x, uint16_t *re
         const fz_layer *ly = &layers[l];
         int rc = fz_attn_in(cur, residual, has_residual || l > 0, ly->w_in_norm, ly->eps_in, M, H, ly->qkv, n_qkv,
                             qkv, q_heads, kv_heads, head_dim, rot, cs, positions, ly->k_cache, ly->v_cache, slots,
-                            num_slots, nthreads);
+                            num_slots, (attn_dtype & 2) != 0, nthreads);
         if (rc) return rc;
         if (((fz_attn_fn)attn)(qkv, n_qkv, ly->k_cache, ly->v_cache, tables, tables_stride, seq_lens, M, q_heads,
-                               kv_heads, head_dim, block_size, scale, att, A, 1, part, attn_threads))
+                               kv_heads, head_dim, block_size, scale, att, A, attn_dtype, part, attn_threads))
             return FZ_ATTN_FAILED;
         rc = fz_mlp_out(att, A, ly->o, y, residual, ly->w_post_norm, ly->eps_post, M, H, ly->gu, I, h, a,
                         ly->down, next, nthreads);
@@ -436,7 +446,7 @@ int fz_decode_stack(const fz_layer *layers, int64_t L, uint16_t *x, uint16_t *re
     (void)layers; (void)L; (void)x; (void)residual; (void)has_residual; (void)out; (void)M; (void)H; (void)n_qkv;
     (void)q_heads; (void)kv_heads; (void)head_dim; (void)rot; (void)I; (void)cs; (void)positions; (void)slots;
     (void)num_slots; (void)attn; (void)tables; (void)tables_stride; (void)seq_lens; (void)block_size; (void)scale;
-    (void)part; (void)attn_threads; (void)qkv; (void)att; (void)y; (void)h; (void)a; (void)nthreads;
+    (void)part; (void)attn_threads; (void)attn_dtype; (void)qkv; (void)att; (void)y; (void)h; (void)a; (void)nthreads;
     return -1;
 #endif
 }

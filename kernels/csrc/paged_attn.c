@@ -12,7 +12,8 @@
  *                 slot t % BS; only slots below seq_lens[n] are read (unused slots may hold
  *                 anything, NaN included)
  *   block_tables  int32, row n at n * bt_stride
- * dtype 0 = fp32 (q, caches, out), 1 = bf16 (q, caches, out; arithmetic in fp32).
+ * dtype 0 = fp32 (q, caches, out), 1 = bf16 (q, caches, out; arithmetic in fp32); plus 2 when
+ * the caches hold fp8 e4m3 (csrc/fp8.h; --kv-cache-dtype fp8): 2 = fp32 q and out, 3 = bf16.
  *
  * The build has exactly one vector width (pa_width()): AVX-512 (16 fp32 lanes) when compiled with
  * -mavx512f -mavx512bw, AVX2+FMA (8 lanes), or portable scalar code (1); D must be a multiple of
@@ -25,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -69,6 +71,7 @@ static inline vf v_load_bf16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+static inline vf v_load_fp8(const uint8_t *p) { return fp8x16_to_ps(p); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
@@ -84,6 +87,7 @@ static inline vf v_load_bf16(const uint16_t *p) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+static inline vf v_load_fp8(const uint8_t *p) { return fp8x8_to_ps(p); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
@@ -116,6 +120,7 @@ static inline vf v_set1(float x) { return x; }
 static inline vf v_load(const float *p) { return *p; }
 static inline void v_store(float *p, vf v) { *p = v; }
 static inline vf v_load_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
+static inline vf v_load_fp8(const uint8_t *p) { return fp8_to_f32(*p); }
 static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 static inline vf v_mul(vf a, vf b) { return a * b; }
 static inline vf v_sub(vf a, vf b) { return a - b; }
@@ -123,8 +128,15 @@ static inline float v_hsum(vf v) { return v; }
 static inline vf v_exp(vf x) { return expf(x); }
 #endif
 
-static inline __attribute__((always_inline)) vf load_row(const void *base, int64_t i, const int bf16) {
-    return bf16 ? v_load_bf16((const uint16_t *)base + i) : v_load((const float *)base + i);
+/* Cache element kinds (compile-time constants in each instance): */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_FP8 2
+
+static inline __attribute__((always_inline)) vf load_row(const void *base, int64_t i, const int kv) {
+    return kv == KV_FP8    ? v_load_fp8((const uint8_t *)base + i)
+           : kv == KV_BF16 ? v_load_bf16((const uint16_t *)base + i)
+                           : v_load((const float *)base + i);
 }
 
 /* ------------------------------------------------------------------ one work item */
@@ -134,7 +146,7 @@ static inline __attribute__((always_inline)) vf load_row(const void *base, int64
  * scaled). base is the element index of the tile's first K/V row of this head. */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *qf, const int G, const int64_t D, const void *k_cache, const void *v_cache, int64_t base,
-    int64_t tok_stride, int64_t nt, float *m, float *l, float *acc, const int bf16) {
+    int64_t tok_stride, int64_t nt, float *m, float *l, float *acc, const int kv) {
     float s[PA_MAX_G][PA_TILE];
 
     /* scores: one pass over each K row for all G heads */
@@ -143,8 +155,8 @@ static inline __attribute__((always_inline)) void attend_tile(
         vf d[PA_MAX_G];
         for (int g = 0; g < G; g++) d[g] = v_zero();
         for (int64_t c = 0; c < D; c += PA_W) {
-            vf kv = load_row(k_cache, row + c, bf16);
-            for (int g = 0; g < G; g++) d[g] = v_fma(v_load(qf + g * D + c), kv, d[g]);
+            vf kr = load_row(k_cache, row + c, kv);
+            for (int g = 0; g < G; g++) d[g] = v_fma(v_load(qf + g * D + c), kr, d[g]);
         }
         for (int g = 0; g < G; g++) s[g][i] = v_hsum(d[g]);
     }
@@ -170,7 +182,7 @@ static inline __attribute__((always_inline)) void attend_tile(
         vf a[PA_MAX_G];
         for (int g = 0; g < G; g++) a[g] = v_mul(v_load(acc + g * D + c), v_set1(corr[g]));
         for (int64_t i = 0; i < nt; i++) {
-            vf vv = load_row(v_cache, base + i * tok_stride + c, bf16);
+            vf vv = load_row(v_cache, base + i * tok_stride + c, kv);
             for (int g = 0; g < G; g++) a[g] = v_fma(v_set1(s[g][i]), vv, a[g]);
         }
         for (int g = 0; g < G; g++) v_store(acc + g * D + c, a[g]);
@@ -203,7 +215,7 @@ static inline __m512 hsum16(const __m512 *p) {
 static inline __attribute__((always_inline)) void attend_tile512(
     const float *qf, const uint16_t *qb, float scale, const int G, const int64_t D, const void *k_cache,
     const void *v_cache, int64_t base, int64_t tok_stride, int64_t nt, float *m, float *l, float *acc,
-    const int bf16, const int dp) {
+    const int kv, const int dp) {
     float s[PA_MAX_G][PA_TILE];
     uint32_t pairs[PA_MAX_G][PA_TILE / 2];
     const __mmask16 valid = (__mmask16)((1u << nt) - 1u);
@@ -223,7 +235,7 @@ static inline __attribute__((always_inline)) void attend_tile512(
 #endif
                 {
                     for (int64_t c = 0; c < D; c += 16)
-                        d = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c), load_row(k_cache, row + c, bf16), d);
+                        d = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c), load_row(k_cache, row + c, kv), d);
                 }
             }
             p[i] = d;
@@ -277,7 +289,7 @@ static inline __attribute__((always_inline)) void attend_tile512(
         __m512 a[PA_MAX_G];
         for (int g = 0; g < G; g++) a[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c), _mm512_set1_ps(corr[g]));
         for (int64_t i = 0; i < nt; i++) {
-            __m512 vv = load_row(v_cache, base + i * tok_stride + c, bf16);
+            __m512 vv = load_row(v_cache, base + i * tok_stride + c, kv);
             for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][i]), vv, a[g]);
         }
         for (int g = 0; g < G; g++) _mm512_storeu_ps(acc + g * D + c, a[g]);
@@ -312,8 +324,8 @@ static inline void prefetch_rows(const void *cache, int64_t first, int64_t count
 static inline __attribute__((always_inline)) void attend_range(
     const float *qf, const uint16_t *qb, float scale, const int G, const int64_t Hkv, const int64_t D,
     const void *k_cache, const void *v_cache, const int32_t *table, int64_t BS, int64_t t0, int64_t t1, float *m,
-    float *l, float *acc, const int bf16, const int dp) {
-    const int64_t H = Hkv * G, tok_stride = Hkv * D, esz = bf16 ? 2 : 4;
+    float *l, float *acc, const int kv, const int dp) {
+    const int64_t H = Hkv * G, tok_stride = Hkv * D, esz = kv == KV_FP8 ? 1 : kv == KV_BF16 ? 2 : 4;
     for (int64_t h = 0; h < H; h++) {
         m[h] = -INFINITY;
         l[h] = 0.0f;
@@ -339,11 +351,11 @@ static inline __attribute__((always_inline)) void attend_range(
 #if PA_ISA == 3
             attend_tile512(qf + kh * G * D, qb + kh * G * D, scale, G, D, k_cache, v_cache,
                            first * tok_stride + kh * D, tok_stride, nt, m + kh * G, l + kh * G, acc + kh * G * D,
-                           bf16, dp);
+                           kv, dp);
 #else
             (void)qb, (void)scale, (void)dp;
             attend_tile(qf + kh * G * D, G, D, k_cache, v_cache, first * tok_stride + kh * D, tok_stride, nt,
-                        m + kh * G, l + kh * G, acc + kh * G * D, bf16);
+                        m + kh * G, l + kh * G, acc + kh * G * D, kv);
 #endif
         }
         t = tn;
@@ -351,14 +363,16 @@ static inline __attribute__((always_inline)) void attend_range(
 }
 
 /* Item (n, part): attend, then write the normalised output (nparts == 1) or the partial
- * (m, l, acc per head) to scratch for the combine pass. work: 2 * H * D floats. */
+ * (m, l, acc per head) to scratch for the combine pass. work: 2 * H * D floats. dt: pa_decode's
+ * dtype (bit 0: bf16 q and out; bit 1: fp8 caches). */
 static inline __attribute__((always_inline)) void run_item(
-    const int Gc, const int bf16, const int64_t D, int64_t n, int64_t part, int64_t nparts, const void *q,
+    const int Gc, const int dt, const int64_t D, int64_t n, int64_t part, int64_t nparts, const void *q,
     int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables, int64_t bt_stride,
     const int32_t *seq_lens, int64_t Hkv, int64_t D_unused, int64_t Grt, int64_t BS, float scale, void *out,
     int64_t out_row_stride, int64_t part_tokens, float *scratch, float *work) {
     (void)D_unused;
     const int G = Gc ? Gc : (int)Grt; /* Gc: compile-time group size, 0 = use the runtime one */
+    const int bf16 = dt & 1, kv = dt & 2 ? KV_FP8 : bf16 ? KV_BF16 : KV_F32;
     const int64_t H = Hkv * G;
     float *qf = work, *acc = work + H * D;
     float m[PA_MAX_H], l[PA_MAX_H];
@@ -374,11 +388,11 @@ static inline __attribute__((always_inline)) void run_item(
     if (t1 < t0) t1 = t0;
     const int32_t *table = block_tables + n * bt_stride;
     const uint16_t *qb = (const uint16_t *)q + qoff; /* read only on the dp path (bf16) */
-    if (PA_BF16DP && bf16 && D % 32 == 0) {
-        attend_range(qf, qb, scale, G, Hkv, D, k_cache, v_cache, table, BS, t0, t1, m, l, acc, bf16, 1);
+    if (PA_BF16DP && kv == KV_BF16 && D % 32 == 0) {
+        attend_range(qf, qb, scale, G, Hkv, D, k_cache, v_cache, table, BS, t0, t1, m, l, acc, kv, 1);
         unpermute_acc(acc, H, D);
     } else {
-        attend_range(qf, qb, scale, G, Hkv, D, k_cache, v_cache, table, BS, t0, t1, m, l, acc, bf16, 0);
+        attend_range(qf, qb, scale, G, Hkv, D, k_cache, v_cache, table, BS, t0, t1, m, l, acc, kv, 0);
     }
     if (nparts > 1) {
         float *dst = scratch + (n * nparts + part) * H * (D + 2);
@@ -439,35 +453,32 @@ static void combine(int64_t n, int64_t nparts, int64_t H, int64_t D, const float
 
 /* constant G (per-head accumulators in registers) and constant D (inner loops unrolled) for the
  * usual group and head sizes; anything else runs the generic instance (all runtime) */
-#define PA_CASE_DT(GV, bf16)                                            \
+#define PA_CASE_DT(GV, DT)                                       \
     case GV:                                                     \
         if (D == 64)                                             \
-            run_item(GV, bf16, 64, PA_ITEM_ARGS);                \
+            run_item(GV, DT, 64, PA_ITEM_ARGS);                  \
         else if (D == 128)                                       \
-            run_item(GV, bf16, 128, PA_ITEM_ARGS);               \
+            run_item(GV, DT, 128, PA_ITEM_ARGS);                 \
         else                                                     \
-            run_item(0, bf16, D, PA_ITEM_ARGS);                  \
+            run_item(0, DT, D, PA_ITEM_ARGS);                    \
         break;
-#define PA_CASE_BF16(GV) PA_CASE_DT(GV, 1)
-#define PA_CASE_F32(GV) PA_CASE_DT(GV, 0)
+#define PA_SWITCH(DT)                                                                                          \
+    switch (G) {                                                                                               \
+        PA_CASE_DT(1, DT) PA_CASE_DT(2, DT) PA_CASE_DT(3, DT) PA_CASE_DT(4, DT) PA_CASE_DT(6, DT) PA_CASE_DT(8, DT) \
+    default:                                                                                                   \
+        run_item(0, DT, D, PA_ITEM_ARGS);                                                                      \
+    }
 
-static void dispatch_item(int G, int bf16, int64_t n, int64_t part, int64_t nparts, const void *q,
+static void dispatch_item(int G, int dt, int64_t n, int64_t part, int64_t nparts, const void *q,
                           int64_t q_row_stride, const void *k_cache, const void *v_cache,
                           const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int64_t Hkv,
                           int64_t D, int64_t BS, float scale, void *out, int64_t out_row_stride,
                           int64_t part_tokens, float *scratch, float *work) {
-    if (bf16) {
-        switch (G) {
-            PA_CASE_BF16(1) PA_CASE_BF16(2) PA_CASE_BF16(3) PA_CASE_BF16(4) PA_CASE_BF16(6) PA_CASE_BF16(8)
-        default:
-            run_item(0, 1, D, PA_ITEM_ARGS);
-        }
-    } else {
-        switch (G) {
-            PA_CASE_F32(1) PA_CASE_F32(2) PA_CASE_F32(3) PA_CASE_F32(4) PA_CASE_F32(6) PA_CASE_F32(8)
-        default:
-            run_item(0, 0, D, PA_ITEM_ARGS);
-        }
+    switch (dt) {
+    case 0: PA_SWITCH(0) break;
+    case 1: PA_SWITCH(1) break;
+    case 2: PA_SWITCH(2) break;
+    default: PA_SWITCH(3)
     }
 }
 
@@ -479,11 +490,11 @@ int pa_decode(const void *q, int64_t q_row_stride, const void *k_cache, const vo
               int64_t Hkv, int64_t D, int64_t BS, float scale, void *out, int64_t out_row_stride, int dtype,
               int64_t part_tokens, int nthreads) {
     if (N <= 0) return 0;
-    if (Hkv <= 0 || H % Hkv || H > PA_MAX_H || D % PA_W || D > PA_MAX_D || BS <= 0 || (dtype != 0 && dtype != 1))
+    if (Hkv <= 0 || H % Hkv || H > PA_MAX_H || D % PA_W || D > PA_MAX_D || BS <= 0 || dtype < 0 || dtype > 3)
         return -1;
     int64_t G = H / Hkv;
     if (G > PA_MAX_G) return -1;
-    int bf16 = dtype == 1;
+    int bf16 = dtype & 1;
     int64_t nparts = 1;
     if (part_tokens > 0) {
         int64_t maxlen = 0;
@@ -513,7 +524,7 @@ int pa_decode(const void *q, int64_t q_row_stride, const void *k_cache, const vo
         for (int64_t it = 0; it < items; it++) {
             if (!work) continue;
             int64_t part = it % nparts, n = it / nparts;
-            dispatch_item((int)G, bf16, n, part, nparts, q, q_row_stride, k_cache, v_cache, block_tables, bt_stride,
+            dispatch_item((int)G, dtype, n, part, nparts, q, q_row_stride, k_cache, v_cache, block_tables, bt_stride,
                           seq_lens, Hkv, D, BS, scale, out, out_row_stride, part_tokens, scratch, work);
         }
         if (nparts > 1 && work) {

@@ -20,6 +20,10 @@
  * part's end) are never used: their score rows are masked, their V rows and P columns are zeros
  * (a NaN in an unused slot times a zero would still be a NaN).
  *
+ * fp8 caches (dtype 3, csrc/fp8.h): K rows are converted to bf16 into the per-thread tile buffer
+ * (as rows that cross a block are copied), V rows as they are laid into pairs; the arithmetic is
+ * then the bf16 caches' (the conversion is exact).
+ *
  * Tiles (palette 1): each pass loads its own config (tiles_scores, tiles_values), in every OpenMP
  * thread. Built with -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw (kernels/attn_amx.py),
  * which asks Linux for the tile state once per process (kernels/cbuild.py amx_tiles_granted).
@@ -32,6 +36,7 @@
 
 #include "bf16.h"
 #include "exp512.h"
+#include "fp8.h"
 
 #define PAM_MAX_G 16 /* Q^T tile: 4G bytes a row */
 #define PAM_MAX_D 256
@@ -66,7 +71,9 @@ static void tiles_values(int G) { /* 0 = P (G x 64); 1,2 = V pairs (16 x 64); 4.
 static inline __m512 v_exp(__m512 x) { return exp512_nonpos(x); } /* x <= 0 */
 
 typedef struct { /* one call's arguments that every item reads */
-    const uint16_t *q, *k, *v;
+    const uint16_t *q;
+    const char *k, *v; /* caches: 2 bytes an element, or 1 (fp8) */
+    int64_t esz;
     const int32_t *tables, *seq_lens;
     int64_t q_stride, bt_stride, H, Hkv, G, D, BS, out_stride, part_tokens, nparts, Tp;
     float scale;
@@ -106,19 +113,30 @@ typedef struct { /* per-thread buffers */
         }                                                        \
     } while (0)
 
+/* K row of token t (relative to the item's first) at dims of KV head kh, as bf16 into dst[D]. */
+static inline void k_row_bf16(const call_t *c, const bufs_t *b, int64_t i, int64_t kh, uint16_t *dst) {
+    const char *src = c->k + (b->rows[i] + kh * c->D) * c->esz;
+    if (c->esz == 2) {
+        memcpy(dst, src, (size_t)c->D * 2);
+        return;
+    }
+    for (int64_t d = 0; d < c->D; d += 32) _mm512_storeu_si512(dst + d, fp8x32_to_bf16((const uint8_t *)src + d));
+}
+
 /* Pass 1: b->st[kh][t - t0][g] = q_(kh,g) . k_t for t in [t0, t1) (rows past t1: anything). */
 static void scores(const call_t *c, int64_t t0, int64_t t1, bufs_t *b) {
-    const int64_t G = c->G, D = c->D, Hkv = c->Hkv, ts = Hkv * D, Tp = c->Tp;
+    const int64_t G = c->G, D = c->D, Hkv = c->Hkv, ts = Hkv * D, Tp = c->Tp, esz = c->esz;
     tiles_scores((int)G);
     for (int64_t t = t0; t < t1; t += 16) {
         int64_t nt = t1 - t < 16 ? t1 - t : 16;
-        int direct = t % c->BS + 16 <= c->BS; /* 16 rows in one block: load them in place */
-        const uint16_t *base = c->k + b->rows[t - t0];
+        /* 16 bf16 rows in one block: load them in place */
+        int direct = esz == 2 && t % c->BS + 16 <= c->BS;
+        const uint16_t *base = (const uint16_t *)(c->k + b->rows[t - t0] * esz);
         if (t + 16 < t1) { /* next tile's rows */
-            const char *nx = (const char *)(c->k + b->rows[t + 16 - t0]);
+            const char *nx = c->k + b->rows[t + 16 - t0] * esz;
             int64_t nn = t1 - t - 16 < 16 ? t1 - t - 16 : 16;
             if ((t + 16) % c->BS + nn <= c->BS)
-                for (int64_t i = 0; i < nn * ts * 2; i += 64) _mm_prefetch(nx + i, _MM_HINT_T0);
+                for (int64_t i = 0; i < nn * ts * esz; i += 64) _mm_prefetch(nx + i, _MM_HINT_T0);
         }
         for (int64_t kh = 0; kh < Hkv; kh++) {
             const uint16_t *a = base + kh * D;
@@ -127,7 +145,7 @@ static void scores(const call_t *c, int64_t t0, int64_t t1, bufs_t *b) {
                 uint16_t *kt = b->kt + (kh & 1) * 16 * D;
                 for (int64_t i = 0; i < 16; i++) {
                     if (i < nt)
-                        memcpy(kt + i * D, c->k + b->rows[t + i - t0] + kh * D, (size_t)D * 2);
+                        k_row_bf16(c, b, t + i - t0, kh, kt + i * D);
                     else
                         memset(kt + i * D, 0, (size_t)D * 2);
                 }
@@ -177,17 +195,23 @@ static void softmax(const call_t *c, int64_t T, bufs_t *b, float *m, float *l) {
     }
 }
 
+/* 32 cache elements at p as bf16 */
+static inline __m512i v_bf16x32(const char *p, int64_t esz) {
+    return esz == 2 ? _mm512_loadu_si512(p) : fp8x32_to_bf16((const uint8_t *)p);
+}
+
 /* V rows of tokens [t, t + 32) (zeros at and past t1), dims d0 .. d0 + 32 * halves, as token pairs:
- * row j of tile 2s + lo/hi holds tokens t + 2j, t + 2j + 1 of unpack{lo,hi}_epi16 of dims d0 + 32s. */
-static inline void relay_values(const bufs_t *b, int64_t t0, int64_t t, int64_t t1,
-                                const uint16_t *vbase, int halves, uint16_t *vt) {
+ * row j of tile 2s + lo/hi holds tokens t + 2j, t + 2j + 1 of unpack{lo,hi}_epi16 of dims d0 + 32s.
+ * vbase: the cache (bytes) at KV head kh, dim d0, token row 0. */
+static inline void relay_values(const bufs_t *b, int64_t t0, int64_t t, int64_t t1, const char *vbase,
+                                int64_t esz, int halves, uint16_t *vt) {
     for (int64_t j = 0; j < 16; j++) {
         int64_t ta = t + 2 * j, tb = ta + 1;
-        const uint16_t *ra = ta < t1 ? vbase + b->rows[ta - t0] : NULL;
-        const uint16_t *rb = tb < t1 ? vbase + b->rows[tb - t0] : NULL;
+        const char *ra = ta < t1 ? vbase + b->rows[ta - t0] * esz : NULL;
+        const char *rb = tb < t1 ? vbase + b->rows[tb - t0] * esz : NULL;
         for (int s = 0; s < halves; s++) {
-            __m512i x = ra ? _mm512_loadu_si512(ra + 32 * s) : _mm512_setzero_si512();
-            __m512i y = rb ? _mm512_loadu_si512(rb + 32 * s) : _mm512_setzero_si512();
+            __m512i x = ra ? v_bf16x32(ra + 32 * s * esz, esz) : _mm512_setzero_si512();
+            __m512i y = rb ? v_bf16x32(rb + 32 * s * esz, esz) : _mm512_setzero_si512();
             _mm512_store_si512(vt + (2 * s) * 512 + j * 32, _mm512_unpacklo_epi16(x, y));
             _mm512_store_si512(vt + (2 * s + 1) * 512 + j * 32, _mm512_unpackhi_epi16(x, y));
         }
@@ -203,15 +227,16 @@ static void weighted_values(const call_t *c, int64_t t0, int64_t t1, bufs_t *b) 
     for (int64_t kh = 0; kh < c->Hkv; kh++) {
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
             const int halves = D - d0 >= 64 ? 2 : 1; /* 32-dim halves in this chunk: 2 C tiles each */
-            const uint16_t *vbase = c->v + kh * D + d0;
+            const char *vbase = c->v + (kh * D + d0) * c->esz;
             _tile_zero(4);
             _tile_zero(5);
             _tile_zero(6);
             _tile_zero(7);
-            relay_values(b, t0, t0, t1, vbase, halves, b->vt);
+            relay_values(b, t0, t0, t1, vbase, c->esz, halves, b->vt);
             for (int64_t t = t0, step = 0; t < t1; t += 32, step++) {
                 uint16_t *vt = b->vt + (step & 1) * 2048;
-                if (t + 32 < t1) relay_values(b, t0, t + 32, t1, vbase, halves, b->vt + ((step + 1) & 1) * 2048);
+                if (t + 32 < t1)
+                    relay_values(b, t0, t + 32, t1, vbase, c->esz, halves, b->vt + ((step + 1) & 1) * 2048);
                 _tile_loadd(0, b->p + kh * G * Tp + (t - t0), Tp * 2);
                 _tile_loadd(1, vt, 64);
                 _tile_dpbf16ps(4, 0, 1);
@@ -321,17 +346,18 @@ static void combine(const call_t *c, int64_t n, float *acc) {
 
 static void *alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) & ~(size_t)63); }
 
-/* pa_decode's signature; dtype must be 1 (bf16), D a multiple of 32, G at most PAM_MAX_G.
+/* pa_decode's signature; dtype must be 1 (bf16) or 3 (bf16 q and out, fp8 caches), D a multiple
+ * of 32, G at most PAM_MAX_G.
  * Returns 0, or -1 for arguments it does not take or no memory. */
 int pam_decode(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int64_t N, int64_t H,
                int64_t Hkv, int64_t D, int64_t BS, float scale, void *out, int64_t out_row_stride, int dtype,
                int64_t part_tokens, int nthreads) {
     if (N <= 0) return 0;
-    if (dtype != 1 || Hkv <= 0 || H % Hkv || H > PAM_MAX_H || D % 32 || D <= 0 || D > PAM_MAX_D || BS <= 0 ||
+    if ((dtype != 1 && dtype != 3) || Hkv <= 0 || H % Hkv || H > PAM_MAX_H || D % 32 || D <= 0 || D > PAM_MAX_D || BS <= 0 ||
         H / Hkv > PAM_MAX_G)
         return -1;
-    call_t c = {q, k_cache, v_cache, block_tables, seq_lens, q_row_stride, bt_stride, H, Hkv, H / Hkv, D, BS,
+    call_t c = {q, k_cache, v_cache, dtype == 3 ? 1 : 2, block_tables, seq_lens, q_row_stride, bt_stride, H, Hkv, H / Hkv, D, BS,
                 out_row_stride, part_tokens, 1, 0, scale, out, NULL};
     int64_t maxlen = 0;
     for (int64_t n = 0; n < N; n++) maxlen = seq_lens[n] > maxlen ? seq_lens[n] : maxlen;

@@ -1,0 +1,54 @@
+"""The KV cache's element type (``--kv-cache-dtype``, as vLLM names it): the model's dtype
+("auto"), or fp8 e4m3 ("fp8", "fp8_e4m3") on CPU.
+
+Why fp8: a decode step reads every cached K/V row of every request, and with many streams that
+is most of the step (16 rows of ~300 tokens: ~half of a decode step in the AMX attention kernel,
+reading at memory speed; loadtest/PERF.md). One byte an element halves those reads and doubles
+the tokens a KV budget holds. The bytes are e4m3fn without a scale (vLLM's default scale is 1.0
+too): K and V of these models lie well inside +-448, the subnormal step is 2^-9, and every writer
+(C: csrc/fp8.h, torch: ``.to(torch.float8_e4m3fn)``) rounds to nearest even and saturates the
+same way. The kernels widen the bytes exactly (fp8 -> bf16 / fp32) and compute as before.
+Accuracy is measured in loadtest/PERF.md (greedy agreement, perplexity) and pinned by a test.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+# name -> element type; None = the model's dtype
+CHOICES: dict[str, torch.dtype | None] = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
+UNSUPPORTED = {"fp8_e5m2": "use fp8 (e4m3)", "fp8_inc": "use fp8 (e4m3)", "fp8_ds_mla": "use fp8 (e4m3)"}
+
+
+class KVCacheDtypeError(ValueError):
+    """A --kv-cache-dtype this build cannot serve; the message says what it can."""
+
+
+def resolve(name: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The cache element type for ``--kv-cache-dtype name`` with this model dtype on this device."""
+    if name in UNSUPPORTED:
+        raise KVCacheDtypeError(f"--kv-cache-dtype {name} is not supported: {UNSUPPORTED[name]}")
+    if name not in CHOICES:
+        raise KVCacheDtypeError(f"--kv-cache-dtype {name!r} is not one of {', '.join(CHOICES)}")
+    dtype = CHOICES[name]
+    if dtype is None:
+        return model_dtype
+    if torch.device(device).type != "cpu":
+        raise KVCacheDtypeError(f"--kv-cache-dtype {name} is implemented for the CPU backend only "
+                                f"(this model runs on {torch.device(device).type}); use auto")
+    return dtype
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype == FP8
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of an fp8 tensor (torch has no index_copy_ for fp8 on CPU), else ``t``:
+    block copies move the bytes as they are."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def index_copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, src)`` for every cache dtype, fp8 included."""
+    as_bytes(dst).index_copy_(0, index, as_bytes(src))
