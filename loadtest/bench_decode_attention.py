@@ -1,12 +1,13 @@
 """Decode attention kernels side by side: AVX-512 (csrc/paged_attn.c) against AMX (csrc/paged_attn_amx.c).
 
     python -m loadtest.bench_decode_attention [--batches 1 4 16] [--contexts 128 384 1024]
-        [--threads 2] [--reps 7] [--layers 8] [--paths avx512 amx]
+        [--threads 2] [--reps 7] [--layers 8] [--paths avx512 amx amx-fp8]
 
 Default-model shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, block 16, bf16).
 Every request of a case has the same context; the caches of ``--layers`` layers are cycled as in a
 step (a layer's K/V is not hot in L2 when its turn comes). The thread count and the split into
-parts are the ones the server picks (kernels.cpu_attention._threads_and_parts). Each rep times
+parts are the ones the server picks; a path named ``<kernel>-fp8`` reads fp8 copies of the caches
+(--kv-cache-dtype fp8). The thread count and the split into parts are the ones the server picks (kernels.cpu_attention._threads_and_parts). Each rep times
 every path back to back (interleaved, so a busy neighbour slows both); the median and the minimum
 over reps of wall time per layer call are printed, with the ratio of the medians (first path over
 last). On a busy box at ``nice -n 19`` a two-thread OpenMP region can wait milliseconds for its
@@ -22,6 +23,7 @@ import time
 import torch
 
 from kernels import attn_amx, cpu_attention
+from kernels.kv_cache_dtype import FP8
 from tests.kernels.paged_batch import make_batch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -29,7 +31,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 def _decoder(path: str):
     """The pa_decode-compatible entry point of ``path`` (None: the default build's pa_decode)."""
-    if path == "amx":
+    if path.removesuffix("-fp8") == "amx":
         lib = attn_amx.library()
         if lib is None:
             raise SystemExit("no AMX kernel on this machine")
@@ -41,6 +43,7 @@ def _case(batch_size: int, context: int, layers: int, paths: list[str], reps: in
     batch = make_batch([(context - 1, 1)] * batch_size, HEADS, KV_HEADS, HEAD_DIM, BLOCK, torch.bfloat16, seed=1,
                        spare_blocks=0)
     caches = [(batch.k_cache.clone(), batch.v_cache.clone()) for _ in range(layers)]
+    fp8_caches = [(k.to(FP8), v.to(FP8)) for k, v in caches]
     lib = cpu_attention.library()
     q, meta = batch.q[:batch_size], batch.meta
     out = torch.empty_like(q)
@@ -51,9 +54,10 @@ def _case(batch_size: int, context: int, layers: int, paths: list[str], reps: in
 
     def run(path: str, n: int) -> float:
         meta.cpu_plan = (key, calls[path])
+        layer_caches = fp8_caches if path.endswith("-fp8") else caches
         t0 = time.perf_counter()
         for _ in range(n):
-            for k, v in caches:
+            for k, v in layer_caches:
                 cpu_attention.decode_attention_c(lib, q, k, v, meta, scale, out)
         return (time.perf_counter() - t0) / (n * layers) * 1e6
 
@@ -66,7 +70,8 @@ def _case(batch_size: int, context: int, layers: int, paths: list[str], reps: in
     for _ in range(reps):
         for p in paths:
             times[p].append(run(p, n))
-    diff = max((outs[p].float() - outs[paths[0]].float()).abs().max().item() for p in paths)
+    diff = max((outs[p].float() - outs[paths[0]].float()).abs().max().item() for p in paths
+               if p.endswith("-fp8") == paths[0].endswith("-fp8"))
     return {"threads": threads, "part": part, "n": n, "diff": diff,
             "median": {p: statistics.median(t) for p, t in times.items()}, "all": times}
 

@@ -99,9 +99,13 @@ static inline void fp8_encode_row(const void *src, int src_bf16, int64_t n, uint
     int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     for (; i + 16 <= n; i += 16) {
-        __m512 x = src_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i))), 16))
-                            : _mm512_loadu_ps((const float *)src + i);
+        __m512 x;
+        if (src_bf16) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
+            x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        } else {
+            x = _mm512_loadu_ps((const float *)src + i);
+        }
         _mm_storeu_si128((__m128i *)(dst + i), fp8x16_from_ps(x));
     }
 #endif

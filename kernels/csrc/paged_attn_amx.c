@@ -114,18 +114,22 @@ typedef struct { /* per-thread buffers */
     } while (0)
 
 /* K row of token t (relative to the item's first) at dims of KV head kh, as bf16 into dst[D]. */
-static inline void k_row_bf16(const call_t *c, const bufs_t *b, int64_t i, int64_t kh, uint16_t *dst) {
-    const char *src = c->k + (b->rows[i] + kh * c->D) * c->esz;
-    if (c->esz == 2) {
+#define PAM_INLINE static inline __attribute__((always_inline))
+
+PAM_INLINE void k_row_bf16(const call_t *c, const bufs_t *b, int64_t i, int64_t kh, uint16_t *dst,
+                           const int64_t esz) {
+    const char *src = c->k + (b->rows[i] + kh * c->D) * esz;
+    if (esz == 2) {
         memcpy(dst, src, (size_t)c->D * 2);
         return;
     }
     for (int64_t d = 0; d < c->D; d += 32) _mm512_storeu_si512(dst + d, fp8x32_to_bf16((const uint8_t *)src + d));
 }
 
-/* Pass 1: b->st[kh][t - t0][g] = q_(kh,g) . k_t for t in [t0, t1) (rows past t1: anything). */
-static void scores(const call_t *c, int64_t t0, int64_t t1, bufs_t *b) {
-    const int64_t G = c->G, D = c->D, Hkv = c->Hkv, ts = Hkv * D, Tp = c->Tp, esz = c->esz;
+/* Pass 1: b->st[kh][t - t0][g] = q_(kh,g) . k_t for t in [t0, t1) (rows past t1: anything).
+ * esz (bytes a cache element) is a constant in each inlined instance (run_item). */
+PAM_INLINE void scores(const call_t *c, int64_t t0, int64_t t1, bufs_t *b, const int64_t esz) {
+    const int64_t G = c->G, D = c->D, Hkv = c->Hkv, ts = Hkv * D, Tp = c->Tp;
     tiles_scores((int)G);
     for (int64_t t = t0; t < t1; t += 16) {
         int64_t nt = t1 - t < 16 ? t1 - t : 16;
@@ -145,7 +149,7 @@ static void scores(const call_t *c, int64_t t0, int64_t t1, bufs_t *b) {
                 uint16_t *kt = b->kt + (kh & 1) * 16 * D;
                 for (int64_t i = 0; i < 16; i++) {
                     if (i < nt)
-                        k_row_bf16(c, b, t + i - t0, kh, kt + i * D);
+                        k_row_bf16(c, b, t + i - t0, kh, kt + i * D, esz);
                     else
                         memset(kt + i * D, 0, (size_t)D * 2);
                 }
@@ -196,15 +200,15 @@ static void softmax(const call_t *c, int64_t T, bufs_t *b, float *m, float *l) {
 }
 
 /* 32 cache elements at p as bf16 */
-static inline __m512i v_bf16x32(const char *p, int64_t esz) {
+PAM_INLINE __m512i v_bf16x32(const char *p, const int64_t esz) {
     return esz == 2 ? _mm512_loadu_si512(p) : fp8x32_to_bf16((const uint8_t *)p);
 }
 
 /* V rows of tokens [t, t + 32) (zeros at and past t1), dims d0 .. d0 + 32 * halves, as token pairs:
  * row j of tile 2s + lo/hi holds tokens t + 2j, t + 2j + 1 of unpack{lo,hi}_epi16 of dims d0 + 32s.
  * vbase: the cache (bytes) at KV head kh, dim d0, token row 0. */
-static inline void relay_values(const bufs_t *b, int64_t t0, int64_t t, int64_t t1, const char *vbase,
-                                int64_t esz, int halves, uint16_t *vt) {
+PAM_INLINE void relay_values(const bufs_t *b, int64_t t0, int64_t t, int64_t t1, const char *vbase,
+                                const int64_t esz, int halves, uint16_t *vt) {
     for (int64_t j = 0; j < 16; j++) {
         int64_t ta = t + 2 * j, tb = ta + 1;
         const char *ra = ta < t1 ? vbase + b->rows[ta - t0] * esz : NULL;
@@ -221,22 +225,22 @@ static inline void relay_values(const bufs_t *b, int64_t t0, int64_t t, int64_t 
 /* Pass 3: b->acc[h][D] = sum_t p[h][t] v_t (unnormalised; columns in the pair lane order). The
  * next step's V pairs are laid out (other half of b->vt) before this step's products are issued,
  * so the tile loads do not wait for just-made stores. */
-static void weighted_values(const call_t *c, int64_t t0, int64_t t1, bufs_t *b) {
+PAM_INLINE void weighted_values(const call_t *c, int64_t t0, int64_t t1, bufs_t *b, const int64_t esz) {
     const int64_t G = c->G, D = c->D, Tp = c->Tp;
     tiles_values((int)G);
     for (int64_t kh = 0; kh < c->Hkv; kh++) {
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
             const int halves = D - d0 >= 64 ? 2 : 1; /* 32-dim halves in this chunk: 2 C tiles each */
-            const char *vbase = c->v + (kh * D + d0) * c->esz;
+            const char *vbase = c->v + (kh * D + d0) * esz;
             _tile_zero(4);
             _tile_zero(5);
             _tile_zero(6);
             _tile_zero(7);
-            relay_values(b, t0, t0, t1, vbase, c->esz, halves, b->vt);
+            relay_values(b, t0, t0, t1, vbase, esz, halves, b->vt);
             for (int64_t t = t0, step = 0; t < t1; t += 32, step++) {
                 uint16_t *vt = b->vt + (step & 1) * 2048;
                 if (t + 32 < t1)
-                    relay_values(b, t0, t + 32, t1, vbase, c->esz, halves, b->vt + ((step + 1) & 1) * 2048);
+                    relay_values(b, t0, t + 32, t1, vbase, esz, halves, b->vt + ((step + 1) & 1) * 2048);
                 _tile_loadd(0, b->p + kh * G * Tp + (t - t0), Tp * 2);
                 _tile_loadd(1, vt, 64);
                 _tile_dpbf16ps(4, 0, 1);
@@ -295,10 +299,16 @@ static void run_item(const call_t *c, int64_t n, int64_t part, bufs_t *b) {
         for (; off < c->BS && t < t1; off++, t++, row += c->Hkv * D) b->rows[t - t0] = row;
     }
     float m[PAM_MAX_H], l[PAM_MAX_H];
-    scores(c, t0, t1, b);
+    if (c->esz == 2)
+        scores(c, t0, t1, b, 2);
+    else
+        scores(c, t0, t1, b, 1);
     softmax(c, t1 - t0, b, m, l);
     if (t1 > t0) {
-        weighted_values(c, t0, t1, b);
+        if (c->esz == 2)
+            weighted_values(c, t0, t1, b, 2);
+        else
+            weighted_values(c, t0, t1, b, 1);
         unpermute(b->acc, H, D);
     } else {
         memset(b->acc, 0, sizeof(float) * (size_t)(H * D));
@@ -354,11 +364,12 @@ int pam_decode(const void *q, int64_t q_row_stride, const void *k_cache, const v
                int64_t Hkv, int64_t D, int64_t BS, float scale, void *out, int64_t out_row_stride, int dtype,
                int64_t part_tokens, int nthreads) {
     if (N <= 0) return 0;
-    if ((dtype != 1 && dtype != 3) || Hkv <= 0 || H % Hkv || H > PAM_MAX_H || D % 32 || D <= 0 || D > PAM_MAX_D || BS <= 0 ||
+    if ((dtype != 1 && dtype != 3) || Hkv <= 0 || H % Hkv || H > PAM_MAX_H || D % 32 || D <= 0 || D > PAM_MAX_D ||
+        BS <= 0 ||
         H / Hkv > PAM_MAX_G)
         return -1;
-    call_t c = {q, k_cache, v_cache, dtype == 3 ? 1 : 2, block_tables, seq_lens, q_row_stride, bt_stride, H, Hkv, H / Hkv, D, BS,
-                out_row_stride, part_tokens, 1, 0, scale, out, NULL};
+    call_t c = {q, k_cache, v_cache, dtype == 3 ? 1 : 2, block_tables, seq_lens, q_row_stride, bt_stride, H, Hkv,
+                H / Hkv, D, BS, out_row_stride, part_tokens, 1, 0, scale, out, NULL};
     int64_t maxlen = 0;
     for (int64_t n = 0; n < N; n++) maxlen = seq_lens[n] > maxlen ? seq_lens[n] : maxlen;
     if (part_tokens > 0) {

@@ -145,3 +145,18 @@ def test_not_bound_for_fp32_or_when_turned_off(monkeypatch):
     monkeypatch.setenv(fast_decode.ENV, "0")
     llm = tiny_llm(dtype="bfloat16")
     assert all(layer.fast_decode is None for layer in llm.parts.executor.runner.model.model.layers)
+
+
+def test_decode_stack_over_an_fp8_kv_cache_matches_eager(monkeypatch):
+    """--kv-cache-dtype fp8: the stack's fz_attn_in encodes the new K/V rows and its attention
+    call widens them, exactly as the eager layers' writer and kernel do (same greedy tokens), for
+    one row and, with int4 weights, for 16 (the AMX kernel where the CPU has it)."""
+    make = lambda: tiny_llm(dtype="bfloat16", kv_cache_dtype="fp8")  # noqa: E731
+    calls = _compare(make, PROMPTS[:1], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
+    assert 1 in _stack_calls(calls)
+    if qgemm_n16.library() is None:
+        return  # 16 rows: the stack takes them with quantized weights only
+    make = lambda: tiny_llm(dtype="bfloat16", quantization="int4", kv_cache_dtype="fp8")  # noqa: E731
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
+    calls = _compare(make, prompts, monkeypatch, max_tokens=12, mode="1", counted=fast_decode.FastDecodeStack)
+    assert 16 in _stack_calls(calls)
