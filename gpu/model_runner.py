@@ -288,7 +288,7 @@ class ModelRunner:
         token_ids: list[int] = []
         logprobs = None
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)], fp32=False)
             result = self.sampler.sample(
                 logits,
                 [s.options for s in sample_states],

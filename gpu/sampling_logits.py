@@ -18,6 +18,12 @@ def num_generated(token_ids: list[list[int]], num_prompt_tokens: list[int], i: i
     return len(token_ids[i]) - num_prompt_tokens[i]
 
 
+def changes_logits(opt: SamplingOptions) -> bool:
+    """Whether ``process_logits`` may change this row (a bias, a min_tokens block, a penalty)."""
+    return bool(opt.logit_bias or (opt.min_tokens > 0 and opt.min_tokens_blocked_ids)
+                or opt.repetition_penalty != 1.0 or opt.frequency_penalty != 0.0 or opt.presence_penalty != 0.0)
+
+
 def process_logits(
     logits: Tensor,
     options: list[SamplingOptions],
@@ -37,6 +43,8 @@ def process_logits(
     block_cols: list[int] = []
     penalty_rows: list[int] = []
     for i, opt in enumerate(options):
+        if not changes_logits(opt):
+            continue
         if opt.logit_bias:
             for tok, bias in opt.logit_bias.items():
                 tok = int(tok)

@@ -89,8 +89,8 @@ class GPT2LMHeadModel(nn.Module):
             return StageActivations(x)
         return t.ln_f(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, fp32)
 
     def map_weight_name(self, name: str):
         if name.endswith((".attn.bias", ".attn.masked_bias")):

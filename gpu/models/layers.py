@@ -269,14 +269,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         n = self.end - self.start
         _copy_checked(param.data[:n], loaded[self.start:self.end], "lm head bias")
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Logits over the vocabulary: fp32, or (``fp32=False``, for the sampler, which widens
+        only when it needs to) in the head's output dtype."""
         if self.qweight is None:
             logits = linear(hidden, self.weight, self.bias, self.pweight)
         else:
             logits = self.qweight.linear(hidden)  # bias included
         if self.tp_size > 1:
             logits = tp_all_gather(logits, dim=-1)
-        return logits[..., : self.num_embeddings].float()
+        logits = logits[..., : self.num_embeddings]
+        return logits.float() if fp32 else logits
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden)

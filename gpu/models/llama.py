@@ -186,8 +186,8 @@ class LlamaForCausalLM(nn.Module):
                 intermediate: StageActivations | None = None):
         return self.model(input_ids, positions, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, fp32)
 
     def map_weight_name(self, name: str):
         if "rotary_emb.inv_freq" in name or name.endswith((".cos_cached", ".sin_cached")):

@@ -702,3 +702,41 @@ def _bench() -> None:
 
 if __name__ == "__main__":
     _bench()
+
+
+def test_plain_greedy_rows_take_the_one_pass_argmax():
+    """All rows greedy with nothing that changes the logits: the tokens come from one pass over the
+    logits in their own dtype (no fp32 copy) and equal the general path's, ties included; a row
+    with NaN / +inf / only -inf goes the general way (repaired), and a penalised row is processed."""
+    from kernels import fused
+
+    torch.manual_seed(4)
+    logits = torch.randn(5, 49152).bfloat16()  # many ties among bf16 values
+    logits[1, [7, 900]] = 30.0
+    want = [int(r.float().argmax()) for r in logits]
+    greedy_opts = [SamplingOptions(temperature=0.0)] * 5
+    with _OpLog() as ops:
+        fast = Sampler().sample(logits, greedy_opts, [[0]] * 5, [1] * 5).token_ids
+    assert fast == want == _run(logits.float(), greedy_opts).token_ids and want[1] == 7
+    if fused.has_bf16_gemv():
+        assert [str(f) for f in ops.funcs] == ["aten.empty.memory_format"], ops.funcs  # the C pass: no fp32 copy
+    odd = logits.clone()
+    odd[2, 11] = float("nan")
+    odd[3] = float("-inf")
+    odd[4, 12] = float("inf")
+    assert _run(odd.clone(), greedy_opts).token_ids == _run(odd.float(), greedy_opts).token_ids
+    penalised = [SamplingOptions(temperature=0.0, presence_penalty=100.0)] * 5
+    out = Sampler().sample(logits.clone(), penalised, [[0, want[0]]] * 5, [1] * 5).token_ids
+    assert out[0] != want[0]  # the penalty applied
+
+
+class _OpLog(TorchDispatchMode):
+    """Record the aten ops run inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.funcs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.funcs.append(func)
+        return func(*args, **(kwargs or {}))
