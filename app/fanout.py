@@ -110,6 +110,10 @@ class ChoiceFanOut:
                 c = choices[k]
                 comp = out.outputs[0]
                 if comp.finish_reason == "error":
+                    if getattr(out, "error_from_request", False):
+                        c.tracker.finish("error", "invalid_request")
+                        raise APIError.bad_request(out.error or "the request's constraints admit no token",
+                                                   code="constraints_unsatisfiable")
                     c.tracker.finish("error", "engine_error")
                     raise APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
                                    "server_error", None, "engine_error")

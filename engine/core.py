@@ -341,10 +341,15 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         seq.token_ids.append(token_id)
         constraint = seq.constraint
         if constraint is not None and not constraint.accept(token_id):
-            # Only when the mask could not be honoured (min_tokens blocking the grammar's end).
+            # Only when the mask could not be honoured: the request's constraints together admit no
+            # token (allowed_token_ids or bad_words without any token the grammar allows, min_tokens
+            # blocking the grammar's end).
             logger.warning("request %s: sampled token %d does not fit its grammar",
                            seq.request.request_id, token_id)
-            seq.request.error = f"the sampled token {token_id} does not fit the grammar"
+            seq.request.error = (f"no token satisfies this request's constraints together (the sampled token "
+                                 f"{token_id} does not fit the grammar): allowed_token_ids, bad_words or "
+                                 f"min_tokens exclude every token the structured output allows")
+            seq.request.error_from_request = True
             self._finish_seq(seq, "error")
             return
         if seq.logprobs is not None and lp is not None:
@@ -448,4 +453,5 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             metrics=req.metrics,
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
+            error_from_request=req.error_from_request,
         )

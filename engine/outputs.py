@@ -73,6 +73,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sequence)
     error: str | None = field(default=None)  # set when finish_reason is "error"
+    error_from_request: bool = False  # the request's constraints caused it (a 400), not the engine
 
 
 def merge_delta(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
@@ -107,4 +108,5 @@ def merge_delta(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
     acc.metrics = delta.metrics or acc.metrics
     acc.num_cached_tokens = max(acc.num_cached_tokens, delta.num_cached_tokens)
     acc.error = delta.error or acc.error
+    acc.error_from_request = delta.error_from_request or acc.error_from_request
     return acc

@@ -98,6 +98,9 @@ class Request:
     num_cached_tokens: int = 0
     finished: bool = False
     error: str | None = None
+    # The error is the request's own doing (its constraints admit no token), not the engine's:
+    # the server answers 400, not 500.
+    error_from_request: bool = False
     # Prefix-cache tenant key: only requests with an equal salt (or both None) share KV blocks.
     cache_salt: str | None = None
     # Set while the request's grammar compiles: its sequences are not in the scheduler yet.
