@@ -110,7 +110,7 @@ class ChoiceFanOut:
                 c = choices[k]
                 comp = out.outputs[0]
                 if comp.finish_reason == "error":
-                    if getattr(out, "error_from_request", False):
+                    if out.error_from_request:
                         c.tracker.finish("error", "invalid_request")
                         raise APIError.bad_request(out.error or "the request's constraints admit no token",
                                                    code="constraints_unsatisfiable")

@@ -39,10 +39,6 @@ def resolve(name: str, model_dtype: torch.dtype, device: torch.device | str) -> 
     return dtype
 
 
-def is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype == FP8
-
-
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of an fp8 tensor (torch has no index_copy_ for fp8 on CPU), else ``t``:
     block copies move the bytes as they are."""

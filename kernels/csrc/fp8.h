@@ -2,8 +2,9 @@
  * (bias 7), 3 mantissa bits, no infinities, 0x7f / 0xff NaN, largest finite 448, subnormal step
  * 2^-9. Encoding rounds to nearest even and saturates at +-448 (infinities too), as torch's
  * .to(torch.float8_e4m3fn) does, so the C writers and the torch writer store the same bytes.
- * Decoding is exact: the byte's bits, moved into an fp16's (exponent bias 15), are the value
- * times 2^-8, and vcvtph2ps converts fp16 subnormals exactly (no DAZ), so no special cases.
+ * Decoding is exact: AVX-512 builds the bf16 bits with integer ops (fp8_words_to_bf16); AVX2 moves
+ * the byte's bits into an fp16's (exponent bias 15: the value times 2^-8) for vcvtph2ps, which
+ * converts fp16 subnormals exactly (no DAZ).
  *
  * Vector forms where the including file is built for them: AVX-512 (16 or 32 lanes), AVX2 with
  * F16C (8 lanes); the scalar forms everywhere.
@@ -58,34 +59,32 @@ static inline __m128i fp8x16_from_ps(__m512 x) {
     return _mm512_cvtepi32_epi8(_mm512_or_si512(r, s));
 }
 
-/* fp8 bytes (in 16-bit lanes) -> the fp16 bits of value * 2^-8 */
-static inline __m512i fp8_words_to_half(__m512i w) {
-    return _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8),
-                           _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 7));
-}
-
-/* 16 fp8 bytes -> 16 fp32 */
-static inline __m512 fp8x16_to_ps(const uint8_t *p) {
-    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    h = _mm512_castsi512_si256(fp8_words_to_half(_mm512_castsi256_si512(h)));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-}
-
-#ifdef __AVX512BF16__
-/* 32 fp8 bytes -> 32 bf16 (exact: 3 mantissa bits fit in 7), in order, with integer ops: a normal
- * value's bf16 is its exponent and mantissa bits shifted up by 4 plus the exponent bias difference
- * (120 << 7); the 8 subnormal magnitudes come from a table; the sign moves to bit 15. 9 operations
- * for 32 values (the fp16 route took ~14; the AMX kernel converts every K and V element). */
-static inline __m512i fp8x32_to_bf16(const uint8_t *p) {
+/* fp8 bytes in 16-bit lanes (zero-extended) -> the bf16 bits of their values, exactly (3 mantissa bits
+ * fit in 7), with integer ops: a normal value's bf16 is its exponent and mantissa bits shifted up by 4
+ * plus the exponent bias difference (120 << 7); the 8 subnormal magnitudes come from a table; the
+ * sign moves to bit 15. 9 operations for 32 values (an fp16 route with vcvtph2ps took ~14, and the
+ * AMX kernel converts every K and V element). Lanes holding 0 give 0. */
+static inline __m512i fp8_words_to_bf16(__m512i w) {
     const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                          0x3c60, 0x3c40, 0x3c20, 0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0); /* m * 2^-9 */
-    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
     __m512i em = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
     __m512i r = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(0x3c00));
     r = _mm512_mask_permutexvar_epi16(r, _mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)), em, sub);
-    return _mm512_ternarylogic_epi32(_mm512_set1_epi16((short)0x8000), _mm512_slli_epi16(w, 8), r, 0xca); /* A ? B : C */
+    const __m512i sign = _mm512_set1_epi16((short)0x8000);
+    return _mm512_ternarylogic_epi32(sign, _mm512_slli_epi16(w, 8), r, 0xca); /* sign bit from w << 8, rest r */
 }
-#endif
+
+/* 32 fp8 bytes -> 32 bf16, in order */
+static inline __m512i fp8x32_to_bf16(const uint8_t *p) {
+    return fp8_words_to_bf16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)));
+}
+
+/* 16 fp8 bytes -> 16 fp32: each byte in the low word of a dword lane (the high words give bf16 0,
+ * shifted out), then bf16 -> fp32 is a shift */
+static inline __m512 fp8x16_to_ps(const uint8_t *p) {
+    __m512i b = fp8_words_to_bf16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__F16C__)
