@@ -2,17 +2,21 @@
 
 ``torch.zeros`` on CPU writes every byte: 11 s for the default 4 GiB cache on a loaded 2-core
 box, before the server can answer. The cache must read as zeros (masked-out slots are multiplied
-by zero weights, and 0 * NaN is NaN), but it need not be written: memory from ``calloc`` (numpy's
-``zeros``) that is large enough to come from ``mmap`` is made of the kernel's zero pages, mapped
-on first touch. So the cache costs time and resident memory only for the blocks requests use.
+by zero weights, and 0 * NaN is NaN), but it need not be written: a fresh anonymous ``mmap`` is
+made of the kernel's zero pages, mapped on first touch. So the cache costs time and resident
+memory only for the blocks requests use. (``calloc`` was used before: it usually maps fresh
+pages for such sizes, but when glibc hands back heap memory that was used before it zeroes it,
+making the whole tensor resident: once in a full test run, 64 MiB of a 1 GiB cache.)
 CUDA memory has no such pages; there ``torch.zeros`` is a fast device memset.
 """
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
-ALIGNMENT = 64  # a cache line, as torch's own CPU allocator aligns
+ALIGNMENT = 64  # a cache line, as torch's own CPU allocator aligns (a mapping starts on a page)
 
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -22,6 +26,8 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = int(np.prod(shape, dtype=np.int64))
     nbytes = numel * itemsize
-    raw = torch.from_numpy(np.zeros(nbytes + ALIGNMENT, dtype=np.uint8))
-    skip = -raw.data_ptr() % ALIGNMENT  # calloc's mmap chunks start 16 bytes into a page
-    return raw[skip:skip + nbytes].view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The array keeps the mapping alive (its buffer export), the tensor keeps the array.
+    pages = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    return torch.from_numpy(pages).view(dtype).view(shape)
