@@ -28,10 +28,10 @@ FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vnni"]
 BLOCK = 16  # output channels per vector
 GROUP = 32
 # Above this many rows qgemm.PackedLinear widens blocks of W for the BLAS matmul instead (measured
-# on the default model's shapes, loadtest/PERF.md: VNNI beats dequantize + matmul to 64 rows, AMX
-# to ~128).
+# on the default model's shapes, loadtest/PERF.md: VNNI beats dequantize + matmul to 64 rows; the
+# AMX kernel, whose widened form reuses each widened group for every 16 rows, to 320-384 rows).
 FUSED_MAX_M = 64
-FUSED_MAX_M_AMX = 96
+FUSED_MAX_M_AMX = 320
 
 
 def wanted(cpu: set[str], forced: str | None) -> bool:
@@ -87,6 +87,8 @@ def amx_library() -> ctypes.CDLL | None:
     lib.qa_q4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I, I]
     lib.qa_q8_mm.restype = I
     lib.qa_q8_mm.argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
+    lib.qa_wide_min_m.restype = I
+    lib.qa_wide_min_m.argtypes = []
     logger.info("quantized kernel: AMX bf16 tiles for batches of %d+ rows", AMX_MIN_M)
     return lib
 

@@ -145,7 +145,7 @@ class FastDecodeStack:
         self._specs = None  # (key, LayerSpec array): rebuilt when the caches or a norm weight change
         # The norms' weight Parameters, read once: nn.Module attribute lookups cost ~1 us each, 60 a step.
         self._norm_weights = [n.weight for layer in layers for n in (layer.in_norm, layer.post_norm)]
-        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._scratch: tuple[torch.Tensor, ...] | None = None
 
     @staticmethod
     def compatible(layers: list[FastDecodeLayer]) -> bool:
@@ -174,12 +174,12 @@ class FastDecodeStack:
         return specs
 
     def _scratch_for(self, M: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        bufs = self._scratch.get(M)
-        if bufs is None:
-            bufs = tuple(like.new_empty((M, n)) for n in (self.n_qkv, self.q_heads * self.head_dim, self.hidden,
-                                                          2 * self.inter, self.inter))
-            self._scratch[M] = bufs
-        return bufs
+        """The step's intermediate buffers: the first M rows of one set, grown to the most rows seen
+        (one set per batch size would keep ~13 KB x M for every M up to max_rows)."""
+        if self._scratch is None or self._scratch[0].shape[0] < M or self._scratch[0].dtype != like.dtype:
+            self._scratch = tuple(like.new_empty((M, n)) for n in (self.n_qkv, self.q_heads * self.head_dim,
+                                                                    self.hidden, 2 * self.inter, self.inter))
+        return tuple(b[:M] for b in self._scratch)
 
     def forward(self, rope: tuple, x: torch.Tensor, residual: torch.Tensor | None):
         """(out, residual) after every layer, or None when this step is not a decode-only one the

@@ -122,7 +122,7 @@ def test_n16_large_batch_widens_blocks_into_a_padded_scratch(monkeypatch, layout
     monkeypatch.setattr(qgemm, "_DEQUANT_ROWS", block)
     monkeypatch.setattr(qgemm, "_DEQUANT_BYTES", 0)
     gen = torch.Generator().manual_seed(block + len(layout))
-    m, k, n = 130, 64, block + 48
+    m, k, n = max(qgemm_n16.FUSED_MAX_M, qgemm_n16.FUSED_MAX_M_AMX) + 10, 64, block + 48
     x = torch.randn(m, k, generator=gen).to(dtype)
     packed = qgemm.quantize(torch.randn(n, k, generator=gen) * 0.05, layout)
     lin = qgemm.PackedLinear(layout, packed)
@@ -254,3 +254,47 @@ def test_amx_nan_row_stays_in_its_row():
     lin = qgemm.PackedLinear("q4_1", qgemm.quantize(torch.randn(20, 64), "q4_1"))
     y = lin(x)
     assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
+
+
+def _amx_linear(layout: str, m: int, k: int, n: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen)
+    packed = qgemm.quantize(w, layout)
+    lin = qgemm.PackedLinear(layout, packed, bias)
+    lin._fused_max = 1 << 30  # the kernel itself at every M here
+    assert lin._amx is not None
+    return x, lin, qgemm.dequantize(layout, packed), bias
+
+
+@needs_amx
+@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m,k,n", [(24, 64, 7), (33, 96, 130), (47, 576, 97), (64, 1536, 33), (100, 160, 48),
+                                   (320, 576, 192)])
+def test_amx_widened_form_rounds_each_weight_to_bf16_once(layout, m, k, n):
+    """From qa_wide_min_m rows the kernel widens each group to bf16(d * code + m) once and sums
+    whole rows in fp32 (odd group counts, a lone last 16-row chunk, N not a multiple of 16, a
+    bias): it matches x @ bf16(W)^T to the output's own bf16 rounding, a bound the exact products
+    of the smaller batches would miss (checked below on the same weights)."""
+    lib = qgemm_n16.amx_library()
+    assert m >= lib.qa_wide_min_m()
+    x, lin, w, bias = _amx_linear(layout, m, k, n, seed=m * 7 + k + n)
+    y = lin(x).float()
+    ref = x.float() @ w.to(torch.bfloat16).float().t() + bias
+    exact = x.float() @ w.t() + bias
+    tight = 2.0 ** -8 * ref.abs() + 1e-5 * ref.abs().max()
+    assert ((y - ref).abs() <= tight).all(), (y - ref).abs().max()
+    assert not ((exact.to(torch.bfloat16).float() - ref).abs() <= tight).all()  # the exact form would miss it
+
+
+@needs_amx
+@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
+def test_amx_below_the_widened_form_multiplies_the_codes_exactly(layout):
+    """One row fewer than qa_wide_min_m: the exact form (codes times bf16 activations, fp32 group
+    sums scaled in fp32) matches the fp32 reference to the output's bf16 rounding."""
+    m = qgemm_n16.amx_library().qa_wide_min_m() - 1
+    x, lin, w, bias = _amx_linear(layout, m, 576, 97, seed=5)
+    y = lin(x).float()
+    exact = x.float() @ w.t() + bias
+    assert ((y - exact).abs() <= 2.0 ** -8 * exact.abs() + 1e-5 * exact.abs().max()).all()
