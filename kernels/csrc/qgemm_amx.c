@@ -14,14 +14,15 @@
  * model's linears. From QA_WIDE_MIN_M rows on, the widened form runs instead: each group's weights
  * d * code + m are rounded to bf16 once per call (as the large-batch path in kernels/qgemm.py
  * does, and as an unquantized bf16 model holds them) and every 16 rows reuse them; the C tiles
- * then accumulate over all of K with no scaling in between (two 16-row chunks share each B tile).
- * Measured on the default model's linears (loadtest/PERF.md, eighth session): 64 rows 21.0 -> 13.5
- * ms, 271 rows 57 -> 41 ms against widening blocks for oneDNN; at 16 rows the widening costs more
+ * then accumulate over all of K with no scaling in between (2 x 2 blocking: two 16-row chunks times
+ * two channel blocks, so each tile load feeds two products).
+ * Measured on the default model's linears (loadtest/PERF.md, eighth session): 64 rows 21.0 -> 11.3
+ * ms, 271 rows 57 -> 38 ms against widening blocks for oneDNN; at 16 rows the widening costs more
  * than it saves (5.9 -> 7.6 ms), so the exact form stays below QA_WIDE_MIN_M.
  *
  * Tiles (exact form): 0,1 = C (sums of an even / odd group), 2,3 = A (x), 4,5 = B (codes as bf16
  * pairs, the VNNI order the layout already has: row j = inputs 2j, 2j+1 of 16 channels).
- * Widened form: 0..3 = C (two row chunks x even / odd group), 4,5 = A, 6,7 = B. Built with
+ * Widened form: 0..3 = C (two row chunks x two channel blocks), 4,5 = A, 6,7 = B. Built with
  * -mamx-tile -mamx-bf16 -mavx512bf16 -mavx512f -mavx512bw -mf16c (kernels/qgemm_n16.py); the
  * loader asks Linux for the tile state (kernels/cbuild.py amx_tiles_granted) before the first call.
  */
@@ -154,71 +155,74 @@ static inline void store_rows(const float *acc0, const float *acc1, int64_t m0, 
     }
 }
 
+/* Widened form: the G B tiles of channel block b into bw. */
+static inline void widen_block(int64_t b, int64_t G, const void *w, const uint16_t *d, const uint16_t *mn, int is_q4,
+                               uint16_t *bw) {
+    for (int64_t g = 0; g < G; g++) {
+        if (is_q4)
+            q4_wtile((const uint16_t *)w + (b * G + g) * 128, d + (b * G + g) * 16, mn + (b * G + g) * 16, bw + g * 512);
+        else
+            q8_wtile((const int8_t *)w + (b * G + g) * 512, d + (b * G + g) * 16, bw + g * 512);
+    }
+}
+
 /* Widened form of amx_mm on x already padded to Mp rows (xb). */
 static int amx_mm_wide(const uint16_t *xb, int64_t M, int64_t Mp, int64_t K, const void *w, const uint16_t *d,
                        const uint16_t *mn, const float *bias, void *y, int64_t N, int nthreads, int flags, int is_q4) {
-    const int64_t G = K / QA_GROUP, NB = (N + 15) / 16, xstride = K * 2;
+    const int64_t G = K / QA_GROUP, NB = (N + 15) / 16, NP = (NB + 1) / 2, xstride = K * 2;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && N * K >= 65536)
     {
-        /* one channel block's B tiles, widened once and used by every 16 rows of x */
-        uint16_t *bw = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 512 * (size_t)G);
-        float c0[256] __attribute__((aligned(64))), c1[256] __attribute__((aligned(64)));
+        /* two channel blocks' B tiles, widened once and used by every 16 rows of x */
+        uint16_t *bw = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 1024 * (size_t)G);
+        float c0[256] __attribute__((aligned(64)));
         if (!bw) {
 #pragma omp atomic write
             failed = 1;
         }
         tiles_on();
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < NB; b++) {
+        for (int64_t p = 0; p < NP; p++) {
             if (!bw) continue;
-            for (int64_t g = 0; g < G; g++) {
-                if (is_q4)
-                    q4_wtile((const uint16_t *)w + (b * G + g) * 128, d + (b * G + g) * 16, mn + (b * G + g) * 16,
-                             bw + g * 512);
-                else
-                    q8_wtile((const int8_t *)w + (b * G + g) * 512, d + (b * G + g) * 16, bw + g * 512);
-            }
+            const int64_t b0 = 2 * p;
+            const int two = b0 + 1 < NB;
+            uint16_t *bw0 = bw, *bw1 = bw + 512 * G;
+            widen_block(b0, G, w, d, mn, is_q4, bw0);
+            if (two) widen_block(b0 + 1, G, w, d, mn, is_q4, bw1);
             for (int64_t m0 = 0; m0 < Mp;) {
                 const uint16_t *x0 = xb + m0 * K, *x1 = x0 + 16 * K;
-                const int pair = Mp - m0 >= 32; /* two 16-row chunks share each B tile */
+                const int pair = Mp - m0 >= 32;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                int64_t g = 0;
-                for (; g + 2 <= G; g += 2) {
-                    _tile_loadd(6, bw + g * 512, 64);
+                for (int64_t g = 0; g < G; g++) {
                     _tile_loadd(4, x0 + g * QA_GROUP, xstride);
+                    _tile_loadd(6, bw0 + g * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
+                    if (two) {
+                        _tile_loadd(7, bw1 + g * 512, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
                     if (pair) {
                         _tile_loadd(5, x1 + g * QA_GROUP, xstride);
                         _tile_dpbf16ps(2, 5, 6);
-                    }
-                    _tile_loadd(7, bw + (g + 1) * 512, 64);
-                    _tile_loadd(4, x0 + (g + 1) * QA_GROUP, xstride);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (pair) {
-                        _tile_loadd(5, x1 + (g + 1) * QA_GROUP, xstride);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                if (g < G) { /* an odd group count: the last one alone */
-                    _tile_loadd(6, bw + g * 512, 64);
-                    _tile_loadd(4, x0 + g * QA_GROUP, xstride);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (pair) {
-                        _tile_loadd(5, x1 + g * QA_GROUP, xstride);
-                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
                     }
                 }
                 _tile_stored(0, c0, 64);
-                _tile_stored(1, c1, 64);
-                store_rows(c0, c1, m0, M, N, b * 16, bias, y, flags);
+                store_rows(c0, NULL, m0, M, N, b0 * 16, bias, y, flags);
+                if (two) {
+                    _tile_stored(1, c0, 64);
+                    store_rows(c0, NULL, m0, M, N, b0 * 16 + 16, bias, y, flags);
+                }
                 if (pair) {
                     _tile_stored(2, c0, 64);
-                    _tile_stored(3, c1, 64);
-                    store_rows(c0, c1, m0 + 16, M, N, b * 16, bias, y, flags);
+                    store_rows(c0, NULL, m0 + 16, M, N, b0 * 16, bias, y, flags);
+                    if (two) {
+                        _tile_stored(3, c0, 64);
+                        store_rows(c0, NULL, m0 + 16, M, N, b0 * 16 + 16, bias, y, flags);
+                    }
                 }
                 m0 += pair ? 32 : 16;
             }
