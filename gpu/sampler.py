@@ -3,6 +3,9 @@
 This module decides which rows go which way (greedy, plain draw, top-k / top-p); the work is in
 gpu.sampling_logits (bias, min_tokens, penalties, non-finite repair), gpu.sampling_draws (the
 inverse-CDF draws), gpu.sampling_logprobs (logprobs) and gpu.sampling_host (host <-> device).
+Plain rows (``plain_row``: greedy or a full-vocabulary draw, nothing else asked) go to one C pass
+(kernels.sample_cpu) that makes the same choice from the same uniform number; the rest take the
+torch path below (``_sample_general``).
 
 Order of operations (as vLLM v1 defines them):
   0. the token bitmask of constrained rows (structured outputs, allowed_token_ids, bad_words;
@@ -54,7 +57,7 @@ from gpu.sampling_logits import (  # noqa: F401  (process_logits: re-exported)
 from gpu.sampling_logprobs import (  # noqa: F401  (compute_prompt_logprobs: re-exported)
     compute_prompt_logprobs, logprob_entries)
 from gpu.sampling_mask import TokenMask
-from kernels import fused
+from kernels import sample_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +82,17 @@ def greedy(logits: Tensor) -> Tensor:
     return logits.max(dim=-1).indices
 
 
-def plain_greedy(opt: SamplingOptions) -> bool:
-    """Greedy, no logprobs, nothing that changes the logits: the token is the row's argmax, which
-    ``kernels.fused.greedy`` takes in one pass over the logits in their own dtype (bf16 -> fp32 is
-    exact and keeps order: the fp32 path's token). The general path's fp32 copy, finiteness check
-    and max cost ~0.9 ms of an 18 ms 16-row step of the default model (loadtest/PERF.md)."""
-    return opt.temperature < SAMPLING_EPS and opt.logprobs is None and not changes_logits(opt)
+def plain_row(opt: SamplingOptions, vocab: int) -> bool:
+    """No logprobs, nothing that changes the logits, no top-k / top-p / min-p: the token is the
+    row's argmax (greedy) or an inverse-CDF draw over its whole softmax, which kernels.sample_cpu
+    takes in one C pass over the logits in their own dtype (bf16 -> fp32 is exact and keeps order).
+    The general path's fp32 copy, finiteness check, max, softmax and cumsums cost ~0.9 ms of an
+    18 ms 16-row greedy step and 2.3 ms of a 64-row temperature step of the default model
+    (loadtest/PERF.md)."""
+    if opt.logprobs is not None or changes_logits(opt):
+        return False
+    return opt.temperature < SAMPLING_EPS or (
+        not 0 < opt.top_k < vocab and opt.top_p >= 1.0 and opt.min_p <= 0.0)
 
 
 class Sampler:
@@ -105,10 +113,67 @@ class Sampler:
                 f"sampler got {batch} logit rows but {len(options)} options, "
                 f"{len(token_ids)} token lists and {len(num_prompt_tokens)} prompt lengths"
             )
-        if token_mask is None and all(plain_greedy(o) for o in options):
-            tokens = fused.greedy(logits)
-            if tokens is not None:
-                return SamplerOutput(token_ids=tokens, logprobs=None)
+        if token_mask is None:
+            out = self._sample_plain(logits, options, token_ids, num_prompt_tokens)
+            if out is not None:
+                return out
+        return self._sample_general(logits, options, token_ids, num_prompt_tokens, token_mask)
+
+    def _sample_plain(
+        self,
+        logits: Tensor,
+        options: list[SamplingOptions],
+        token_ids: list[list[int]],
+        num_prompt_tokens: list[int],
+    ) -> SamplerOutput | None:
+        """Plain rows (``plain_row``) in C; the rest, and rows it declines (a NaN or an infinite
+        maximum, which the general path repairs), through ``_sample_general``. None when no row is
+        plain or the C kernel cannot run."""
+        batch, vocab = logits.shape
+        plain = [i for i, o in enumerate(options) if plain_row(o, vocab)]
+        if not plain:
+            return None
+        tokens = [-1] * batch
+        greedy_rows = [i for i in plain if options[i].temperature < SAMPLING_EPS]
+        draw_rows = [i for i in plain if options[i].temperature >= SAMPLING_EPS]
+        if greedy_rows:
+            got = sample_cpu.greedy(logits, greedy_rows)
+            if got is None:
+                return None
+            for i, t in zip(greedy_rows, got):
+                tokens[i] = t
+        if draw_rows:
+            uniforms = [seeded_uniform(options[i].seed, num_generated(token_ids, num_prompt_tokens, i))
+                        for i in draw_rows]
+            got = sample_cpu.draw(logits, draw_rows, [options[i].temperature for i in draw_rows], uniforms)
+            if got is None:
+                return None
+            for i, t in zip(draw_rows, got):
+                tokens[i] = t
+        rest = [i for i in range(batch) if tokens[i] < 0]
+        if not rest:
+            return SamplerOutput(token_ids=tokens, logprobs=None)
+        sub = self._sample_general(select_rows(logits, rest, batch), [options[i] for i in rest],
+                                   [token_ids[i] for i in rest], [num_prompt_tokens[i] for i in rest], None)
+        for i, t in zip(rest, sub.token_ids):
+            tokens[i] = t
+        logprobs = None
+        if sub.logprobs is not None:
+            logprobs = [None] * batch
+            for i, entry in zip(rest, sub.logprobs):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs)
+
+    def _sample_general(
+        self,
+        logits: Tensor,
+        options: list[SamplingOptions],
+        token_ids: list[list[int]],
+        num_prompt_tokens: list[int],
+        token_mask: TokenMask | None,
+    ) -> SamplerOutput:
+        """Every option, in torch: the order of operations in the module docstring."""
+        batch, vocab = logits.shape
         if logits.dtype != torch.float32:
             logits = logits.float()
         if token_mask is not None:

@@ -66,7 +66,6 @@ def library() -> ctypes.CDLL | None:
     lib.fz_mlp_out.restype = I
     lib.fz_mlp_out.argtypes = [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I]
     lib.fz_silu_mul_bf16.restype, lib.fz_silu_mul_bf16.argtypes = I, [P, I64, I64, P, I]
-    lib.fz_greedy.restype, lib.fz_greedy.argtypes = I64, [P, I64, I64, I64, I, P, I]
     lib.fz_decode_stack.restype = I
     lib.fz_decode_stack.argtypes = [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,
                                     I64, P, I64, F, I64, I, I, P, P, P, P, P, I]
@@ -170,19 +169,6 @@ def silu_and_mul_bf16(h: torch.Tensor) -> torch.Tensor:
     if library().fz_silu_mul_bf16(h.data_ptr(), M, I, a.data_ptr(), torch.get_num_threads()):
         raise ValueError("the fused SiLU-and-mul is not available in this build")
     return a
-
-
-def greedy(logits: torch.Tensor) -> list[int] | None:
-    """Each row's argmax (first of ties) of CPU fp32 / bf16 logits ``[rows, vocab]`` (rows may be
-    strided, elements contiguous) in one pass; None where this build has no AVX-512 path or a row
-    holds a NaN or an infinite maximum (the caller samples the general way)."""
-    if not (has_bf16_gemv() and logits.device.type == "cpu" and logits.dtype in _DTYPE_CODE
-            and logits.dim() == 2 and logits.stride(1) == 1):
-        return None
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    bad = library().fz_greedy(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-                              _DTYPE_CODE[logits.dtype], out.data_ptr(), torch.get_num_threads())
-    return out.tolist() if bad == 0 else None
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

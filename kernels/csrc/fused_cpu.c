@@ -309,57 +309,6 @@ int fz_silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a, int n
 #endif
 }
 
-/* Greedy tokens: out[r] = the index of row r's largest value, the first of ties (as argmax and
- * torch's max(dim).indices), over fp32 or bf16 (dtype 0 / 1) logits rows row_stride elements
- * apart; one pass, no fp32 copy (the sampler's widen + finiteness check + max took ~0.9 ms of a
- * 16-row step). Returns the number of rows holding a NaN or whose largest value is infinite:
- * the caller then samples the general way, which repairs such rows; -1 without AVX-512. */
-int64_t fz_greedy(const void *logits, int64_t rows, int64_t cols, int64_t row_stride, int dtype, int64_t *out,
-                  int nthreads) {
-#if FZ_BF16_GEMV
-    int64_t bad = 0;
-    if (nthreads < 1) nthreads = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : bad) if (nthreads > 1 && rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const char *row = (const char *)logits + r * row_stride * (dtype == 1 ? 2 : 4);
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        __m512i bidx = _mm512_setzero_si512();
-        __m512i idx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        __mmask16 nan = 0;
-        int64_t j = 0;
-        for (; j + 16 <= cols; j += 16) {
-            __m512 x = dtype == 1 ? load16_bf16((const uint16_t *)row + j, 0xffff)
-                                  : _mm512_loadu_ps((const float *)row + j);
-            nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-            __mmask16 gt = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ); /* strict: a lane keeps its first max */
-            best = _mm512_mask_mov_ps(best, gt, x);
-            bidx = _mm512_mask_mov_epi32(bidx, gt, idx);
-            idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
-        }
-        float m = _mm512_reduce_max_ps(best);
-        __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-        int64_t arg = m == -INFINITY ? 0 : _mm512_mask_reduce_min_epi32(at_max, bidx);
-        for (; j < cols; j++) { /* the tail */
-            float x;
-            if (dtype == 1) {
-                uint32_t b = (uint32_t)((const uint16_t *)row)[j] << 16;
-                memcpy(&x, &b, 4);
-            } else {
-                x = ((const float *)row)[j];
-            }
-            if (x != x) nan = 1;
-            if (x > m) m = x, arg = j;
-        }
-        out[r] = arg;
-        bad += nan || isinf(m);
-    }
-    return bad;
-#else
-    (void)logits; (void)rows; (void)cols; (void)row_stride; (void)dtype; (void)out; (void)nthreads;
-    return -1;
-#endif
-}
-
 /* One linear layer of the fused layer: plain bf16 rows (kind 0, read by fz_gemv_bf16) or packed
  * q8_0 / q4_1 weights (kinds 1, 2) in the 16-channel layout, run by the quantized kernel whose
  * address the caller passes (csrc/qgemm_n16.c VNNI, csrc/qgemm_amx.c AMX): both libraries keep

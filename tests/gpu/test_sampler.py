@@ -705,10 +705,11 @@ if __name__ == "__main__":
 
 
 def test_plain_greedy_rows_take_the_one_pass_argmax():
-    """All rows greedy with nothing that changes the logits: the tokens come from one pass over the
-    logits in their own dtype (no fp32 copy) and equal the general path's, ties included; a row
-    with NaN / +inf / only -inf goes the general way (repaired), and a penalised row is processed."""
-    from kernels import fused
+    """All rows greedy with nothing that changes the logits: the tokens come from one C pass over the
+    logits in their own dtype (no torch op at all: no fp32 copy) and equal the general path's, ties
+    included; a row with NaN / +inf / only -inf goes the general way (repaired), and a penalised
+    row is processed."""
+    from kernels import sample_cpu
 
     torch.manual_seed(4)
     logits = torch.randn(5, 49152).bfloat16()  # many ties among bf16 values
@@ -717,17 +718,51 @@ def test_plain_greedy_rows_take_the_one_pass_argmax():
     greedy_opts = [SamplingOptions(temperature=0.0)] * 5
     with _OpLog() as ops:
         fast = Sampler().sample(logits, greedy_opts, [[0]] * 5, [1] * 5).token_ids
-    assert fast == want == _run(logits.float(), greedy_opts).token_ids and want[1] == 7
-    if fused.has_bf16_gemv():
-        assert [str(f) for f in ops.funcs] == ["aten.empty.memory_format"], ops.funcs  # the C pass: no fp32 copy
+    assert fast == want == _general(logits.float(), greedy_opts).token_ids and want[1] == 7
+    if sample_cpu.library() is not None:
+        assert ops.funcs == [], ops.funcs  # the C pass
     odd = logits.clone()
     odd[2, 11] = float("nan")
     odd[3] = float("-inf")
     odd[4, 12] = float("inf")
-    assert _run(odd.clone(), greedy_opts).token_ids == _run(odd.float(), greedy_opts).token_ids
+    assert _run(odd.clone(), greedy_opts).token_ids == _general(odd.float(), greedy_opts).token_ids
     penalised = [SamplingOptions(temperature=0.0, presence_penalty=100.0)] * 5
     out = Sampler().sample(logits.clone(), penalised, [[0, want[0]]] * 5, [1] * 5).token_ids
     assert out[0] != want[0]  # the penalty applied
+
+
+def _general(logits, options, token_ids=None):
+    """The torch path alone (what every row took before the C pass)."""
+    token_ids = token_ids or [[0, 1, 2] for _ in options]
+    return Sampler()._sample_general(logits.clone(), options, token_ids, [len(t) for t in token_ids], None)
+
+
+def test_plain_temperature_rows_draw_in_c_like_the_general_path():
+    """Temperature rows without filters, penalties or logprobs: drawn in C with no torch op, the
+    same tokens as the general path for the same seeds; in a batch with a logprobs row and a top-k
+    row those two go the general way (their own outputs unchanged) while the plain rows keep their
+    tokens: a seeded row's token does not depend on its neighbours. A NaN row is repaired."""
+    from kernels import sample_cpu
+
+    torch.manual_seed(5)
+    logits = (torch.randn(16, 49152) * 2).bfloat16()
+    plain = [SamplingOptions(temperature=0.3 + 0.1 * i, seed=100 + i) for i in range(16)]
+    with _OpLog() as ops:
+        fast = Sampler().sample(logits, plain, [[0, 1, 2]] * 16, [3] * 16).token_ids
+    if sample_cpu.library() is not None:
+        assert ops.funcs == [], ops.funcs
+    assert fast == _general(logits.float(), plain).token_ids
+    mixed = list(plain)
+    mixed[3] = SamplingOptions(temperature=0.7, seed=7, logprobs=2)
+    mixed[9] = SamplingOptions(temperature=0.7, seed=8, top_k=5)
+    out = _run(logits, mixed)
+    assert [t for i, t in enumerate(out.token_ids) if i not in (3, 9)] == [t for i, t in enumerate(fast) if i not in (3, 9)]
+    alone = _general(logits[[3, 9]].float(), [mixed[3], mixed[9]])
+    assert [out.token_ids[3], out.token_ids[9]] == alone.token_ids
+    assert out.logprobs[3] is not None and out.logprobs[0] is None and out.logprobs[3].top == alone.logprobs[0].top
+    odd = logits.clone()
+    odd[6, 100] = float("nan")
+    assert _run(odd, plain).token_ids == _general(odd.float(), plain).token_ids
 
 
 class _OpLog(TorchDispatchMode):

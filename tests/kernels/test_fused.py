@@ -147,27 +147,3 @@ def test_disabled_by_env():
     assert out == "False"
 
 
-@pytest.mark.skipif(not fused.has_bf16_gemv(), reason="no AVX-512 build on this CPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cols", [5, 16, 49152, 49157])
-def test_greedy_is_the_first_argmax_and_flags_non_finite_rows(dtype, cols):
-    """fz_greedy against torch's max(dim).indices: ties (bf16 has many; a tie planted across two
-    vector lanes and in the scalar tail), strided rows, a row of one repeated value; a NaN, +inf or
-    an all -inf row makes it decline (None) so the sampler repairs them."""
-    g = torch.Generator().manual_seed(cols)
-    logits = torch.randn(6, cols + 7, generator=g).to(dtype)[:, :cols]  # rows cols + 7 apart
-    logits[1] = 0.5  # all equal: index 0
-    if cols > 20:
-        logits[2, [3, 19]] = 9.0  # a tie in two lanes: the first wins
-        logits[3, [cols - 1, 1]] = 9.0
-    want = logits.float().max(dim=-1).indices.tolist()
-    assert fused.greedy(logits) == want
-    assert fused.greedy(logits.contiguous()) == want
-    for bad in (float("nan"), float("inf")):
-        odd = logits.clone()
-        odd[4, cols // 2] = bad
-        assert fused.greedy(odd) is None
-    odd = logits.clone()
-    odd[5] = float("-inf")
-    assert fused.greedy(odd) is None
-    assert fused.greedy(logits.t()) is None  # columns not contiguous: not taken
