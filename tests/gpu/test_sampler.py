@@ -775,3 +775,25 @@ class _OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.funcs.append(func)
         return func(*args, **(kwargs or {}))
+
+
+def test_without_the_c_pass_every_row_takes_the_torch_path(monkeypatch):
+    """Where sample_cpu cannot run (no AVX-512: AVX2 machines), plain rows give the general path's
+    tokens through the general path itself."""
+    from kernels import sample_cpu
+
+    monkeypatch.setattr(sample_cpu, "library", lambda: None)
+    torch.manual_seed(6)
+    logits = torch.randn(6, 3000).bfloat16()
+    options = [SamplingOptions(temperature=0.0)] * 3 + [SamplingOptions(temperature=0.8, seed=i) for i in range(3)]
+    calls = []
+    general = Sampler._sample_general
+
+    def spy(self, *args):
+        calls.append(args[0].shape[0])
+        return general(self, *args)
+
+    monkeypatch.setattr(Sampler, "_sample_general", spy)
+    out = _run(logits, options).token_ids
+    assert calls == [6]
+    assert out == _general(logits.float(), options).token_ids
