@@ -128,17 +128,16 @@ static inline void q8_wtile(const int8_t *wg, const uint16_t *dg, uint16_t *bt) 
     }
 }
 
-/* Rows m0 .. m0+15 (those below M) of y, channels n0 .. n0+15 (those below N): acc0 (+ acc1) + bias,
- * each accumulator 16 rows of 16 fp32. */
-static inline void store_rows(const float *acc0, const float *acc1, int64_t m0, int64_t M, int64_t N, int64_t n0,
+/* Rows m0 .. m0+15 (those below M) of y, channels n0 .. n0+15 (those below N): acc + bias, acc
+ * being 16 rows of 16 fp32 (a stored C tile). */
+static inline void store_rows(const float *acc, int64_t m0, int64_t M, int64_t N, int64_t n0,
                               const float *bias, void *y, int flags) {
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
     const int nv = (int)(N - n0 < 16 ? N - n0 : 16);
     const __mmask16 k = (__mmask16)((1u << nv) - 1u);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
-        __m512 f = _mm512_add_ps(_mm512_load_ps(acc0 + 16 * r), bv);
-        if (acc1) f = _mm512_add_ps(f, _mm512_load_ps(acc1 + 16 * r));
+        __m512 f = _mm512_add_ps(_mm512_load_ps(acc + 16 * r), bv);
         const int64_t o = (m0 + r) * N + n0;
         if (!(flags & QA_Y_BF16)) {
             _mm512_mask_storeu_ps((float *)y + o, k, f);
@@ -211,17 +210,17 @@ static int amx_mm_wide(const uint16_t *xb, int64_t M, int64_t Mp, int64_t K, con
                     }
                 }
                 _tile_stored(0, c0, 64);
-                store_rows(c0, NULL, m0, M, N, b0 * 16, bias, y, flags);
+                store_rows(c0, m0, M, N, b0 * 16, bias, y, flags);
                 if (two) {
                     _tile_stored(1, c0, 64);
-                    store_rows(c0, NULL, m0, M, N, b0 * 16 + 16, bias, y, flags);
+                    store_rows(c0, m0, M, N, b0 * 16 + 16, bias, y, flags);
                 }
                 if (pair) {
                     _tile_stored(2, c0, 64);
-                    store_rows(c0, NULL, m0 + 16, M, N, b0 * 16, bias, y, flags);
+                    store_rows(c0, m0 + 16, M, N, b0 * 16, bias, y, flags);
                     if (two) {
                         _tile_stored(3, c0, 64);
-                        store_rows(c0, NULL, m0 + 16, M, N, b0 * 16 + 16, bias, y, flags);
+                        store_rows(c0, m0 + 16, M, N, b0 * 16 + 16, bias, y, flags);
                     }
                 }
                 m0 += pair ? 32 : 16;
@@ -335,7 +334,7 @@ static int amx_mm(const uint16_t *x, int64_t M, int64_t K, const void *w, const 
                     }
                 }
                 for (int r = 0; r < 16; r++) _mm512_store_ps(c0 + 16 * r, facc[r]);
-                store_rows(c0, NULL, m0, M, N, b * 16, bias, y, flags);
+                store_rows(c0, m0, M, N, b * 16, bias, y, flags);
             }
         }
         _tile_release();
