@@ -236,22 +236,22 @@ static int amx_mm_wide(const uint16_t *xb, int64_t M, int64_t Mp, int64_t K, con
 static int amx_mm(const uint16_t *x, int64_t M, int64_t K, const void *w, const uint16_t *d, const uint16_t *mn,
                   const float *bias, void *y, int64_t N, int nthreads, int flags, int is_q4) {
     int64_t G = K / QA_GROUP, NB = (N + 15) / 16, Mp = (M + 15) & ~(int64_t)15;
-    /* x padded with zero rows to a multiple of 16, and (q4_1) the fp32 sums of each group */
+    /* x padded with zero rows to a multiple of 16 */
     uint16_t *xb = (uint16_t *)aligned_alloc(64, ((size_t)(Mp * K) * 2 + 127) & ~(size_t)63);
-    float *xsum = (float *)malloc(sizeof(float) * (size_t)(Mp * G + 1));
-    if (!xb || !xsum) {
-        free(xb);
-        free(xsum);
-        return -1;
-    }
+    if (!xb) return -1;
     memcpy(xb, x, (size_t)(M * K) * 2);
     memset(xb + M * K, 0, (size_t)((Mp - M) * K) * 2);
     if (nthreads < 1) nthreads = 1;
     if (M >= QA_WIDE_MIN_M) {
-        free(xsum);
         int rc = amx_mm_wide(xb, M, Mp, K, w, d, mn, bias, y, N, nthreads, flags, is_q4);
         free(xb);
         return rc;
+    }
+    /* exact form: (q4_1) the fp32 sums of each group of x */
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(Mp * G + 1));
+    if (!xsum) {
+        free(xb);
+        return -1;
     }
     for (int64_t i = 0; i < Mp; i++)
         for (int64_t g = 0; g < G; g++) {

@@ -227,13 +227,9 @@ needs_amx = pytest.mark.skipif(not qgemm_n16.AMX_NEEDS <= cbuild.cpu_flags()
                                reason="no AMX bf16 here (or a path is forced)")
 
 
-@needs_amx
-@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("m,k,n", [(2, 64, 7), (5, 96, 130), (16, 576, 97), (17, 1536, 33), (40, 160, 48)])
-def test_amx_bf16_batches_match_the_reference(layout, m, k, n):
-    """bf16 rows through the AMX tiles (odd group counts, partial 16-row tiles, N not a multiple
-    of 16), within test_qgemm's bf16 bound; the codes and bf16 activations multiply exactly."""
-    gen = torch.Generator().manual_seed(m * 7 + k + n)
+def _amx_linear(layout: str, m: int, k: int, n: int, seed: int):
+    """bf16 rows, a weight quantized to layout, a bias; the PackedLinear sends every M to the AMX kernel."""
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen) * 0.05
     bias = torch.randn(n, generator=gen)
@@ -241,8 +237,18 @@ def test_amx_bf16_batches_match_the_reference(layout, m, k, n):
     lin = qgemm.PackedLinear(layout, packed, bias)
     lin._fused_max = 1 << 30  # the kernel itself at every M here
     assert lin._amx is not None
+    return x, lin, qgemm.dequantize(layout, packed), bias
+
+
+@needs_amx
+@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("m,k,n", [(2, 64, 7), (5, 96, 130), (16, 576, 97), (17, 1536, 33), (40, 160, 48)])
+def test_amx_bf16_batches_match_the_reference(layout, m, k, n):
+    """bf16 rows through the AMX tiles (odd group counts, partial 16-row tiles, N not a multiple
+    of 16), within test_qgemm's bf16 bound; the codes and bf16 activations multiply exactly."""
+    x, lin, w, bias = _amx_linear(layout, m, k, n, seed=m * 7 + k + n)
     y = lin(x)
-    ref = x.float() @ qgemm.dequantize(layout, packed).t() + bias
+    ref = x.float() @ w.t() + bias
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert (y.float() - ref).abs().max().item() <= 4e-3 * ref.abs().max().item() + 1e-6
 
@@ -254,18 +260,6 @@ def test_amx_nan_row_stays_in_its_row():
     lin = qgemm.PackedLinear("q4_1", qgemm.quantize(torch.randn(20, 64), "q4_1"))
     y = lin(x)
     assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all()
-
-
-def _amx_linear(layout: str, m: int, k: int, n: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=gen) * 0.05
-    bias = torch.randn(n, generator=gen)
-    packed = qgemm.quantize(w, layout)
-    lin = qgemm.PackedLinear(layout, packed, bias)
-    lin._fused_max = 1 << 30  # the kernel itself at every M here
-    assert lin._amx is not None
-    return x, lin, qgemm.dequantize(layout, packed), bias
 
 
 @needs_amx
