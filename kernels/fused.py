@@ -62,9 +62,9 @@ def library() -> ctypes.CDLL | None:
     lib.fz_gemv_bf16.restype, lib.fz_gemv_bf16.argtypes = I, [P, I64, I64, P, I64, P, I]
     lib.fz_write_kv.restype, lib.fz_write_kv.argtypes = I64, [P, P, I64, P, P, P, I64, I64, I64, I, I]
     lib.fz_attn_in.restype = I  # the fz_linear arguments are pointers to LinearSpec
-    lib.fz_attn_in.argtypes = [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I, I]
+    lib.fz_attn_in.argtypes = [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I, I, I]
     lib.fz_mlp_out.restype = I
-    lib.fz_mlp_out.argtypes = [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I]
+    lib.fz_mlp_out.argtypes = [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I, I]
     lib.fz_silu_mul_bf16.restype, lib.fz_silu_mul_bf16.argtypes = I, [P, I64, I64, P, I]
     lib.fz_decode_stack.restype = I
     lib.fz_decode_stack.argtypes = [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,

@@ -284,12 +284,14 @@ class PackedLinear:
 
     def fused_entry(self) -> tuple[tuple[torch.Tensor, ...], int, int | None, int] | None:
         """What the fused decode layer (kernels/fused.py LinearSpec) needs to call this weight's
-        kernel itself: (16-channel tensors, small-batch kernel address, AMX kernel address or None,
-        the most rows the kernel takes), or None where this weight is not on that layout or has a bias."""
-        if self.n16 is None or self.bias is not None:
+        kernel itself: (the kernel's weight tensors, small-batch kernel address, AMX kernel address
+        or None, the most rows the kernel takes), or None for int8c weights or a bias. The q8_0 and
+        q4_1 kernels of both layouts (row and 16-channel) share one signature."""
+        if self.mode == "int8c" or self.bias is not None:
             return None
         addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-        return self.n16, addr(self._mm), None if self._amx is None else addr(self._amx), self._fused_max
+        tensors = self.tensors if self.n16 is None else self.n16
+        return tensors, addr(self._mm), None if self._amx is None else addr(self._amx), self._fused_max
 
     def _blocked(self, x2: torch.Tensor) -> torch.Tensor:
         """Large M (prefill): widen W a block of rows at a time, in x's dtype (bf16 matmuls run on

@@ -48,8 +48,10 @@ class BoundLinear:
         self.address = ctypes.addressof(spec)  # the module keeps the tensors it points at alive
 
 
-def bind_linear(module: nn.Module) -> BoundLinear | None:
-    """The fused layer's view of a bias-free linear layer, or None where it cannot read the weight."""
+def bind_linear(module: nn.Module, dtype: torch.dtype) -> BoundLinear | None:
+    """The fused layer's view of a bias-free linear layer for activations of ``dtype``, or None
+    where it cannot read the weight: q8_0 / q4_1 weights (either activation dtype; the AMX kernel
+    only for bf16 ones), plain bf16 rows only for bf16 activations."""
     if getattr(module, "bias", None) is not None:
         return None
     qweight = getattr(module, "qweight", None)
@@ -59,9 +61,13 @@ def bind_linear(module: nn.Module) -> BoundLinear | None:
         if entry is None:
             return None
         tensors, small, big, rows = entry
+        if dtype is not torch.bfloat16 and big is not None:  # the AMX kernel multiplies bf16 rows only
+            big, rows = None, qgemm_n16.FUSED_MAX_M
         ptrs = [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
         spec = fused.LinearSpec(kind, qgemm_n16.AMX_MIN_M if big else 0, *ptrs, small, big)
         return BoundLinear(spec, qweight.out_features, rows)
+    if dtype is not torch.bfloat16:
+        return None  # plain fp32 rows: torch's GEMV (no fused fp32 GEMV)
     pw = getattr(module, "pweight", None)
     if pw is not None:
         weight, rows = pw.plain, pw.small_rows
@@ -90,12 +96,14 @@ class FastDecodeLayer:
         self.n_qkv = weights["qkv"].out_features
         self.inter = weights["gate_up"].out_features // 2
         self.max_rows = min(w.max_rows for w in weights.values())
+        self.dtype = layer.input_layernorm.weight.dtype  # the activations' (fp32 or bf16)
+        self.dtype_code = int(self.dtype is torch.bfloat16)
 
     def forward(self, rope: tuple, x: torch.Tensor, residual: torch.Tensor | None):
         """(out, residual) like LlamaDecoderLayer.forward, or None when this step is not ours."""
         ctx = get_forward_context()
         meta = ctx.attn_metadata
-        if meta is None or not ctx.kv_caches or not x.is_contiguous() or rope[2] is None:
+        if meta is None or not ctx.kv_caches or not x.is_contiguous() or rope[2] is None or x.dtype != self.dtype:
             return None  # the profile run, a strided input, or positions the fused rotary cannot read
         lib = fused.library()
         M, H = x.shape
@@ -113,7 +121,7 @@ class FastDecodeLayer:
                             self.q_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim,
                             self.rotary.cos_sin_cache.data_ptr(), rope[2].data_ptr(), k_cache.data_ptr(),
                             v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
-                            int(k_cache.dtype == FP8), threads)
+                            int(k_cache.dtype == FP8), threads, self.dtype_code)
         if rc:
             _raise_for(rc)
         q = qkv[:, : self.q_heads * self.head_dim].view(M, self.q_heads, self.head_dim)
@@ -126,7 +134,8 @@ class FastDecodeLayer:
         out = x.new_empty((M, H))
         rc = lib.fz_mlp_out(attn.data_ptr(), attn.shape[1], self.w_o, y.data_ptr(), residual.data_ptr(),
                             self.post_norm._weight_f32().data_ptr(), self.post_norm.eps, M, H,
-                            self.w_gu, self.inter, h.data_ptr(), a.data_ptr(), self.w_down, out.data_ptr(), threads)
+                            self.w_gu, self.inter, h.data_ptr(), a.data_ptr(), self.w_down, out.data_ptr(), threads,
+                            self.dtype_code)
         if rc:
             _raise_for(rc)
         return out, residual
@@ -188,7 +197,8 @@ class FastDecodeStack:
         meta = ctx.attn_metadata
         M = x.shape[0]
         if (meta is None or not ctx.kv_caches or M > self.max_rows or meta.num_decodes != M
-                or meta.num_requests != M or not x.is_contiguous() or rope[2] is None):
+                or meta.num_requests != M or not x.is_contiguous() or rope[2] is None
+                or x.dtype != self.layers[0].dtype):
             return None
         k0, v0 = ctx.kv_caches[self.layers[0].layer_idx]
         attention = cpu_attention.decode_call_by_address(meta, x.dtype, self.q_heads, k0, v0)
@@ -234,8 +244,10 @@ def enabled() -> bool:
 
 
 def bind_fast_decode(model: nn.Module) -> int:
-    """Give every eligible decoder layer a ``fast_decode`` (FastDecodeLayer); returns how many."""
-    if not (enabled() and fused.has_bf16_gemv()):
+    """Give every eligible decoder layer a ``fast_decode`` (FastDecodeLayer); returns how many.
+    bf16 activations need the AVX512-BF16 build; fp32 ones (AVX2 machines) any build of the fused
+    ops, with every linear of the layer quantized (q8_0 / q4_1: the quantized kernels read them)."""
+    if not (enabled() and fused.available()):
         return 0
     from gpu.models.layers import SiluAndMul
     from gpu.models.llama import LlamaDecoderLayer
@@ -250,10 +262,11 @@ def bind_fast_decode(model: nn.Module) -> int:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.q_norm is not None or not isinstance(mlp.act, SiluAndMul):
             continue
-        if layer.input_layernorm.weight.dtype is not torch.bfloat16:
-            continue  # the fused pieces take bf16 activations
-        weights = {"qkv": bind_linear(attn.qkv_proj), "o": bind_linear(attn.o_proj),
-                   "gate_up": bind_linear(mlp.gate_up_proj), "down": bind_linear(mlp.down_proj)}
+        dtype = layer.input_layernorm.weight.dtype
+        if not (dtype is torch.float32 or (dtype is torch.bfloat16 and fused.has_bf16_gemv())):
+            continue
+        weights = {"qkv": bind_linear(attn.qkv_proj, dtype), "o": bind_linear(attn.o_proj, dtype),
+                   "gate_up": bind_linear(mlp.gate_up_proj, dtype), "down": bind_linear(mlp.down_proj, dtype)}
         if any(w is None for w in weights.values()):
             continue
         layer.fast_decode = FastDecodeLayer(layer, weights)

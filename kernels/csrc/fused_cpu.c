@@ -309,6 +309,47 @@ int fz_silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a, int n
 #endif
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* e^x on 8 fp32 lanes (AVX2+FMA): Cephes' expf polynomial (as exp512.h), 2^n put together in the
+ * exponent bits; x clamped to [-87, 88] so 2^n stays a normal float (silu(-100) is then -100/e^88,
+ * ~-6e-37, where torch gives -0). */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* a[M][I] = silu(h[:, :I]) * h[:, I:] in fp32 (the fp32 decode stack's activation). */
+static void silu_mul_f32(const float *h, int64_t M, int64_t I, float *a) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = h + m * 2 * I, *u = g + I;
+        float *o = a + m * I;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
 /* One linear layer of the fused layer: plain bf16 rows (kind 0, read by fz_gemv_bf16) or packed
  * q8_0 / q4_1 weights (kinds 1, 2) in the 16-channel layout, run by the quantized kernel whose
  * address the caller passes (csrc/qgemm_n16.c VNNI, csrc/qgemm_amx.c AMX): both libraries keep
@@ -326,70 +367,68 @@ typedef struct {
 
 #define FZ_KERNEL_FAILED (-3) /* the quantized kernel could not allocate its activation scratch */
 
-#if FZ_BF16_GEMV
-/* y[M][N] = x[M][K] @ W^T, bf16 in and out. */
-static int linear_run(const fz_linear *L, const uint16_t *x, int64_t M, int64_t K, int64_t N, uint16_t *y,
-                      int nthreads) {
-    if (L->kind == 0) return fz_gemv_bf16(x, M, K, (const uint16_t *)L->w, N, y, nthreads);
+/* y[M][N] = x[M][K] @ W^T, activations in and out in `dtype` (0 fp32, 1 bf16). Plain rows (kind 0)
+ * only in bf16 on AVX512-BF16 builds (-1 elsewhere: the binder never hands them over). */
+static int linear_run(const fz_linear *L, const void *x, int64_t M, int64_t K, int64_t N, void *y, int nthreads,
+                      int dtype) {
+    if (L->kind == 0)
+        return dtype == 1 ? fz_gemv_bf16((const uint16_t *)x, M, K, (const uint16_t *)L->w, N, (uint16_t *)y, nthreads)
+                          : -1;
     void *fn = L->big != NULL && L->big_rows > 0 && M >= L->big_rows ? L->big : L->small;
-    const int bf16_in_out = 3;
-    int rc = L->kind == 1 ? ((fz_q8_fn)fn)(x, M, K, L->w, L->d, NULL, y, N, nthreads, bf16_in_out)
-                          : ((fz_q4_fn)fn)(x, M, K, L->w, L->d, L->mn, NULL, y, N, nthreads, bf16_in_out);
+    const int flags = dtype == 1 ? 3 : 0; /* the kernels' X_BF16 | Y_BF16, or fp32 in and out */
+    int rc = L->kind == 1 ? ((fz_q8_fn)fn)(x, M, K, L->w, L->d, NULL, y, N, nthreads, flags)
+                          : ((fz_q4_fn)fn)(x, M, K, L->w, L->d, L->mn, NULL, y, N, nthreads, flags);
     return rc ? FZ_KERNEL_FAILED : 0;
 }
-#endif
 
 /* Before attention: [residual += x;] x = rms_norm(residual) * w_norm (without a residual yet:
  * residual = x first); qkv = x @ w_qkv^T; the q and k heads rotated; k and v written into the
- * caches at slots (encoded to fp8 when kv_fp8). 0 on success, -1 when this build has no bf16
- * path, -2 for a slot past the cache, -3 when a quantized kernel had no memory. */
-int fz_attn_in(uint16_t *x, uint16_t *residual, int has_residual, const float *w_norm, float eps,
-               int64_t M, int64_t H, const fz_linear *w_qkv, int64_t n_qkv, uint16_t *qkv,
+ * caches at slots (encoded to fp8 when kv_fp8). Activations in `dtype` (0 fp32, 1 bf16). 0 on
+ * success, -1 when this build cannot run that dtype's linears, -2 for a slot past the cache, -3
+ * when a quantized kernel had no memory. */
+int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, float eps,
+               int64_t M, int64_t H, const fz_linear *w_qkv, int64_t n_qkv, void *qkv,
                int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rot, const float *cs,
                const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
-               int64_t num_slots, int kv_fp8, int nthreads) {
-#if FZ_BF16_GEMV
+               int64_t num_slots, int kv_fp8, int nthreads, int dtype) {
+    const size_t es = dtype == 1 ? 2 : 4;
     if (has_residual) {
-        if (fz_add_rms_norm(x, residual, w_norm, M, H, eps, 1)) return -1;
+        if (fz_add_rms_norm(x, residual, w_norm, M, H, eps, dtype)) return -1;
     } else {
-        memcpy(residual, x, (size_t)(M * H) * 2);
-        if (fz_rms_norm(residual, H, w_norm, x, M, H, eps, 1)) return -1;
+        memcpy(residual, x, (size_t)(M * H) * es);
+        if (fz_rms_norm(residual, H, w_norm, x, M, H, eps, dtype)) return -1;
     }
-    int rc = linear_run(w_qkv, x, M, H, n_qkv, qkv, nthreads);
+    int rc = linear_run(w_qkv, x, M, H, n_qkv, qkv, nthreads, dtype);
     if (rc) return rc;
-    fz_rotary_neox(qkv, M, n_qkv, q_heads + kv_heads, head_dim, rot, cs, positions, 1);
+    fz_rotary_neox(qkv, M, n_qkv, q_heads + kv_heads, head_dim, rot, cs, positions, dtype);
     int64_t kv = kv_heads * head_dim;
-    const uint16_t *k = qkv + q_heads * head_dim, *v = k + kv;
-    if (fz_write_kv((const char *)k, (const char *)v, n_qkv * 2, (char *)k_cache, (char *)v_cache, slots, M,
-                    kv, num_slots, 1, kv_fp8))
+    const char *k = (const char *)qkv + (size_t)(q_heads * head_dim) * es, *v = k + (size_t)kv * es;
+    if (fz_write_kv(k, v, n_qkv * (int64_t)es, (char *)k_cache, (char *)v_cache, slots, M, kv, num_slots, dtype,
+                    kv_fp8))
         return -2;
     return 0;
-#else
-    (void)x; (void)residual; (void)has_residual; (void)w_norm; (void)eps; (void)M; (void)H; (void)w_qkv;
-    (void)n_qkv; (void)qkv; (void)q_heads; (void)kv_heads; (void)head_dim; (void)rot; (void)cs;
-    (void)positions; (void)k_cache; (void)v_cache; (void)slots; (void)num_slots; (void)kv_fp8; (void)nthreads;
-    return -1;
-#endif
 }
 
 /* After attention: y = attn @ w_o^T; residual += y; y = rms_norm(residual) * w_norm;
  * h = y @ w_gu^T; a = silu(gate) * up; out = a @ w_down^T. y [M][H], h [M][2I], a [M][I] are
- * scratch. 0 on success, -1 when this build has no bf16 path, -3 as fz_attn_in. */
-int fz_mlp_out(const uint16_t *attn, int64_t A, const fz_linear *w_o, uint16_t *y, uint16_t *residual,
+ * scratch, all in `dtype`. 0 on success, -1 when this build cannot run that dtype, -3 as fz_attn_in. */
+int fz_mlp_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual,
                const float *w_norm, float eps, int64_t M, int64_t H, const fz_linear *w_gu, int64_t I,
-               uint16_t *h, uint16_t *a, const fz_linear *w_down, uint16_t *out, int nthreads) {
-#if FZ_BF16_GEMV
-    int rc = linear_run(w_o, attn, M, A, H, y, nthreads);
-    if (rc) return rc;
-    if (fz_add_rms_norm(y, residual, w_norm, M, H, eps, 1)) return -1;
-    if ((rc = linear_run(w_gu, y, M, H, 2 * I, h, nthreads))) return rc;
-    silu_mul_bf16(h, M, I, a);
-    return linear_run(w_down, a, M, I, H, out, nthreads);
-#else
-    (void)attn; (void)A; (void)w_o; (void)y; (void)residual; (void)w_norm; (void)eps; (void)M; (void)H;
-    (void)w_gu; (void)I; (void)h; (void)a; (void)w_down; (void)out; (void)nthreads;
-    return -1;
+               void *h, void *a, const fz_linear *w_down, void *out, int nthreads, int dtype) {
+#if !FZ_BF16_GEMV
+    if (dtype == 1) return -1; /* the bf16 SiLU is AVX512-BF16 code */
 #endif
+    int rc = linear_run(w_o, attn, M, A, H, y, nthreads, dtype);
+    if (rc) return rc;
+    if (fz_add_rms_norm(y, residual, w_norm, M, H, eps, dtype)) return -1;
+    if ((rc = linear_run(w_gu, y, M, H, 2 * I, h, nthreads, dtype))) return rc;
+#if FZ_BF16_GEMV
+    if (dtype == 1)
+        silu_mul_bf16((const uint16_t *)h, M, I, (uint16_t *)a);
+    else
+#endif
+        silu_mul_f32((const float *)h, M, I, (float *)a);
+    return linear_run(w_down, a, M, I, H, out, nthreads, dtype);
 }
 
 /* The decode attention kernels' entry point (csrc/paged_attn.c pa_decode, csrc/paged_attn_amx.c
@@ -416,37 +455,30 @@ typedef struct {
  * qkv [M][n_qkv], att [M][q_heads*head_dim], y [M][H], h [M][2I], a [M][I]. attn_dtype: the
  * attention kernel's dtype argument (1 bf16, 3 bf16 with fp8 caches, which fz_attn_in then writes
  * as fp8). 0 on success, else fz_attn_in / fz_mlp_out's codes or FZ_ATTN_FAILED. */
-int fz_decode_stack(const fz_layer *layers, int64_t L, uint16_t *x, uint16_t *residual, int has_residual,
-                    uint16_t *out, int64_t M, int64_t H, int64_t n_qkv, int64_t q_heads, int64_t kv_heads,
+int fz_decode_stack(const fz_layer *layers, int64_t L, void *x, void *residual, int has_residual,
+                    void *out, int64_t M, int64_t H, int64_t n_qkv, int64_t q_heads, int64_t kv_heads,
                     int64_t head_dim, int64_t rot, int64_t I, const float *cs, const int64_t *positions,
                     const int64_t *slots, int64_t num_slots, void *attn, const int32_t *tables,
                     int64_t tables_stride, const int32_t *seq_lens, int64_t block_size, float scale,
-                    int64_t part, int attn_threads, int attn_dtype, uint16_t *qkv, uint16_t *att, uint16_t *y,
-                    uint16_t *h, uint16_t *a, int nthreads) {
-#if FZ_BF16_GEMV
+                    int64_t part, int attn_threads, int attn_dtype, void *qkv, void *att, void *y,
+                    void *h, void *a, int nthreads) {
+    const int dtype = attn_dtype & 1; /* activations: 0 fp32, 1 bf16 (bit 1: fp8 caches) */
     int64_t A = q_heads * head_dim;
-    uint16_t *cur = x, *next = out;
+    void *cur = x, *next = out;
     for (int64_t l = 0; l < L; l++) {
         const fz_layer *ly = &layers[l];
         int rc = fz_attn_in(cur, residual, has_residual || l > 0, ly->w_in_norm, ly->eps_in, M, H, ly->qkv, n_qkv,
                             qkv, q_heads, kv_heads, head_dim, rot, cs, positions, ly->k_cache, ly->v_cache, slots,
-                            num_slots, (attn_dtype & 2) != 0, nthreads);
+                            num_slots, (attn_dtype & 2) != 0, nthreads, dtype);
         if (rc) return rc;
         if (((fz_attn_fn)attn)(qkv, n_qkv, ly->k_cache, ly->v_cache, tables, tables_stride, seq_lens, M, q_heads,
                                kv_heads, head_dim, block_size, scale, att, A, attn_dtype, part, attn_threads))
             return FZ_ATTN_FAILED;
         rc = fz_mlp_out(att, A, ly->o, y, residual, ly->w_post_norm, ly->eps_post, M, H, ly->gu, I, h, a,
-                        ly->down, next, nthreads);
+                        ly->down, next, nthreads, dtype);
         if (rc) return rc;
-        uint16_t *t = cur; cur = next; next = t;
+        void *t = cur; cur = next; next = t;
     }
-    if (cur != out) memcpy(out, cur, (size_t)(M * H) * 2);
+    if (cur != out) memcpy(out, cur, (size_t)(M * H) * (dtype == 1 ? 2 : 4));
     return 0;
-#else
-    (void)layers; (void)L; (void)x; (void)residual; (void)has_residual; (void)out; (void)M; (void)H; (void)n_qkv;
-    (void)q_heads; (void)kv_heads; (void)head_dim; (void)rot; (void)I; (void)cs; (void)positions; (void)slots;
-    (void)num_slots; (void)attn; (void)tables; (void)tables_stride; (void)seq_lens; (void)block_size; (void)scale;
-    (void)part; (void)attn_threads; (void)attn_dtype; (void)qkv; (void)att; (void)y; (void)h; (void)a; (void)nthreads;
-    return -1;
-#endif
 }

@@ -301,10 +301,18 @@ static inline __m512 q8_group_dot512(const int8_t *wg, const int16_t *xg) {
 }
 #endif
 
+#if QG_AVX2 && !QG_AVX512
+static int qa_mm_q8(const void *x, int64_t M, int64_t K, const int8_t *w8, const uint16_t *d, const float *bias,
+                    void *y, int64_t N, int nthreads, int flags); /* qgemm_avx2.h */
+#endif
+
 int qg_q8_mm(const void *x, int64_t M, int64_t K, const int8_t *w8, const uint16_t *d,
              const float *bias, void *y, int64_t N, int nthreads, int flags) {
     int64_t G = K / QG_GROUP;
     if (nthreads < 1) nthreads = 1;
+#if QG_AVX2 && !QG_AVX512
+    return qa_mm_q8(x, M, K, w8, d, bias, y, N, nthreads, flags);
+#endif
 #if QG_AVX2
     xscratch s;
     if (xscratch_make(&s, x, M, K, K, flags)) return -1;
@@ -428,9 +436,16 @@ static inline __m512i q4_unpack32(const uint8_t *p) {
 }
 #endif
 
+#if QG_AVX2 && !QG_AVX512
+#include "qgemm_avx2.h"
+#endif
+
 /* Returns 0, or -1 when the scratch for the activations cannot be allocated. */
 int qg_int4_mm(const void *x, int64_t M, int64_t K, const uint8_t *w4, const uint16_t *d, const uint16_t *mn,
                const float *bias, void *y, int64_t N, int nthreads, int flags) {
+#if QG_AVX2 && !QG_AVX512
+    return qa_mm_q4(x, M, K, w4, d, mn, bias, y, N, nthreads < 1 ? 1 : nthreads, flags);
+#endif
     int64_t G = K / QG_GROUP;
     float *owned;
     const float *xf = x_as_f32(x, M, K, flags, &owned);

@@ -1,6 +1,7 @@
 """The two-call decode layer (gpu/models/fast_decode.py) against the eager layer it
 replaces: same greedy tokens and near-identical logprobs, on a random tiny model and on the
-default model; it runs only where it may (small batches, bf16, AVX512-BF16 CPUs)."""
+default model; it runs only where it may (small batches; bf16 on AVX512-BF16 CPUs, fp32 with
+quantized weights on any CPU)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from gpu.models import fast_decode
 from kernels import fused, qgemm_n16
 from tests.tiny import tiny_llm
 
-pytestmark = pytest.mark.skipif(not fused.has_bf16_gemv(), reason="no AVX512-BF16 GEMV on this CPU")
+needs_bf16 = pytest.mark.skipif(not fused.has_bf16_gemv(), reason="no AVX512-BF16 GEMV on this CPU")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3,"]
 
@@ -22,10 +23,13 @@ def _run(llm, prompts, max_tokens=24):
     return [o.outputs[0] for o in outs]
 
 
-def _compare(make_llm, prompts, monkeypatch, max_tokens=24, mode="layer", counted=fast_decode.FastDecodeLayer):
+def _compare(make_llm, prompts, monkeypatch, max_tokens=24, mode="layer", counted=fast_decode.FastDecodeLayer,
+             near_ties=False):
     """Greedy outputs with the fast path in ``mode`` ("layer": per-layer calls only; "1": the
     stack for decode-only steps too) against the eager model; returns the (rows, taken) of every
-    call to ``counted.forward``."""
+    call to ``counted.forward``. ``near_ties``: a top-logprob entry may be missing on one side
+    when it is within 0.05 of the smallest entry shown (two tokens of near-equal probability
+    swapping the last place); the chosen token's logprob is always compared."""
     calls = []
     real = counted.forward
 
@@ -48,12 +52,17 @@ def _compare(make_llm, prompts, monkeypatch, max_tokens=24, mode="layer", counte
         assert all(done for _, done in calls)  # never fell back once it took a batch
     for e, f in zip(eager, fast):
         assert f.token_ids == e.token_ids
-        for le, lf in zip(e.logprobs, f.logprobs):
+        for tok_id, le, lf in zip(e.token_ids, e.logprobs, f.logprobs):
+            assert abs(lf[tok_id].logprob - le[tok_id].logprob) < 0.05
             for tok, entry in le.items():
+                if near_ties and tok not in lf:
+                    assert entry.logprob - min(x.logprob for x in lf.values()) < 0.05
+                    continue
                 assert abs(lf[tok].logprob - entry.logprob) < 0.05
     return calls
 
 
+@needs_bf16
 def test_tiny_model_one_and_two_rows_match_eager_and_three_rows_stay_eager(monkeypatch):
     make = lambda: tiny_llm(dtype="bfloat16")  # noqa: E731
     calls = _compare(make, PROMPTS[:1], monkeypatch)
@@ -64,6 +73,7 @@ def test_tiny_model_one_and_two_rows_match_eager_and_three_rows_stay_eager(monke
     assert calls == []
 
 
+@needs_bf16
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_tiny_quantized_model_matches_eager_from_one_row_to_sixteen(monkeypatch, quantization):
     """q8_0 / q4_1 weights: the fused layer calls the VNNI kernel, and from AMX_MIN_M rows the AMX
@@ -78,6 +88,7 @@ def test_tiny_quantized_model_matches_eager_from_one_row_to_sixteen(monkeypatch,
     assert 16 in {rows for rows, _ in calls}
 
 
+@needs_bf16
 def test_default_model_gguf_q4_1_greedy_tokens_match_eager(monkeypatch):
     if qgemm_n16.library() is None:
         pytest.skip("no AVX-512 VNNI quantized kernel on this CPU")
@@ -88,6 +99,7 @@ def test_default_model_gguf_q4_1_greedy_tokens_match_eager(monkeypatch):
     assert {rows for rows, _ in calls} >= {4}
 
 
+@needs_bf16
 def test_default_model_greedy_tokens_match_eager(monkeypatch):
     from engine.llm import LLM
 
@@ -100,6 +112,7 @@ def _stack_calls(calls):
     return [rows for rows, taken in calls if taken]
 
 
+@needs_bf16
 def test_tiny_model_decode_stack_matches_eager(monkeypatch):
     """All layers of a decode-only step in one C call: same tokens as the eager model, for one and
     for two rows; the prompt steps are declined and run layer by layer."""
@@ -110,6 +123,7 @@ def test_tiny_model_decode_stack_matches_eager(monkeypatch):
         assert any(not taken for _, taken in calls)  # the prefill step
 
 
+@needs_bf16
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_tiny_quantized_model_decode_stack_matches_eager(monkeypatch, quantization):
     if qgemm_n16.library() is None:
@@ -120,6 +134,7 @@ def test_tiny_quantized_model_decode_stack_matches_eager(monkeypatch, quantizati
     assert 16 in _stack_calls(calls)
 
 
+@needs_bf16
 def test_default_model_decode_stack_matches_eager(monkeypatch):
     from engine.llm import LLM
 
@@ -129,6 +144,7 @@ def test_default_model_decode_stack_matches_eager(monkeypatch):
         assert len(prompts) in _stack_calls(calls)
 
 
+@needs_bf16
 def test_decode_stack_not_bound_in_layer_mode(monkeypatch):
     monkeypatch.setenv(fast_decode.ENV, "layer")
     body = tiny_llm(dtype="bfloat16").parts.executor.runner.model.model
@@ -138,15 +154,50 @@ def test_decode_stack_not_bound_in_layer_mode(monkeypatch):
     assert body.fast_stack is not None
 
 
-def test_not_bound_for_fp32_or_when_turned_off(monkeypatch):
-    llm = tiny_llm()  # fp32
+def test_not_bound_for_plain_fp32_weights_or_when_turned_off(monkeypatch):
+    llm = tiny_llm()  # fp32, plain weights: torch's fp32 GEMV, no fused layer
     layers = llm.parts.executor.runner.model.model.layers
     assert all(layer.fast_decode is None for layer in layers)
     monkeypatch.setenv(fast_decode.ENV, "0")
-    llm = tiny_llm(dtype="bfloat16")
-    assert all(layer.fast_decode is None for layer in llm.parts.executor.runner.model.model.layers)
+    for options in ({"dtype": "float32", "quantization": "int4"},) + (
+            ({"dtype": "bfloat16"},) if fused.has_bf16_gemv() else ()):
+        llm = tiny_llm(**options)
+        assert all(layer.fast_decode is None for layer in llm.parts.executor.runner.model.model.layers)
 
 
+# ---- fp32 activations with q8_0 / q4_1 weights: the fused layer and stack on every CPU (AVX2 machines) ----
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_fp32_quantized_tiny_model_layer_and_stack_match_eager(monkeypatch, quantization):
+    """fp32 activations: the fused layer calls the same quantized kernels with fp32 in and out,
+    for 1 row and for 16 (the row kernels' chunks of 4), per layer and as one stack call."""
+    make = lambda: tiny_llm(quantization=quantization)  # noqa: E731
+    calls = _compare(make, PROMPTS[:1], monkeypatch)
+    assert [rows for rows, _ in calls].count(1) >= 2 * 23
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]  # 16 decode rows a step
+    calls = _compare(make, prompts, monkeypatch, max_tokens=12, mode="1", counted=fast_decode.FastDecodeStack)
+    assert 16 in _stack_calls(calls)
+    calls = _compare(make, PROMPTS[:3], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
+    assert 3 in _stack_calls(calls)
+
+
+def test_fp32_stack_over_an_fp8_kv_cache_matches_eager(monkeypatch):
+    make = lambda: tiny_llm(quantization="int4", kv_cache_dtype="fp8")  # noqa: E731
+    calls = _compare(make, PROMPTS[:2], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
+    assert 2 in _stack_calls(calls)
+
+
+def test_fp32_default_model_gguf_q4_1_stack_greedy_tokens_match_eager(monkeypatch):
+    """The shipped Q4_1 GGUF in fp32 (what --dtype auto picks on AVX2 CPUs): same greedy tokens."""
+    from engine.llm import LLM
+
+    make = lambda: LLM(dtype="float32", quantization="auto", kv_cache_memory_gib=0.25)  # noqa: E731
+    calls = _compare(make, PROMPTS, monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack,
+                     near_ties=True)
+    assert 4 in _stack_calls(calls)
+
+
+@needs_bf16
 def test_decode_stack_over_an_fp8_kv_cache_matches_eager(monkeypatch):
     """--kv-cache-dtype fp8: the stack's fz_attn_in encodes the new K/V rows and its attention
     call widens them, exactly as the eager layers' writer and kernel do (same greedy tokens), for
