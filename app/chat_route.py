@@ -103,7 +103,8 @@ class ChatRoute:
         if req.prompt_logprobs is not None:
             kw["prompt_logprobs"] = req.prompt_logprobs
         request_id, engine_id = response_and_engine_ids(request, "chatcmpl", req.request_id)
-        choices = self.make_choices(engine_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
+        choices = self.make_choices(engine_id, [(text, ids)], req.n, kw, [max_tokens], req.seed,
+                                    share_prompt_logprobs=True)  # the body has them once
         created = int(time.time())
         await check_constraint(self.engine, choices[0].params,
                                "tools" if plan.schema is not None else req.constraint_param())

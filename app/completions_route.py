@@ -71,7 +71,9 @@ class CompletionsRoute:
         if req.prompt_logprobs is not None:
             kw["prompt_logprobs"] = max(req.prompt_logprobs, kw.get("prompt_logprobs") or 0)
         request_id, engine_id = response_and_engine_ids(request, "cmpl", req.request_id)
-        choices = self.make_choices(engine_id, prompts, req.n, kw, max_tokens, req.seed)
+        # A stream echoes each choice's prompt logprobs with its first chunk: each asks for them.
+        choices = self.make_choices(engine_id, prompts, req.n, kw, max_tokens, req.seed,
+                                    share_prompt_logprobs=not req.stream)
         if req.echo:
             await self.fill_prompt_texts(choices)
         created = int(time.time())
@@ -136,6 +138,7 @@ class CompletionsRoute:
         async for c, comp, new_ids in self.run(choices, streams):
             if req.logprobs is not None:
                 c.logprobs.extend(self.new_logprobs(comp, new_ids))
+        self.share_prompt_logprobs(choices, req.n)
         out = []
         for c in choices:
             text = "".join(c.text)

@@ -251,3 +251,37 @@ def test_the_limits_are_published_in_the_schema():
     assert "1000 bytes" in doc["paths"]["/tokenize"]["post"]["responses"]["413"]["description"]
     assert "4096 bytes" in doc["paths"]["/v1/completions"]["post"]["responses"]["413"]["description"]
     assert "x-pagedserve-limit" not in str(doc)
+
+
+@pytest.mark.parametrize("path,body,echo", [
+    ("/v1/completions", {**COMPLETION, "prompt": ["ab", "cd"], "prompt_logprobs": 1}, False),
+    ("/v1/completions", {**COMPLETION, "prompt": ["ab", "cd"], "logprobs": 1, "echo": True}, True),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, False),
+])
+async def test_prompt_logprobs_are_computed_once_per_prompt_not_per_choice(make_client, path, body, echo):
+    # n choices of one prompt each ran a full prefill without the prefix cache for the same
+    # prompt logprobs; one per prompt is enough, the others share it.
+    client, engine, _ = await make_client()
+    r = await client.post(path, json={**body, "n": 3})
+    assert r.status_code == 200, r.text
+    asked = [c.params.prompt_logprobs is not None for c in engine.calls]
+    assert asked == [int(c.request_id.rsplit("-", 1)[1]) == 0 for c in engine.calls] and sum(asked) >= 1
+    choices = r.json()["choices"]
+    if path == "/v1/completions":
+        for p in range(2):
+            group = choices[p * 3:(p + 1) * 3]
+            if echo:
+                tops = [c["logprobs"]["top_logprobs"][:2] for c in group]
+            else:
+                tops = [c["prompt_logprobs"] for c in group]
+            assert tops[0] is not None and tops[0][1] is not None and tops.count(tops[0]) == 3, tops
+    else:
+        assert r.json()["prompt_logprobs"][1] is not None
+
+
+async def test_streamed_echo_logprobs_still_get_prompt_logprobs_for_every_choice(make_client):
+    client, engine, _ = await make_client()
+    r = await client.post("/v1/completions", json={**COMPLETION, "logprobs": 1, "echo": True, "n": 2,
+                                                    "stream": True})
+    assert r.status_code == 200
+    assert all(c.params.prompt_logprobs == 1 for c in engine.calls) and len(engine.calls) == 2
