@@ -9,6 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.admission import check_choices, check_commitment
 from app.beam_requests import beam_kwargs
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished
@@ -64,8 +65,9 @@ class ChatRoute:
         return text, list(ids)
 
     async def chat_completions(self, request: Request) -> Response:
-        req = parse(ChatCompletionRequest, await self.read_json(request))
+        req = parse(ChatCompletionRequest, await self.read_admitted(request, "chat"))
         req.check_supported()
+        check_choices(req, 1, self.limits)
         check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
         options = chat_template_options(req, self.trust_request_chat_template)
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
@@ -87,6 +89,8 @@ class ChatRoute:
             if e.param == "prompt":
                 e.param = "messages"
             raise
+        check_commitment(req, [len(ids)], [max_tokens], self.limits,
+                         "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
         kw = req.sampling_kwargs()
         kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if plan.schema is not None:
@@ -99,7 +103,8 @@ class ChatRoute:
         if req.prompt_logprobs is not None:
             kw["prompt_logprobs"] = req.prompt_logprobs
         request_id, engine_id = response_and_engine_ids(request, "chatcmpl", req.request_id)
-        choices = self.make_choices(engine_id, [(text, ids)], req.n, kw, [max_tokens], req.seed)
+        choices = self.make_choices(engine_id, [(text, ids)], req.n, kw, [max_tokens], req.seed,
+                                    share_prompt_logprobs=True)  # the body has them once
         created = int(time.time())
         await check_constraint(self.engine, choices[0].params,
                                "tools" if plan.schema is not None else req.constraint_param())

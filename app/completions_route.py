@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.admission import check_choices, check_commitment
 from app.beam_requests import beam_kwargs
 from app.errors import APIError
 from app.fanout import Choice, ClientDisconnected, end_unfinished, normalize_logprob
@@ -21,6 +22,11 @@ from app.streaming import sse_response
 from app.structured_args import check_constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def num_prompts(prompt: Any) -> int:
+    """A string or a list of ids is one prompt; a list of strings or of id lists is several."""
+    return len(prompt) if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else 1
 
 
 class CompletionsRoute:
@@ -44,9 +50,10 @@ class CompletionsRoute:
         return list(zip(texts, [list(t) for t in ids]))
 
     async def completions(self, request: Request) -> Response:
-        req = parse(CompletionRequest, await self.read_json(request))
+        req = parse(CompletionRequest, await self.read_admitted(request, "completions"))
         req.check_supported()
         check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
+        check_choices(req, num_prompts(req.prompt), self.limits)  # before a prompt is tokenized
         prompts = await self.completion_prompts(req)
         if req.truncate_prompt_tokens is not None:  # echo then shows what the model read
             prompts = [(text if len(ids) <= req.truncate_prompt_tokens else None,
@@ -54,6 +61,7 @@ class CompletionsRoute:
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         max_tokens = [self.max_tokens_for(len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
                       for _, ids in prompts]
+        check_commitment(req, [len(ids) for _, ids in prompts], max_tokens, self.limits)
         kw = req.sampling_kwargs()
         kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if req.logprobs is not None:
@@ -63,7 +71,9 @@ class CompletionsRoute:
         if req.prompt_logprobs is not None:
             kw["prompt_logprobs"] = max(req.prompt_logprobs, kw.get("prompt_logprobs") or 0)
         request_id, engine_id = response_and_engine_ids(request, "cmpl", req.request_id)
-        choices = self.make_choices(engine_id, prompts, req.n, kw, max_tokens, req.seed)
+        # A stream echoes each choice's prompt logprobs with its first chunk: each asks for them.
+        choices = self.make_choices(engine_id, prompts, req.n, kw, max_tokens, req.seed,
+                                    share_prompt_logprobs=not req.stream)
         if req.echo:
             await self.fill_prompt_texts(choices)
         created = int(time.time())
@@ -128,6 +138,7 @@ class CompletionsRoute:
         async for c, comp, new_ids in self.run(choices, streams):
             if req.logprobs is not None:
                 c.logprobs.extend(self.new_logprobs(comp, new_ids))
+        self.share_prompt_logprobs(choices, req.n)
         out = []
         for c in choices:
             text = "".join(c.text)

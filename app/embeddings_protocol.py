@@ -68,6 +68,9 @@ class PoolingFields(OpenAIModel):
     # pagedserve: how the hidden states of the input become one vector (default "last", as
     # vLLM's embedding conversion of decoder models)
     pooling_type: PoolingType | None = None
+    # vLLM's prefix-cache tenant key, as on chat and completions: only requests with an equal
+    # salt share cached KV blocks.
+    cache_salt: NonEmptyStr | None = None
 
 
 class EmbeddingRequest(PoolingFields):

@@ -52,7 +52,7 @@ class EmbeddingsRoute:
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         params = self.pooling_params(req.pooling_type, req.normalize, req.dimensions)
         request_id, engine_id = response_and_engine_ids(request, "embd", req.request_id)
-        outs = await self.pool_all(request, inputs, params, engine_id, req.priority)
+        outs = await self.pool_all(request, inputs, params, engine_id, req.priority, req.cache_salt)
         data = [{"object": "embedding", "index": i, "embedding": encode_vector(o.outputs.data_bytes, req.encoding_format)}
                 for i, o in enumerate(outs)]
         n = sum(len(ids) for _, ids in inputs)
@@ -76,7 +76,7 @@ class EmbeddingsRoute:
         self.check_model(req.model)
         params = self.pooling_params(req.pooling_type, None, None)
         request_id, engine_id = response_and_engine_ids(request, "score", req.request_id)
-        outs = await self.pool_all(request, inputs, params, engine_id, req.priority)
+        outs = await self.pool_all(request, inputs, params, engine_id, req.priority, req.cache_salt)
         a, b = outs[:len(first)], outs[len(first):]
         data = [{"index": k, "object": "score", "score": cosine(a[i].outputs.data_bytes, b[j].outputs.data_bytes)}
                 for k, (i, j) in enumerate(pairs)]
@@ -118,14 +118,15 @@ class EmbeddingsRoute:
         return inputs
 
     async def pool_all(self, request: Request, inputs: Inputs, params: Any, engine_id: str,
-                       priority: int) -> list[Any]:
+                       priority: int, cache_salt: str | None = None) -> list[Any]:
         """One pooling request per input; their outputs in input order. If one is refused,
-        those already submitted are aborted; a client that leaves aborts them all."""
+        those already submitted are aborted; a client that leaves aborts them all.
+        ``cache_salt``: the prefix-cache namespace of every input (None: the unsalted one)."""
         streams: list[Any] = []
         try:
             for i, (text, ids) in enumerate(inputs):
                 streams.append(self.engine.pool(ids, params, f"{engine_id}-{i}", prompt=text,
-                                                priority=priority))
+                                                priority=priority, cache_salt=cache_salt))
         except BaseException as e:
             await close_all(streams)
             self.metrics.refused(e)

@@ -49,8 +49,8 @@ class APIError(Exception):
                    headers={"WWW-Authenticate": "Bearer"})
 
     @classmethod
-    def too_large(cls, limit: int) -> "APIError":
-        return cls(413, f"The request body is larger than the limit of {limit} bytes.",
+    def too_large(cls, limit: int, flag: str = "--max-body-bytes") -> "APIError":
+        return cls(413, f"The request body is larger than the limit of {limit} bytes ({flag}).",
                    "invalid_request_error", None, "request_too_large")
 
     @classmethod

@@ -28,9 +28,13 @@ _EMPTY_LIST_OR_NULL = {"anyOf": [{"type": "array", "maxItems": 0}, _NULL]}
 _EMPTY_OBJECT_OR_NULL = {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL]}
 _ONLY_NULL = {"anyOf": [_NULL]}
 _TEXT_MODALITIES = {"anyOf": [{"type": "array", "items": {"const": "text"}}, _NULL]}
-# Keys chat_template_kwargs may not hold: the conversation itself, and the template (that is
-# the ``chat_template`` field, behind --trust-request-chat-template).
-RESERVED_TEMPLATE_KWARGS = ("messages", "chat_template")
+# Keys chat_template_kwargs may not hold: the conversation itself, the template (that is the
+# ``chat_template`` field, behind --trust-request-chat-template), and any other name the render
+# path takes as a parameter of its own ("self": a second value for it was a TypeError, a 500).
+RESERVED_TEMPLATE_KWARGS = ("messages", "chat_template", "self")
+# Render parameters a request may set through chat_template_kwargs, as in vLLM (they override
+# the request's fields of the same name: app/prompt_options.py).
+OVERRIDABLE_TEMPLATE_KWARGS = ("add_generation_prompt", "continue_final_message")
 _TEMPLATE_KWARGS = {"anyOf": [{"type": "object", "propertyNames": {
     "not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}}, _NULL]}
 
@@ -146,10 +150,27 @@ _logged_ignored: set[str] = set()
 _MAX_LOGGED_NAMES = 1024  # random names from a fuzzer must not grow the set without end
 
 
+_MAX_NAMES_PER_LINE = 32  # one body's names in one warning line
+
+
 def log_ignored_fields(model: type[BaseModel], data: dict[str, Any]) -> None:
-    """Warn once per field name about body fields no model declares (accepted, unused)."""
-    unknown = [k for k in data if k not in model.model_fields and k not in _logged_ignored]
-    if unknown and len(_logged_ignored) < _MAX_LOGGED_NAMES:
+    """Warn once per field name about body fields no model declares (accepted, unused). Stores
+    and logs at most what the caps allow, whatever the body holds: a body of a million unknown
+    keys costs one pass over them, no memory."""
+    room = min(_MAX_LOGGED_NAMES - len(_logged_ignored), _MAX_NAMES_PER_LINE)
+    if room <= 0:
+        return
+    fields = model.model_fields
+    unknown: list[str] = []
+    more = 0
+    for k in data:
+        if k in fields or k in _logged_ignored:
+            continue
+        if len(unknown) < room:
+            unknown.append(k)
+        else:
+            more += 1
+    if unknown:
         _logged_ignored.update(unknown)
-        logger.warning("The following fields were present in the request but ignored: %s",
-                       sorted(unknown))
+        logger.warning("The following fields were present in the request but ignored: %s%s",
+                       sorted(unknown), f" (and {more} more)" if more else "")

@@ -54,7 +54,11 @@ class ChoiceFanOut:
         return self._sampling_params_cls(**kwargs)
 
     def make_choices(self, request_id: str, prompts: list[tuple[str | None, list[int]]], n: int,
-                     base_kwargs: dict[str, Any], max_tokens: list[int], seed: int | None) -> list[Choice]:
+                     base_kwargs: dict[str, Any], max_tokens: list[int], seed: int | None,
+                     share_prompt_logprobs: bool = False) -> list[Choice]:
+        """One Choice per prompt x sample. ``share_prompt_logprobs``: only each prompt's first
+        choice asks the engine for prompt logprobs (a full prefill without the prefix cache);
+        the route copies them to its siblings (``share_prompt_logprobs``) once they are done."""
         if BEAM_KEY in base_kwargs:  # use_beam_search: one engine request per prompt (app/beam_requests.py)
             from engine.beam_search import BeamSearchParams
 
@@ -69,6 +73,8 @@ class ChoiceFanOut:
                 kw = dict(base_kwargs)
                 kw["n"] = 1
                 kw["max_tokens"] = max_tokens[p]
+                if share_prompt_logprobs and i > 0:
+                    kw.pop("prompt_logprobs", None)
                 if seed is not None:
                     # Choice i is seeded seed + i, as the engine seeds sequence i of an n > 1
                     # request: distinct choices, reproducible run to run.
@@ -78,6 +84,13 @@ class ChoiceFanOut:
                                       prompt_text=text, params=self.build_params(kw),
                                       tracker=self.metrics.tracker()))
         return choices
+
+    @staticmethod
+    def share_prompt_logprobs(choices: list[Choice], n: int) -> None:
+        """Give each choice its prompt's logprobs, computed by the prompt's first choice."""
+        for c in choices:
+            if c.prompt_logprobs is None:
+                c.prompt_logprobs = choices[c.prompt_idx * n].prompt_logprobs
 
     async def start(self, choices: list[Choice], priority: int, cache_salt: str | None = None) -> list[Any]:
         """Submit every choice to the engine; if one is refused, abort those already started."""

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.admission import refuse
 from app.errors import APIError
 from app.prompt_options import chat_template_options
 from app.protocol import DetokenizeRequest, TokenizeRequest, parse
@@ -47,7 +48,7 @@ class InfoRoutes:
         }]})
 
     async def tokenize(self, request: Request) -> Response:
-        req = parse(TokenizeRequest, await self.read_json(request))
+        req = parse(TokenizeRequest, await self.read_admitted(request, "tokenize"))
         req.check()
         options = chat_template_options(req, self.trust_request_chat_template)  # also refuses
         messages = tools = None
@@ -67,11 +68,16 @@ class InfoRoutes:
             ids = list(await self.engine.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         body = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
         if req.return_token_strs:
+            limit = self.limits.max_token_strs
+            if len(ids) > limit:
+                raise refuse("return_token_strs", f"return_token_strs asks for {len(ids)} token strings",
+                             "max_token_strs", limit)
             body["token_strs"] = self.engine.tokenizer.convert_ids_to_tokens(ids)
         return ORJSONResponse(body)
 
     async def detokenize(self, request: Request) -> Response:
-        req = parse(DetokenizeRequest, await self.read_json(request))
+        req = parse(DetokenizeRequest, await self.read_json(
+            request, self.limits.max_tokenize_body_bytes, "--max-tokenize-body-bytes"))
         self.check_ids(req.tokens, "tokens")
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         return ORJSONResponse({"prompt": await self.decode(req.tokens)})
@@ -97,7 +103,7 @@ class InfoRoutes:
 
 
 def openapi_route(engine: Any, name: str, api_key: str | None, max_body_bytes: int,
-                  trust_request_chat_template: bool = False) -> Callable[[Request], Any]:
+                  trust_request_chat_template: bool = False, limits: Any = None) -> Callable[[Request], Any]:
     """GET /openapi.json: the document is built once, from what this server enforces."""
     from app.openapi import build_openapi
 
@@ -106,7 +112,7 @@ def openapi_route(engine: Any, name: str, api_key: str | None, max_body_bytes: i
         vocab_size=getattr(engine.tokenizer, "vocab_size", None), api_key=bool(api_key),
         max_body_bytes=max_body_bytes, version=server_version(),
         trust_request_chat_template=trust_request_chat_template,
-        embedding_size=getattr(engine, "embedding_size", None)))
+        embedding_size=getattr(engine, "embedding_size", None), limits=limits))
 
     async def openapi(request: Request) -> Response:
         return Response(body, media_type="application/json")

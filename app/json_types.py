@@ -13,6 +13,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # JSON integers must fit the engine'
 # Schema extension naming a bound only the running server knows (see app/openapi.py):
 # "vocab" = a token id (< vocabulary size), "context" = a token count (< max_model_len).
 BOUND_KEY = "x-pagedserve-bound"
+# Schema extension naming the app.admission.AdmissionLimits field that bounds this node (a list's
+# maxItems, an object's maxProperties, an integer's maximum): filled in by app/openapi.py.
+LIMIT_KEY = "x-pagedserve-limit"
 
 
 def json_integer(v: Any) -> Any:
@@ -31,4 +34,9 @@ def json_integer(v: Any) -> Any:
 AS_INT = BeforeValidator(json_integer)
 Int = Annotated[int, AS_INT]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), AS_INT]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS, json_schema_extra={LIMIT_KEY: "max_logprobs"}), AS_INT]
+
+
+def limited(limit_name: str, **constraints: Any) -> Any:
+    """A Field bounded by an admission limit (app/admission.py checks it; the schema says it)."""
+    return Field(json_schema_extra={LIMIT_KEY: limit_name}, **constraints)

@@ -13,10 +13,12 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from app.admission import AdmissionLimits, int_range_pattern
 from app.auth import is_protected
 from app.embeddings_protocol import EmbeddingRequest, ScoreRequest
 from app.protocol import (
     BOUND_KEY,
+    LIMIT_KEY,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -228,19 +230,32 @@ def _timeout_error(*, body: bool) -> dict[str, Any]:
     return _error(f"{what}; the connection is closed (code `request_timeout`).")
 
 
-def _fill_bounds(node: Any, bounds: dict[str, int | None]) -> None:
-    """Replace each BOUND_KEY marker by the maximum this server enforces (or drop it)."""
+_LIMIT_KEYWORD = {"array": "maxItems", "object": "maxProperties", "integer": "maximum"}
+
+
+def _fill_bounds(node: Any, bounds: dict[str, int | None], limits: AdmissionLimits) -> None:
+    """Replace each BOUND_KEY marker by the maximum this server enforces (or drop it), and each
+    LIMIT_KEY marker by its admission limit (app/admission.py)."""
     if isinstance(node, dict):
         kind = node.pop(BOUND_KEY, None)
-        if kind is not None:
+        if kind == "vocab_key":  # an object keyed by token ids: the pattern of ids < vocab
+            if bounds["vocab"] is not None:
+                node["patternProperties"] = {int_range_pattern(bounds["vocab"]): value
+                                             for value in node["patternProperties"].values()}
+        elif kind is not None:
             limit = bounds[kind]
             if limit is not None:
                 node["maximum"] = min(node.get("maximum", limit), limit)
+        limit_name = node.pop(LIMIT_KEY, None)
+        if limit_name is not None:
+            keyword = _LIMIT_KEYWORD[node["type"]]
+            limit = getattr(limits, limit_name)
+            node[keyword] = min(node.get(keyword, limit), limit)
         for value in node.values():
-            _fill_bounds(value, bounds)
+            _fill_bounds(value, bounds, limits)
     elif isinstance(node, list):
         for value in node:
-            _fill_bounds(value, bounds)
+            _fill_bounds(value, bounds, limits)
 
 
 def request_schemas() -> dict[str, Any]:
@@ -254,16 +269,18 @@ def request_schemas() -> dict[str, Any]:
 def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int | None,
                   api_key: bool, max_body_bytes: int, version: str,
                   trust_request_chat_template: bool = False,
-                  embedding_size: int | None = None) -> dict[str, Any]:
+                  embedding_size: int | None = None, limits: AdmissionLimits | None = None) -> dict[str, Any]:
     """The OpenAPI document of one server. ``api_key``: whether /v1/*, /tokenize,
     /detokenize and /score require a bearer token (they answer 401 without it). Every response carries
     ``X-Request-Id``: the client's (header, or a generating route's ``request_id`` field) or a
-    new one."""
+    new one. ``limits``: the server's admission limits (maxItems and the like)."""
+    limits = limits or AdmissionLimits()
+    tokenize_body_bytes = min(max_body_bytes, limits.max_tokenize_body_bytes)
     schemas = copy.deepcopy(request_schemas())
     # A token id is < vocab_size; a completion length leaves at least one prompt token.
     # An embedding keeps at most the model's hidden size (``dimensions``).
     _fill_bounds(schemas, {"vocab": vocab_size - 1 if vocab_size else None,
-                           "context": max_model_len - 1, "embedding": embedding_size})
+                           "context": max_model_len - 1, "embedding": embedding_size}, limits)
     schemas.update(copy.deepcopy(RESPONSE_SCHEMAS))
     if not trust_request_chat_template:  # a request's own template is a 400 then
         for name in ("ChatCompletionRequest", "TokenizeRequest"):
@@ -292,10 +309,10 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
             generates=True, max_body_bytes=max_body_bytes)} for path in ("/v1/score", "/score")},
         "/tokenize": {"post": _post(
             "Token ids of a prompt or of chat messages (after the chat template).", "TokenizeRequest",
-            _json("The token ids.", "TokenizeResponse"), generates=False, max_body_bytes=max_body_bytes)},
+            _json("The token ids.", "TokenizeResponse"), generates=False, max_body_bytes=tokenize_body_bytes)},
         "/detokenize": {"post": _post(
             "Text of token ids.", "DetokenizeRequest",
-            _json("The text.", "DetokenizeResponse"), generates=False, max_body_bytes=max_body_bytes)},
+            _json("The text.", "DetokenizeResponse"), generates=False, max_body_bytes=tokenize_body_bytes)},
         "/v1/models": {"get": _get("The served model.", _json("One model.", "ModelList"))},
         "/health": {"get": _get("Liveness of the engine.", _json("The engine is serving.", "HealthStatus"),
                                 **{"503": _health_error()})},

@@ -22,7 +22,7 @@ from app.structured_args import StructuredFields
 from app.extra_fields import ChatExtraFields, CompletionExtraFields, TokenizeExtraFields, log_ignored_fields
 from app.json_types import AS_INT as _AS_INT
 from app.json_types import (  # noqa: F401  (re-exported)
-    BOUND_KEY, INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, Int, NonEmptyStr, NumLogprobs)
+    BOUND_KEY, INT64_MAX, INT64_MIN, LIMIT_KEY, MAX_LOGPROBS, MAX_N, Int, NonEmptyStr, NumLogprobs, limited)
 from app.json_types import json_integer as _json_integer
 
 # A token id the model reads: the server answers 400 past the vocabulary.
@@ -30,9 +30,13 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX, json_schema_extra={BOUND_KEY:
 # A token id the sampler only compares with (stop ids, logit_bias keys): one past the vocabulary
 # never matches and is ignored, but it must fit int64 to travel to the workers.
 AnyTokenId = Annotated[int, Field(ge=0, le=INT64_MAX), _AS_INT]
-AnyTokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,18}$")]  # the same, as a JSON object key
+# logit_bias keys: token ids in decimal (no leading zeros); the schema narrows the pattern to
+# the vocabulary (BOUND_KEY "vocab_key") and the server refuses an id past it (app/admission.py).
+AnyTokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,17})$")]
 LogitBias = Annotated[dict[AnyTokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]],
-                      Field(json_schema_extra={"additionalProperties": False})]
+                      Field(json_schema_extra={"additionalProperties": False, BOUND_KEY: "vocab_key",
+                                               LIMIT_KEY: "max_logit_bias"})]
+StopList = Annotated[list[NonEmptyStr], limited("max_stop_sequences")]
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _AS_INT]
 BestOf = Annotated[int, Field(ge=1, le=MAX_N), _AS_INT]
 Seed = Annotated[int, Field(ge=0, le=INT64_MAX), _AS_INT]
@@ -78,7 +82,7 @@ class SamplingFields(StructuredFields, OpenAIModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: LogitBias | None = None
     seed: Seed | None = None
-    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop: NonEmptyStr | StopList | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -90,7 +94,7 @@ class SamplingFields(StructuredFields, OpenAIModel):
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     ignore_eos: bool = False
     min_tokens: Int = Field(default=0, ge=0, json_schema_extra={BOUND_KEY: "context"})
-    stop_token_ids: list[AnyTokenId] | None = None
+    stop_token_ids: Annotated[list[AnyTokenId], limited("max_stop_token_ids")] | None = None
     priority: Int64 = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -126,8 +130,10 @@ class SamplingFields(StructuredFields, OpenAIModel):
         if not isinstance(v, dict):
             return v
         for key, bias in v.items():
-            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18):
-                raise ValueError(f"logit_bias keys must be token ids (up to 18 digits), got {key!r}")
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18
+                    and (key == "0" or key[0] != "0")):
+                raise ValueError(f"logit_bias keys must be token ids (up to 18 digits, no leading "
+                                 f"zeros), got {key!r}")
             if isinstance(bias, (int, float)) and not isinstance(bias, bool) and not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
@@ -173,9 +179,9 @@ class SamplingFields(StructuredFields, OpenAIModel):
 
 PromptType = Union[
     NonEmptyStr,
-    Annotated[list[NonEmptyStr], Field(min_length=1)],
+    Annotated[list[NonEmptyStr], limited("max_prompts", min_length=1)],
     Annotated[list[TokenId], Field(min_length=1)],
-    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], limited("max_prompts", min_length=1)],
 ]
 # A completion length: the prompt takes at least one token of the context, so it is < max_model_len.
 MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={BOUND_KEY: "context"}), _AS_INT]
@@ -263,14 +269,14 @@ def check_messages(messages: list[ChatMessage]) -> None:
 
 
 class ChatCompletionRequest(SamplingFields, ChatExtraFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = limited("max_messages", min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[ToolDefinition] | None = None  # app/tools/plan.py says what they mean
+    tools: Annotated[list[ToolDefinition], limited("max_tools")] | None = None  # app/tools/plan.py
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
@@ -306,8 +312,8 @@ class TokenizeRequest(OpenAIModel, TokenizeExtraFields):
     ]})
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[ToolDefinition] | None = None  # rendered with messages, as for chat (vLLM)
+    messages: Annotated[list[ChatMessage], limited("max_messages")] | None = None
+    tools: Annotated[list[ToolDefinition], limited("max_tools")] | None = None  # rendered as for chat (vLLM)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

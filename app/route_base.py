@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
+from app.admission import AdmissionLimits, check_body
 from app.errors import APIError
 from app.metrics import ServerMetrics
 
@@ -17,6 +18,7 @@ class RouteBase:
 
     sse_ping_interval: float = 0.0  # seconds between SSE comment pings; 0 = none
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
+    limits: AdmissionLimits = AdmissionLimits()  # per-request bounds (app/admission.py)
 
     def __init__(self, engine: Any, served_model_name: str, max_body_bytes: int,
                  metrics: ServerMetrics) -> None:
@@ -30,13 +32,17 @@ class RouteBase:
 
         self._sampling_params_cls = SamplingParams
 
-    async def read_json(self, request: Request) -> Any:
-        limit = self.max_body_bytes
+    async def read_json(self, request: Request, limit: int | None = None,
+                        flag: str = "--max-body-bytes") -> Any:
+        """The decoded body; past ``limit`` bytes (default --max-body-bytes) a 413 naming ``flag``,
+        before the rest is read."""
+        if limit is None or limit >= self.max_body_bytes:
+            limit, flag = self.max_body_bytes, "--max-body-bytes"
         length = request.headers.get("content-length")
         if length is not None:
             try:
                 if int(length) > limit:
-                    raise APIError.too_large(limit)
+                    raise APIError.too_large(limit, flag)
             except ValueError:
                 raise APIError.bad_request("invalid Content-Length header") from None
         chunks: list[bytes] = []
@@ -44,7 +50,7 @@ class RouteBase:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise APIError.too_large(limit)
+                raise APIError.too_large(limit, flag)
             chunks.append(chunk)
         body = b"".join(chunks)
         if not body:
@@ -53,6 +59,17 @@ class RouteBase:
             return orjson.loads(body)
         except orjson.JSONDecodeError as e:
             raise APIError.bad_request(f"the request body is not valid JSON: {e}") from None
+
+    async def read_admitted(self, request: Request, kind: str) -> Any:
+        """The body of a ``kind`` request (completions, chat, tokenize) within the admission
+        bounds (app/admission.py), checked before validation builds anything of it."""
+        if kind == "tokenize":
+            data = await self.read_json(request, self.limits.max_tokenize_body_bytes,
+                                        "--max-tokenize-body-bytes")
+        else:
+            data = await self.read_json(request)
+        check_body(kind, data, self.limits, getattr(self.engine.tokenizer, "vocab_size", None))
+        return data
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

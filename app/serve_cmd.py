@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 
+from app.admission import AdmissionLimits
 from app.engine_args import add_engine_args, engine_config_from_args
 from app.listen import ListenError, bind_socket
 from app.tools.parsers import AUTO_PARSERS
@@ -80,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without it such requests get 400, as in vLLM")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    AdmissionLimits.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
     with sock:
         config = engine_config_from_args(args, default_executor=DEFAULT_EXECUTOR)
         try:
+            limits = AdmissionLimits.from_args(args)
+        except ValueError as e:
+            logger.error("cannot start: %s", e)
+            return 1
+        try:
             from engine.replicas import check_data_parallel
 
             check_data_parallel(config, args.data_parallel_size)
@@ -105,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
         try:
             with runner:
-                return runner.run(_serve(args, config, sock))
+                return runner.run(_serve(args, config, sock, limits))
         except STARTUP_ERRORS as e:
             # What the user asked for cannot be served (no such model, a bad config, workers
             # that fail to load it): one line that says so, not a traceback.
@@ -113,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
             return 1
 
 
-async def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
+async def _serve(args: argparse.Namespace, config, sock: socket.socket,
+                 limits: AdmissionLimits | None = None) -> int:
     from engine.async_engine import AsyncEngine
 
     # The engine starts first: its worker spends seconds importing torch and loading weights,
@@ -154,7 +162,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket) -> int:
         app = build_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, sse_ping_interval=args.sse_ping_interval,
                         trust_request_chat_template=args.trust_request_chat_template,
-                        tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser))
+                        tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
+                        limits=limits)
         uv_config.app = app
         num_blocks = engine.num_blocks
         block_size = config.cache.block_size

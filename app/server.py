@@ -79,11 +79,13 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
               sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-              tool_config: Any = None) -> Starlette:
+              tool_config: Any = None, limits: Any = None) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
-    ``tool_config``: app.tools.plan.ToolConfig (--enable-auto-tool-choice, --tool-call-parser)."""
+    ``tool_config``: app.tools.plan.ToolConfig (--enable-auto-tool-choice, --tool-call-parser).
+    ``limits``: app.admission.AdmissionLimits, what one request may ask for (default: the flags'
+    defaults)."""
     name = served_model_name or engine.model_name
     metrics = ServerMetrics(engine, name)
     s = OpenAIServer(engine, name, max_body_bytes, metrics)
@@ -91,6 +93,8 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
     s.trust_request_chat_template = trust_request_chat_template
     if tool_config is not None:
         s.tool_config = tool_config
+    if limits is not None:
+        s.limits = limits
     routes = [
         Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat_completions), methods=["POST"]),
@@ -105,7 +109,7 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
         Route("/version", _wrap(s.version), methods=["GET"]),
         Route("/metrics", _wrap(s.metrics_route), methods=["GET"]),
         Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes,
-                                                      trust_request_chat_template), methods=["GET"]),
+                                             trust_request_chat_template, s.limits), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import APIError
-from app.json_types import AS_INT
+from app.json_types import AS_INT, limited
 
 _TokenId = Annotated[int, Field(ge=0, le=2**63 - 1), AS_INT]  # 1.0 is an integer in JSON, as elsewhere
 
@@ -55,7 +55,7 @@ class StructuredFields(_Model):
     guided_grammar: str | None = None
     # vLLM refuses an empty list (nothing could be sampled); the schema says so too.
     allowed_token_ids: list[_TokenId] | None = Field(default=None, min_length=1)
-    bad_words: list[str] | None = None
+    bad_words: Annotated[list[str], limited("max_bad_words")] | None = None
 
     def structured_source(self) -> tuple[str, dict[str, Any]] | None:
         """(request field, StructuredOutputsParams kwargs), or None when the output is free."""

@@ -79,15 +79,19 @@ def template_messages(messages: list[Any], native: bool) -> list[dict[str, Any]]
                 if m.tool_call_id is not None:
                     msg["tool_call_id"] = m.tool_call_id
             else:
+                # A run of tool results is one user turn; its blocks are joined once, at the end
+                # (appending to the turn's text each time was quadratic in the run's length).
                 response = f"<tool_response>\n{msg['content']}\n</tool_response>"
-                if out and out[-1].get("_tool_responses"):
-                    out[-1]["content"] += "\n" + response
+                if out and "_tool_responses" in out[-1]:
+                    out[-1]["_tool_responses"].append(response)
                 else:
-                    out.append({"role": "user", "content": response, "_tool_responses": True})
+                    out.append({"role": "user", "content": None, "_tool_responses": [response]})
                 continue
         out.append(msg)
     for msg in out:
-        msg.pop("_tool_responses", None)
+        blocks = msg.pop("_tool_responses", None)
+        if blocks is not None:
+            msg["content"] = "\n".join(blocks)
     return out
 
 

@@ -26,7 +26,7 @@ async def test_malformed_json_and_bad_bodies(client):
     ({"prompt": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
     ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
-    ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "at most 20 (--max-logprobs)"),
     ({"prompt": "x", "stop": [""]}, "stop", "must not be empty"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "token ids"),
     ({"prompt": []}, "prompt", "must not be empty"),

@@ -175,3 +175,45 @@ async def test_tokenize_takes_the_chat_fields_too(client, engine):
         assert_openai_error(r, 400, "chat_template")
     r = await client.post("/tokenize", json={"prompt": "ab"})
     assert "token_strs" not in r.json() and engine.encode_calls[-1] == ("ab", True)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/tokenize", {"messages": USER})])
+@pytest.mark.parametrize("key", ["self", "messages", "chat_template"])
+async def test_template_kwargs_the_renderer_takes_itself_are_400_not_500(client, engine, path, body, key):
+    # {"self": 1} reached render_chat(self, ...) as a second 'self': a TypeError and a 500.
+    r = await client.post(path, json={**body, "chat_template_kwargs": {key: 1}})
+    err = assert_openai_error(r, 400, "chat_template_kwargs")
+    assert repr(key) in err["message"]
+    assert engine.calls == [] and engine.chat_calls == []
+
+
+def test_reserved_template_kwargs_cover_every_parameter_of_the_renderers():
+    # Every named parameter of the render path is either an option the request may set through
+    # chat_template_kwargs (as vLLM) or refused; none can reach the call twice.
+    import inspect
+
+    from app.extra_fields import OVERRIDABLE_TEMPLATE_KWARGS, RESERVED_TEMPLATE_KWARGS
+    from engine.async_engine import AsyncEngine
+    from engine.tokenizer import Tokenizer
+
+    for fn in (AsyncEngine.render_chat, Tokenizer.apply_chat_template):
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            assert p.name in RESERVED_TEMPLATE_KWARGS or p.name in OVERRIDABLE_TEMPLATE_KWARGS, p.name
+
+
+def test_unknown_field_logging_stores_nothing_past_its_cap(monkeypatch):
+    # One body with 100,000 unknown keys grew the once-per-name set to 100,000 names (the cap
+    # was checked before storing, not while).
+    from app import extra_fields
+    from app.protocol import CompletionRequest
+
+    monkeypatch.setattr(extra_fields, "_logged_ignored", set())
+    body = {**COMPLETION, **{f"k{i}": 1 for i in range(100_000)}}
+    extra_fields.log_ignored_fields(CompletionRequest, body)
+    assert 0 < len(extra_fields._logged_ignored) <= extra_fields._MAX_LOGGED_NAMES
+    full = {f"n{i}" for i in range(extra_fields._MAX_LOGGED_NAMES)}
+    monkeypatch.setattr(extra_fields, "_logged_ignored", full)
+    extra_fields.log_ignored_fields(CompletionRequest, {**COMPLETION, "another": 1})
+    assert "another" not in full and len(full) == extra_fields._MAX_LOGGED_NAMES

@@ -2,6 +2,8 @@
 natively; the default model's template gets the same text written out by app/tools/prompt.py."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from app.protocol import ChatCompletionRequest
@@ -78,3 +80,24 @@ def _with_template(tokenizer, source):
     t = copy.copy(tokenizer)
     t.chat_template = source
     return t
+
+
+def test_many_tool_results_are_merged_in_linear_time():
+    # Each tool result was appended with out[-1]["content"] += ...: 10,000 results of 200
+    # characters copied ~10 GB on the event loop.
+    raw = [{"role": "user", "content": "go"}] + [
+        {"role": "tool", "tool_call_id": str(i), "content": f"{i:06d}" + "r" * 194} for i in range(10_000)]
+    msgs = ChatCompletionRequest.model_validate({"messages": raw}).messages
+    t0 = time.perf_counter()
+    out = template_messages(msgs, native=False)
+    assert time.perf_counter() - t0 < 0.5
+    assert len(out) == 2 and out[1]["role"] == "user"
+    blocks = out[1]["content"].split("\n<tool_response>\n")
+    assert len(blocks) == 10_000 and blocks[0].startswith("<tool_response>\n000000")
+    assert out[1]["content"].endswith(f"009999{'r' * 194}\n</tool_response>")
+    # a turn between them starts a new block
+    msgs = ChatCompletionRequest.model_validate({"messages": [
+        raw[1], raw[2], {"role": "assistant", "content": "ok"}, raw[3]]}).messages
+    out = template_messages(msgs, native=False)
+    assert [m["role"] for m in out] == ["user", "assistant", "user"]
+    assert out[0]["content"].count("<tool_response>") == 2 and "_tool_responses" not in out[0]

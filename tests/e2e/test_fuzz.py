@@ -68,7 +68,9 @@ SEMANTIC_400_PARAMS = {
     "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }
 # constraints_unsatisfiable: allowed_token_ids / bad_words / min_tokens leave the structured output no token
-SEMANTIC_400_CODES = {"context_length_exceeded", "constraints_unsatisfiable"}
+# request_limit_exceeded: prompts x n past --max-request-choices, or the token commitment past
+# --max-request-tokens (app/admission.py); each list's own bound is in the schema
+SEMANTIC_400_CODES = {"context_length_exceeded", "constraints_unsatisfiable", "request_limit_exceeded"}
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +104,13 @@ def test_huge_logit_bias_token_id_is_a_400_not_an_engine_death(fuzz_server):
     r = httpx.post(fuzz_server.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
                    json={"prompt": "hi", "max_tokens": 2, "logit_bias": {str(10**20): 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
-    # an id past the vocabulary that fits int64 is accepted and has no effect
+    # a stop id past the vocabulary that fits int64 is accepted and has no effect; a logit_bias
+    # id past it is a 400, as in OpenAI and vLLM (issue 22)
     r = httpx.post(fuzz_server.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
-                   json={"prompt": "hi", "max_tokens": 2, "logit_bias": {str(10**17): 100},
-                         "min_tokens": 1, "stop_token_ids": [10**17]})
+                   json={"prompt": "hi", "max_tokens": 2, "logit_bias": {str(10**17): 100}})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"], r.text
+    r = httpx.post(fuzz_server.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                   json={"prompt": "hi", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": [10**17]})
     assert r.status_code == 200, r.text
     assert httpx.get(fuzz_server.url + "/health").status_code == 200
 

@@ -1,0 +1,200 @@
+"""Admission before work: what one request may ask for, checked before anything is built for it.
+
+The routes and the engine loop share one event loop, so a request that may ask for unbounded
+work (tens of thousands of stop strings, a prompt list times ``n`` of 256,000 choices) freezes
+every other user while it is prepared. Each bound here is a server flag (``AdmissionLimits``:
+one name for the field and the flag, ``--max-stop-sequences`` = ``max_stop_sequences``) and a
+request past one gets a 400 in OpenAI's format naming the field, the limit and the flag.
+
+Two checks, each linear in what it reads:
+
+- ``check_body`` on the decoded JSON body, before the request model validates it: list lengths
+  (prompts, ``stop``, ``stop_token_ids``, ``bad_words``, ``logit_bias``, ``messages``, ``tools``),
+  ``logit_bias`` keys in the vocabulary (as OpenAI and vLLM), logprob counts (vLLM's
+  ``--max-logprobs``);
+- ``check_choices`` (prompts x max(n, best_of / beam width), before any prompt is tokenized) and
+  ``check_commitment`` (choices x (prompt + max_tokens), before ``make_choices``).
+
+The same bounds are published in /openapi.json (app/openapi.py fills the ``LIMIT_KEY`` markers
+of the request models with these values).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.errors import APIError
+
+LIMIT_CODE = "limit_exceeded"  # one field past its bound (the schema states it)
+# a rule across fields past its bound (prompts x n, the token commitment): the schema cannot state it
+REQUEST_LIMIT_CODE = "request_limit_exceeded"
+
+
+def _limit(default: int, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """Per-request bounds of the server (``serve --help`` lists each as ``--max-...``)."""
+
+    max_logprobs: int = _limit(20, "most logprobs / top_logprobs / prompt_logprobs a request may ask "
+                                   "for (vLLM's --max-logprobs; the engine serves up to 20)")
+    max_prompts: int = _limit(1024, "prompts in one /v1/completions request")
+    max_request_choices: int = _limit(1024, "sequences one request may ask for: prompts x max(n, "
+                                            "best_of) (best_of = the beam width with use_beam_search)")
+    max_request_tokens: int = _limit(2 * 1024 * 1024, "tokens one request may commit: its sequences x "
+                                                      "(prompt + max_tokens)")
+    max_stop_sequences: int = _limit(256, "strings in `stop`")
+    max_stop_token_ids: int = _limit(256, "ids in `stop_token_ids`")
+    max_bad_words: int = _limit(256, "words in `bad_words`")
+    max_logit_bias: int = _limit(300, "entries in `logit_bias` (OpenAI's bound)")
+    max_messages: int = _limit(2048, "messages of one conversation (chat, /tokenize)")
+    max_tools: int = _limit(128, "tools of one request (OpenAI's bound)")
+    max_tokenize_body_bytes: int = _limit(256 * 1024, "request body of /tokenize and /detokenize "
+                                                      "(larger ones get 413): tokenizing holds the "
+                                                      "interpreter, about 0.7 s per MiB of text")
+    max_token_strs: int = _limit(65536, "tokens /tokenize returns as strings (return_token_strs)")
+
+    def __post_init__(self) -> None:
+        from engine.sampling_params import MAX_LOGPROBS
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
+        if self.max_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be at most {MAX_LOGPROBS} (what the engine serves), "
+                             f"got {self.max_logprobs}")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("request limits (a request past one gets 400 naming it)")
+        for f in dataclasses.fields(cls):
+            g.add_argument(flag(f.name), dest=f.name, type=int, default=f.default,
+                           help=f"{f.metadata['help']} (default: %(default)s)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "AdmissionLimits":
+        return cls(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)})
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def refuse(param: str, message: str, limit_name: str, limit: int, code: str = LIMIT_CODE) -> APIError:
+    return APIError.bad_request(f"{message}; this server allows at most {limit} ({flag(limit_name)})",
+                                param=param, code=code)
+
+
+# (body field, limit) of the lists each kind of request may hold.
+_LISTS = {
+    "completions": (("stop", "max_stop_sequences"), ("stop_token_ids", "max_stop_token_ids"),
+                    ("bad_words", "max_bad_words")),
+    "chat": (("messages", "max_messages"), ("tools", "max_tools"), ("stop", "max_stop_sequences"),
+             ("stop_token_ids", "max_stop_token_ids"), ("bad_words", "max_bad_words")),
+    "tokenize": (("messages", "max_messages"), ("tools", "max_tools")),
+}
+_LOGPROBS = {"completions": ("logprobs", "prompt_logprobs"), "chat": ("top_logprobs", "prompt_logprobs"),
+             "tokenize": ()}
+
+
+def check_body(kind: str, data: Any, limits: AdmissionLimits, vocab_size: int | None) -> None:
+    """The bounds a JSON body can be held to before validation (``kind``: completions, chat or
+    tokenize). Only reads lengths and a bounded number of keys; shapes that are wrong are left
+    to the request model's validation."""
+    if not isinstance(data, dict):
+        return
+    for name, limit_name in _LISTS[kind]:
+        value = data.get(name)
+        limit = getattr(limits, limit_name)
+        if isinstance(value, list) and len(value) > limit:
+            raise refuse(name, f"'{name}' has {len(value)} items", limit_name, limit)
+    if kind == "completions":
+        prompt = data.get("prompt")
+        # A list of strings or of token-id lists is several prompts; a list of ids is one.
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) \
+                and len(prompt) > limits.max_prompts:
+            raise refuse("prompt", f"'prompt' holds {len(prompt)} prompts", "max_prompts", limits.max_prompts)
+    if kind != "tokenize":
+        check_logit_bias(data.get("logit_bias"), limits, vocab_size)
+    for name in _LOGPROBS[kind]:
+        value = data.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
+            raise refuse(name, f"'{name}' asks for {value}", "max_logprobs", limits.max_logprobs)
+
+
+def check_logit_bias(bias: Any, limits: AdmissionLimits, vocab_size: int | None) -> None:
+    """At most ``max_logit_bias`` keys, each a token id of the vocabulary written in decimal
+    (as OpenAI and vLLM: an id the model does not have is a 400, not ignored)."""
+    if not isinstance(bias, dict):
+        return
+    if len(bias) > limits.max_logit_bias:
+        raise refuse("logit_bias", f"'logit_bias' has {len(bias)} entries", "max_logit_bias",
+                     limits.max_logit_bias)
+    for key in bias:
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18):
+            continue  # the request model says what is wrong with it
+        if len(key) > 1 and key[0] == "0":
+            raise APIError.bad_request(f"logit_bias keys are token ids in decimal without leading "
+                                       f"zeros, got {key!r}", param="logit_bias")
+        if vocab_size is not None and int(key) >= vocab_size:
+            raise APIError.bad_request(
+                f"logit_bias token id {key} is not in the vocabulary (ids 0..{vocab_size - 1})",
+                param="logit_bias")
+
+
+def width_of(req: Any) -> tuple[int, str]:
+    """Sequences per prompt and the field that asks for them: n, or best_of when it is larger
+    (the beam width with use_beam_search)."""
+    n = req.n
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of > n:
+        return best_of, "best_of"
+    return n, "n"
+
+
+def check_choices(req: Any, num_prompts: int, limits: AdmissionLimits) -> None:
+    """prompts x width, before a prompt is tokenized or a choice built."""
+    width, param = width_of(req)
+    total = num_prompts * width
+    if total > limits.max_request_choices:
+        if width == 1:
+            param = "prompt"
+        raise refuse(param, f"this request asks for {num_prompts} prompt{'s' if num_prompts > 1 else ''} "
+                            f"x {param if param != 'prompt' else 'n'} {width} = {total} sequences",
+                     "max_request_choices", limits.max_request_choices, REQUEST_LIMIT_CODE)
+
+
+def check_commitment(req: Any, prompt_lens: list[int], max_tokens: list[int], limits: AdmissionLimits,
+                     param: str = "max_tokens") -> None:
+    """The tokens the request commits the server to: its sequences x (prompt + max_tokens)."""
+    width, _ = width_of(req)
+    total = width * sum(p + m for p, m in zip(prompt_lens, max_tokens))
+    if total > limits.max_request_tokens:
+        raise refuse(param, f"this request commits {width} sequence{'s' if width > 1 else ''} per prompt x "
+                            f"(prompt + max_tokens) = {total} tokens; lower max_tokens or n",
+                     "max_request_tokens", limits.max_request_tokens, REQUEST_LIMIT_CODE)
+
+
+def int_range_pattern(maximum: int) -> str:
+    """A regular expression (anchored) of the decimal integers 0..maximum, without leading zeros:
+    the JSON Schema of ``logit_bias`` keys for a vocabulary of maximum + 1 tokens."""
+    top = str(maximum)
+    alts = ["0"] if maximum >= 0 else []
+    for length in range(1, len(top)):  # every shorter number
+        alts.append("[1-9]" + (f"[0-9]{{{length - 1}}}" if length > 1 else ""))
+    # numbers of top's length up to top: a smaller digit at position i after top's prefix
+    for i, ch in enumerate(top):
+        lo = 1 if i == 0 else 0
+        d = int(ch)
+        if d - 1 >= lo:
+            rest = len(top) - i - 1
+            digit = str(lo) if d - 1 == lo else f"[{lo}-{d - 1}]"
+            alts.append(top[:i] + digit + (f"[0-9]{{{rest}}}" if rest else ""))
+    if maximum > 0:
+        alts.append(top)
+    return "^(" + "|".join(dict.fromkeys(alts)) + ")$"

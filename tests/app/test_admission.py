@@ -1,0 +1,287 @@
+"""Admission before work (issue 22): what one request may ask for is bounded before anything is
+built for it, and a request past a bound gets a 400 (413 for a body) in OpenAI's format that
+names the field and the limit. The fake engine's vocabulary is 256 tokens, its context 128."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from app.admission import AdmissionLimits
+from app.server import build_app
+from tests.app.conftest import assert_openai_error
+from tests.app.fake_engine import FakeAsyncEngine
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+COMPLETION = {"prompt": "hi", "max_tokens": 3}
+ROUTES = [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)]
+BIG_BODY = 64 * 1024 * 1024
+
+
+@pytest.fixture
+async def make_client():
+    clients = []
+
+    async def make(**limits):
+        engine = FakeAsyncEngine()
+        app = build_app(engine, served_model_name="fake-model", max_body_bytes=BIG_BODY,
+                        limits=AdmissionLimits(**limits))
+        c = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        clients.append(c)
+        return c, engine, app.state.server
+
+    yield make
+    for c in clients:
+        await c.aclose()
+
+
+def refused(r: httpx.Response, param: str, limit: int, flag: str, status: int = 400) -> dict:
+    err = assert_openai_error(r, status, param=param)
+    assert str(limit) in err["message"] and flag in err["message"], err
+    return err
+
+
+@pytest.mark.parametrize("path,body", ROUTES)
+@pytest.mark.parametrize("field,value,flag", [
+    ("stop", [f"s{i}" for i in range(9)], "--max-stop-sequences"),
+    ("stop_token_ids", list(range(9)), "--max-stop-token-ids"),
+    ("bad_words", [f"w{i}" for i in range(9)], "--max-bad-words"),
+    ("logit_bias", {str(i): 1.0 for i in range(9)}, "--max-logit-bias"),
+])
+async def test_list_fields_past_their_limit_are_400(make_client, path, body, field, value, flag):
+    client, engine, _ = await make_client(max_stop_sequences=8, max_stop_token_ids=8, max_bad_words=8,
+                                          max_logit_bias=8)
+    r = await client.post(path, json={**body, field: value})
+    refused(r, field, 8, flag)
+    assert engine.calls == []
+    # at the limit: served
+    r = await client.post(path, json={**body, field: value[:8] if isinstance(value, list)
+                                      else dict(list(value.items())[:8])})
+    assert r.status_code == 200, r.text
+
+
+async def test_huge_stop_list_is_refused_fast(make_client):
+    client, engine, _ = await make_client()
+    t0 = time.perf_counter()
+    r = await client.post("/v1/completions", json={**COMPLETION, "stop": [f"stop{i}" for i in range(50_000)]})
+    assert time.perf_counter() - t0 < 2.0
+    refused(r, "stop", AdmissionLimits().max_stop_sequences, "--max-stop-sequences")
+
+
+@pytest.mark.parametrize("path,body", ROUTES)
+async def test_logit_bias_outside_the_vocabulary_is_400(make_client, path, body):
+    client, engine, _ = await make_client()
+    r = await client.post(path, json={**body, "logit_bias": {"5": 1.0, "256": 1.0}})
+    err = assert_openai_error(r, 400, param="logit_bias")
+    assert "256" in err["message"] and "vocabulary" in err["message"]
+    assert engine.calls == []
+    r = await client.post(path, json={**body, "logit_bias": {"255": 1.0}})
+    assert r.status_code == 200, r.text
+
+
+async def test_too_many_messages_and_tools_are_400(make_client):
+    client, engine, _ = await make_client(max_messages=4, max_tools=2)
+    messages = [{"role": "user", "content": "x"}] * 5
+    refused(await client.post("/v1/chat/completions", json={**CHAT, "messages": messages}),
+            "messages", 4, "--max-messages")
+    refused(await client.post("/tokenize", json={"messages": messages}), "messages", 4, "--max-messages")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    refused(await client.post("/v1/chat/completions", json={**CHAT, "tools": [tool] * 3}),
+            "tools", 2, "--max-tools")
+    refused(await client.post("/tokenize", json={"messages": messages[:1], "tools": [tool] * 3}),
+            "tools", 2, "--max-tools")
+    assert engine.calls == [] and engine.chat_calls == []
+
+
+async def test_too_many_prompts_is_400(make_client):
+    client, engine, _ = await make_client(max_prompts=3)
+    refused(await client.post("/v1/completions", json={**COMPLETION, "prompt": ["a"] * 4}),
+            "prompt", 3, "--max-prompts")
+    refused(await client.post("/v1/completions", json={**COMPLETION, "prompt": [[42]] * 4}),
+            "prompt", 3, "--max-prompts")
+    # one token-id prompt is one prompt, however long
+    r = await client.post("/v1/completions", json={**COMPLETION, "prompt": [42] * 10})
+    assert r.status_code == 200, r.text
+    assert engine.encode_calls == []
+
+
+async def test_fan_out_is_refused_before_anything_is_built(make_client):
+    client, engine, server = await make_client(max_prompts=4096)
+    built = []
+    server.build_params = lambda kw: built.append(kw)  # make_choices must never get here
+    t0 = time.perf_counter()
+    r = await client.post("/v1/completions", json={"prompt": [[42]] * 2000, "n": 128, "max_tokens": 1})
+    assert time.perf_counter() - t0 < 2.0
+    err = refused(r, "n", AdmissionLimits().max_request_choices, "--max-request-choices")
+    assert "256000" in err["message"]
+    assert built == [] and engine.calls == []
+
+
+@pytest.mark.parametrize("path,body", ROUTES)
+async def test_best_of_and_beam_width_count_as_choices(make_client, path, body):
+    client, engine, _ = await make_client(max_request_choices=4)
+    r = await client.post(path, json={**body, "n": 2, "best_of": 5, "use_beam_search": True})
+    refused(r, "best_of", 4, "--max-request-choices")
+    r = await client.post(path, json={**body, "n": 5})
+    refused(r, "n", 4, "--max-request-choices")
+    r = await client.post(path, json={**body, "n": 4})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,body", ROUTES)
+async def test_token_commitment_past_the_limit_is_400(make_client, path, body):
+    # 4 choices x (2 prompt tokens + 30) = 128 tokens (chat: more prompt tokens: the template)
+    client, engine, _ = await make_client(max_request_tokens=100)
+    r = await client.post(path, json={**body, "n": 4, "max_tokens": 30})
+    err = refused(r, "max_tokens", 100, "--max-request-tokens")
+    assert err["code"] == "request_limit_exceeded"
+    assert engine.calls == []
+    r = await client.post(path, json={**body, "n": 1, "max_tokens": 30})
+    assert r.status_code == 200, r.text
+
+
+async def test_logprobs_bounded_by_max_logprobs(make_client):
+    client, engine, _ = await make_client(max_logprobs=3)
+    refused(await client.post("/v1/completions", json={**COMPLETION, "logprobs": 4}),
+            "logprobs", 3, "--max-logprobs")
+    refused(await client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 4}),
+            "top_logprobs", 3, "--max-logprobs")
+    refused(await client.post("/v1/completions", json={**COMPLETION, "prompt_logprobs": 4}),
+            "prompt_logprobs", 3, "--max-logprobs")
+    assert engine.calls == []
+    r = await client.post("/v1/completions", json={**COMPLETION, "logprobs": 3})
+    assert r.status_code == 200, r.text
+
+
+def test_max_logprobs_cannot_pass_what_the_engine_serves():
+    from engine.sampling_params import MAX_LOGPROBS
+
+    AdmissionLimits(max_logprobs=MAX_LOGPROBS)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        AdmissionLimits(max_logprobs=MAX_LOGPROBS + 1)
+    with pytest.raises(ValueError, match="max_stop_sequences"):
+        AdmissionLimits(max_stop_sequences=-1)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/tokenize", {"prompt": "x" * 5000}),
+    ("/detokenize", {"tokens": [65] * 2000}),
+])
+async def test_tokenize_bodies_are_bounded(make_client, path, body):
+    client, engine, _ = await make_client(max_tokenize_body_bytes=4096)
+    r = await client.post(path, json=body)
+    err = assert_openai_error(r, 413)
+    assert "4096" in err["message"] and "--max-tokenize-body-bytes" in err["message"]
+    assert engine.encode_calls == []
+
+
+async def test_tokenize_return_token_strs_is_bounded(make_client):
+    client, engine, _ = await make_client(max_tokenize_body_bytes=1 << 20, max_token_strs=10)
+    r = await client.post("/tokenize", json={"prompt": "x" * 11, "return_token_strs": True})
+    refused(r, "return_token_strs", 10, "--max-token-strs")
+    r = await client.post("/tokenize", json={"prompt": "x" * 11})
+    assert r.status_code == 200 and r.json()["count"] == 11
+    r = await client.post("/tokenize", json={"prompt": "x" * 10, "return_token_strs": True})
+    assert r.status_code == 200 and r.json()["token_strs"] == ["x"] * 10
+
+
+def test_limit_flags_share_the_config_field_names():
+    import argparse
+    import dataclasses
+
+    from app.serve_cmd import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--max-stop-sequences", "7", "--max-logit-bias", "9"])
+    limits = AdmissionLimits.from_args(args)
+    assert limits.max_stop_sequences == 7 and limits.max_logit_bias == 9
+    defaults = AdmissionLimits()
+    for f in dataclasses.fields(AdmissionLimits):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in parser.format_help(), flag
+        if f.name not in ("max_stop_sequences", "max_logit_bias"):
+            assert getattr(limits, f.name) == getattr(defaults, f.name)
+
+
+@pytest.mark.parametrize("maximum", [0, 1, 9, 10, 19, 100, 255, 999, 1000, 4095, 49151])
+def test_int_range_pattern_matches_exactly_the_ids_up_to_maximum(maximum):
+    import re
+
+    from app.admission import int_range_pattern
+
+    pattern = re.compile(int_range_pattern(maximum))
+    for i in range(0, maximum * 2 + 20):
+        assert bool(pattern.match(str(i))) == (i <= maximum), (i, pattern.pattern)
+    for key in ("00", "01", "-1", "", "1a", " 1"):
+        assert not pattern.match(key), key
+
+
+def test_the_limits_are_published_in_the_schema():
+    from app.openapi import build_openapi
+
+    limits = AdmissionLimits(max_stop_sequences=7, max_logit_bias=9, max_messages=11, max_tools=5,
+                             max_prompts=13, max_logprobs=4, max_stop_token_ids=6, max_bad_words=8,
+                             max_tokenize_body_bytes=1000)
+    doc = build_openapi(served_model_name="m", max_model_len=64, vocab_size=256, api_key=False,
+                        max_body_bytes=4096, version="0", limits=limits)
+    schemas = doc["components"]["schemas"]
+
+    def branch(props, name, type_):
+        node = props[name]
+        return node if node.get("type") == type_ else next(b for b in node["anyOf"] if b.get("type") == type_)
+
+    for req in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[req]["properties"]
+        assert branch(props, "stop", "array")["maxItems"] == 7
+        assert branch(props, "stop_token_ids", "array")["maxItems"] == 6
+        assert branch(props, "bad_words", "array")["maxItems"] == 8
+        bias = branch(props, "logit_bias", "object")
+        assert bias["maxProperties"] == 9 and list(bias["patternProperties"]) == ["^(0|[1-9]|[1-9][0-9]{1}|1[0-9]{2}|2[0-4][0-9]{1}|25[0-4]|255)$"]
+        assert branch(props, "prompt_logprobs", "integer")["maximum"] == 4
+    comp = schemas["CompletionRequest"]["properties"]
+    assert branch(comp, "logprobs", "integer")["maximum"] == 4
+    assert [b.get("maxItems") for b in comp["prompt"]["anyOf"]] == [None, 13, None, 13]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert chat["messages"]["maxItems"] == 11 and branch(chat, "tools", "array")["maxItems"] == 5
+    assert branch(chat, "top_logprobs", "integer")["maximum"] == 4
+    tok = schemas["TokenizeRequest"]["properties"]
+    assert branch(tok, "messages", "array")["maxItems"] == 11 and branch(tok, "tools", "array")["maxItems"] == 5
+    assert "1000 bytes" in doc["paths"]["/tokenize"]["post"]["responses"]["413"]["description"]
+    assert "4096 bytes" in doc["paths"]["/v1/completions"]["post"]["responses"]["413"]["description"]
+    assert "x-pagedserve-limit" not in str(doc)
+
+
+@pytest.mark.parametrize("path,body,echo", [
+    ("/v1/completions", {**COMPLETION, "prompt": ["ab", "cd"], "prompt_logprobs": 1}, False),
+    ("/v1/completions", {**COMPLETION, "prompt": ["ab", "cd"], "logprobs": 1, "echo": True}, True),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, False),
+])
+async def test_prompt_logprobs_are_computed_once_per_prompt_not_per_choice(make_client, path, body, echo):
+    # n choices of one prompt each ran a full prefill without the prefix cache for the same
+    # prompt logprobs; one per prompt is enough, the others share it.
+    client, engine, _ = await make_client()
+    r = await client.post(path, json={**body, "n": 3})
+    assert r.status_code == 200, r.text
+    asked = [c.params.prompt_logprobs is not None for c in engine.calls]
+    assert asked == [int(c.request_id.rsplit("-", 1)[1]) == 0 for c in engine.calls] and sum(asked) >= 1
+    choices = r.json()["choices"]
+    if path == "/v1/completions":
+        for p in range(2):
+            group = choices[p * 3:(p + 1) * 3]
+            if echo:
+                tops = [c["logprobs"]["top_logprobs"][:2] for c in group]
+            else:
+                tops = [c["prompt_logprobs"] for c in group]
+            assert tops[0] is not None and tops[0][1] is not None and tops.count(tops[0]) == 3, tops
+    else:
+        assert r.json()["prompt_logprobs"][1] is not None
+
+
+async def test_streamed_echo_logprobs_still_get_prompt_logprobs_for_every_choice(make_client):
+    client, engine, _ = await make_client()
+    r = await client.post("/v1/completions", json={**COMPLETION, "logprobs": 1, "echo": True, "n": 2,
+                                                    "stream": True})
+    assert r.status_code == 200
+    assert all(c.params.prompt_logprobs == 1 for c in engine.calls) and len(engine.calls) == 2
