@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,21 @@ def collapse(ranges: list[tuple[int, int]]) -> int:
 
 
 @contextlib.contextmanager
-def loaded_onto_huge_pages(what: str = "weights"):
-    """Collapse the anonymous memory the body of the ``with`` added (a model load) onto huge pages."""
+def loaded_onto_huge_pages(what: str = "weights", background: bool = False):
+    """Collapse the anonymous memory the body of the ``with`` added (a model load) onto huge pages.
+    ``background``: on a daemon thread, so a start-up does not wait the ~0.5 s the kernel takes to
+    copy ~90 MiB (the ranges are taken at the end of the body; a step reading the weights meanwhile
+    sees the same bytes at the same addresses, on small pages until their range is done)."""
     before = anonymous_ranges()
     yield
-    done = collapse(_added(anonymous_ranges(), before))
-    if done:
-        logger.info("%s: %d MiB on 2 MiB pages", what, done >> 20)
+    ranges = _added(anonymous_ranges(), before)
+
+    def run() -> None:
+        done = collapse(ranges)
+        if done:
+            logger.info("%s: %d MiB on 2 MiB pages", what, done >> 20)
+
+    if background:
+        threading.Thread(target=run, name="pagedserve-huge-pages", daemon=True).start()
+    else:
+        run()

@@ -83,7 +83,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         cpu = self.device.type == "cpu"
         # CPU weights onto 2 MiB pages, before the KV cache is allocated (its pages stay untouched).
-        with loaded_onto_huge_pages() if cpu else contextlib.nullcontext():
+        with loaded_onto_huge_pages(background=True) if cpu else contextlib.nullcontext():
             self.model = load_model(self.config.model, self.device, self.dtype)
         if cpu:
             from kernels import fused
