@@ -2,8 +2,8 @@
 
 gpu/sampler.py sends here the rows with nothing that changes their logits, no logprobs and no
 top-k / top-p / min-p; everything else, and any row these decline (a NaN, an infinite maximum),
-takes its torch path. Optional like every C kernel: None where the CPU lacks AVX-512 or no compiler
-is found (``PAGEDSERVE_SAMPLE_C=0`` turns it off).
+takes its torch path. Optional like every C kernel: built for AVX-512 (16 lanes) or AVX2+FMA (8 lanes),
+None where the CPU has neither or no compiler is found (``PAGEDSERVE_SAMPLE_C=0`` turns it off).
 """
 from __future__ import annotations
 
@@ -15,16 +15,21 @@ import torch
 
 from kernels import cbuild
 
-NEEDS = frozenset({"avx512f", "avx512bw", "avx512vl", "fma"})
-FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+# (CPU flags needed, compiler flags), best first
+BUILDS = ((frozenset({"avx512f", "avx512bw", "avx512vl", "fma"}), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
+          (frozenset({"avx2", "fma"}), ["-mavx2", "-mfma"]))
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDSERVE_SAMPLE_C", "1") == "0" or not NEEDS <= cbuild.cpu_flags():
+    if os.environ.get("PAGEDSERVE_SAMPLE_C", "1") == "0":
         return None
-    lib = cbuild.build_or_none("sample_cpu.c", FLAGS, "torch's sampling ops")
+    cpu = cbuild.cpu_flags()
+    flags = next((f for needs, f in BUILDS if needs <= cpu), None)
+    if flags is None:
+        return None
+    lib = cbuild.build_or_none("sample_cpu.c", flags, "torch's sampling ops")
     if lib is None:
         return None
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

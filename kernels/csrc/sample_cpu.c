@@ -10,7 +10,8 @@
  * Both take fp32 or bf16 (dtype 0 / 1) logits, rows `row_stride` elements apart, and the row
  * indices to serve (`ids`, or NULL for rows 0 .. n-1). A row holding a NaN, or whose largest value
  * is +inf or -inf, is declined (out = -1): the caller's general path repairs such rows.
- * Built with AVX-512 F/BW/VL (kernels/sample_cpu.py); elsewhere the caller's torch path runs.
+ * Built with AVX-512 F/BW/VL or with AVX2+FMA (kernels/sample_cpu.py); elsewhere the caller's torch
+ * path runs.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -18,23 +19,24 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The vector layer: SP_W lanes of fp32 (16 with AVX-512 F/BW/VL, 8 with AVX2+FMA), loads of up
+ * to SP_W values from fp32 or bf16 rows with the lanes past the row masked off. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "exp512.h"
+#define SP_W 16
+typedef __m512 vf;
+typedef __mmask16 vmask;
 
-#define SP_CHUNK 256 /* tokens a chunk: the draw finds the chunk first, then the token in it */
+static inline vmask tail_mask(int64_t left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u); }
 
-static inline __m512 load16(const void *row, int dtype, int64_t j, __mmask16 m) {
+static inline vf load_v(const void *row, int dtype, int64_t j, vmask m) {
     if (dtype == 1)
         return _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)row + j)), 16));
     return _mm512_maskz_loadu_ps(m, (const float *)row + j);
 }
 
-static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u); }
-
-static inline const void *row_at(const void *logits, int dtype, int64_t row_stride, const int64_t *ids, int64_t i) {
-    int64_t r = ids ? ids[i] : i;
-    return (const char *)logits + r * row_stride * (dtype == 1 ? 2 : 4);
-}
+static inline float hsum_v(vf v) { return _mm512_reduce_add_ps(v); }
 
 /* The row's largest value and first index of it; *nan set when the row holds a NaN. */
 static float row_max(const void *row, int dtype, int64_t cols, int64_t *arg, int *nan) {
@@ -43,7 +45,7 @@ static float row_max(const void *row, int dtype, int64_t cols, int64_t *arg, int
     __mmask16 un = 0;
     for (int64_t j = 0; j < cols; j += 16) {
         __mmask16 k = tail_mask(cols - j);
-        __m512 x = load16(row, dtype, j, k);
+        __m512 x = load_v(row, dtype, j, k);
         un |= _mm512_mask_cmp_ps_mask(k, x, x, _CMP_UNORD_Q);
         __mmask16 gt = _mm512_mask_cmp_ps_mask(k, x, best, _CMP_GT_OQ); /* strict: a lane keeps its first max */
         best = _mm512_mask_mov_ps(best, gt, x);
@@ -55,6 +57,96 @@ static float row_max(const void *row, int dtype, int64_t cols, int64_t *arg, int
     *arg = m == -INFINITY ? 0 : _mm512_mask_reduce_min_epi32(at_max, bidx);
     *nan = un != 0;
     return m;
+}
+
+/* w_j = e^((x_j - m) / T) for the lanes at j; 0 outside the row and below e^-87 (exp512 clamps
+ * there; a -inf logit must weigh exactly 0) */
+static inline vf weights_v(const void *row, int dtype, int64_t j, int64_t cols, vf mv, vf inv_t) {
+    __mmask16 k = tail_mask(cols - j);
+    __m512 a = _mm512_mul_ps(_mm512_sub_ps(load_v(row, dtype, j, k), mv), inv_t);
+    k = _mm512_mask_cmp_ps_mask(k, a, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    return _mm512_maskz_mov_ps(k, exp512_nonpos(a));
+}
+
+#define set1_v _mm512_set1_ps
+#define setzero_v _mm512_setzero_ps
+#define add_v _mm512_add_ps
+#define store_v _mm512_store_ps
+#else /* AVX2 + FMA */
+#include "exp256.h"
+#define SP_W 8
+typedef __m256 vf;
+typedef __m256i vmask;
+
+static inline vmask tail_mask(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left >= 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline vf load_v(const void *row, int dtype, int64_t j, vmask m) {
+    if (dtype == 1) {
+        uint16_t h[8] = {0};
+        int n = __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(m))); /* lanes in the row */
+        memcpy(h, (const uint16_t *)row + j, (size_t)n * 2);
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+    }
+    return _mm256_maskload_ps((const float *)row + j, m); /* masked-off lanes read as 0, touch no memory */
+}
+
+static inline float hsum_v(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* The row's largest value and first index of it; *nan set when the row holds a NaN. */
+static float row_max(const void *row, int dtype, int64_t cols, int64_t *arg, int *nan) {
+    __m256 best = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+    __m256i bidx = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t j = 0; j < cols; j += 8) {
+        __m256i k = tail_mask(cols - j);
+        __m256 x = load_v(row, dtype, j, k);
+        __m256 valid = _mm256_castsi256_ps(k);
+        un = _mm256_or_ps(un, _mm256_and_ps(valid, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+        __m256 gt = _mm256_and_ps(valid, _mm256_cmp_ps(x, best, _CMP_GT_OQ)); /* strict: a lane keeps its first max */
+        best = _mm256_blendv_ps(best, x, gt);
+        bidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(bidx), _mm256_castsi256_ps(idx), gt));
+        idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+    }
+    float lanes[8];
+    int32_t lidx[8];
+    _mm256_storeu_ps(lanes, best);
+    _mm256_storeu_si256((__m256i *)lidx, bidx);
+    float m = lanes[0];
+    for (int l = 1; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+    int64_t a = INT64_MAX;
+    for (int l = 0; l < 8; l++)
+        if (lanes[l] == m && lidx[l] < a) a = lidx[l];
+    *arg = m == -INFINITY ? 0 : a;
+    *nan = _mm256_movemask_ps(un) != 0;
+    return m;
+}
+
+/* w_j = e^((x_j - m) / T) for the lanes at j; 0 outside the row and below e^-87 (exp256 clamps
+ * there; a -inf logit must weigh exactly 0) */
+static inline vf weights_v(const void *row, int dtype, int64_t j, int64_t cols, vf mv, vf inv_t) {
+    __m256i k = tail_mask(cols - j);
+    __m256 a = _mm256_mul_ps(_mm256_sub_ps(load_v(row, dtype, j, k), mv), inv_t);
+    __m256 keep = _mm256_and_ps(_mm256_castsi256_ps(k), _mm256_cmp_ps(a, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+    return _mm256_and_ps(keep, exp256(a));
+}
+
+#define set1_v _mm256_set1_ps
+#define setzero_v _mm256_setzero_ps
+#define add_v _mm256_add_ps
+#define store_v _mm256_store_ps
+#endif
+
+#define SP_CHUNK 256 /* tokens a chunk: the draw finds the chunk first, then the token in it */
+
+static inline const void *row_at(const void *logits, int dtype, int64_t row_stride, const int64_t *ids, int64_t i) {
+    int64_t r = ids ? ids[i] : i;
+    return (const char *)logits + r * row_stride * (dtype == 1 ? 2 : 4);
 }
 
 /* Greedy tokens: out[i] = the first index of row ids[i]'s largest value (as argmax and torch's
@@ -73,15 +165,6 @@ int64_t sp_greedy(const void *logits, int64_t n, const int64_t *ids, int64_t col
         bad += declined;
     }
     return bad;
-}
-
-/* w_j = e^((x_j - m) / T) for the 16 lanes at j; 0 outside the row and below e^-87 (exp512 clamps
- * there; a -inf logit must weigh exactly 0) */
-static inline __m512 weights16(const void *row, int dtype, int64_t j, int64_t cols, __m512 mv, __m512 inv_t) {
-    __mmask16 k = tail_mask(cols - j);
-    __m512 a = _mm512_mul_ps(_mm512_sub_ps(load16(row, dtype, j, k), mv), inv_t);
-    k = _mm512_mask_cmp_ps_mask(k, a, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    return _mm512_maskz_mov_ps(k, exp512_nonpos(a));
 }
 
 /* Temperature draws: out[i] = the token of row ids[i] whose cumulative weight first exceeds
@@ -116,13 +199,13 @@ int64_t sp_draw(const void *logits, int64_t n, const int64_t *ids, int64_t cols,
                 bad++;
                 continue;
             }
-            const __m512 mv = _mm512_set1_ps(m), inv_t = _mm512_set1_ps(1.0f / temps[i]);
+            const vf mv = set1_v(m), inv_t = set1_v(1.0f / temps[i]);
             double total = 0.0;
             for (int64_t c = 0; c < nchunks; c++) {
-                __m512 s = _mm512_setzero_ps();
+                vf s = setzero_v();
                 int64_t end = (c + 1) * SP_CHUNK < cols ? (c + 1) * SP_CHUNK : cols;
-                for (int64_t j = c * SP_CHUNK; j < end; j += 16) s = _mm512_add_ps(s, weights16(row, dtype, j, end, mv, inv_t));
-                mass[c] = (double)_mm512_reduce_add_ps(s);
+                for (int64_t j = c * SP_CHUNK; j < end; j += SP_W) s = add_v(s, weights_v(row, dtype, j, end, mv, inv_t));
+                mass[c] = (double)hsum_v(s);
                 total += mass[c];
             }
             /* total >= 1: the largest value's weight is e^0 */
@@ -136,7 +219,7 @@ int64_t sp_draw(const void *logits, int64_t n, const int64_t *ids, int64_t cols,
             }
             if (c == nchunks) c = last, before = total - mass[last]; /* x rounded onto the total */
             int64_t j0 = c * SP_CHUNK, end = j0 + SP_CHUNK < cols ? j0 + SP_CHUNK : cols;
-            for (int64_t j = j0; j < end; j += 16) _mm512_store_ps(w + (j - j0), weights16(row, dtype, j, end, mv, inv_t));
+            for (int64_t j = j0; j < end; j += SP_W) store_v(w + (j - j0), weights_v(row, dtype, j, end, mv, inv_t));
             int64_t tok = -1, last_pos = -1;
             double cum = before;
             for (int64_t j = j0; j < end; j++) {

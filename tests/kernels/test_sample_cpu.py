@@ -10,7 +10,7 @@ import torch
 from gpu.sampling_draws import draw_full_vocab
 from kernels import sample_cpu
 
-pytestmark = pytest.mark.skipif(sample_cpu.library() is None, reason="no AVX-512 build on this CPU")
+pytestmark = pytest.mark.skipif(sample_cpu.library() is None, reason="no AVX-512 or AVX2 build on this CPU")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
