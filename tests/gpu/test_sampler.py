@@ -797,3 +797,26 @@ def test_without_the_c_pass_every_row_takes_the_torch_path(monkeypatch):
     out = _run(logits, options).token_ids
     assert calls == [6]
     assert out == _general(logits.float(), options).token_ids
+
+
+# ---------------------------------------------------------------- logprobs never cross rows (issue 22)
+
+
+def test_a_row_asking_for_more_logprobs_than_the_vocabulary_never_reads_the_next_row():
+    """Issue 22: a beam row with many out-of-vocabulary stop ids asks for K > vocab candidates.
+    The top-k tensor is capped at the vocabulary, and each row's slice of it must be too: the
+    row's entries are its own tokens, never the next row's (another tenant's request)."""
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(3, vocab)
+    alone = _run(logits[:1], [SamplingOptions(temperature=0.0, logprobs=vocab + 200)]).logprobs[0]
+    options = [SamplingOptions(temperature=0.0, logprobs=vocab + 200),
+               SamplingOptions(temperature=0.0, logprobs=5), SamplingOptions(temperature=0.0, logprobs=vocab * 3)]
+    out = _run(logits, options).logprobs
+    for r in (0, 2):
+        assert len(out[r].top) == vocab
+        assert sorted(t for t, _ in out[r].top) == list(range(vocab))
+    assert out[0].top == alone.top
+    assert len(out[1].top) == 5
+    want = torch.log_softmax(logits[0], -1)
+    assert [v for _, v in out[0].top] == pytest.approx([float(want[t]) for t, _ in out[0].top])
