@@ -35,6 +35,7 @@ from engine.pooling_requests import PoolingRequests
 from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
+from engine.stop_matcher import StopMatcher
 from engine.structured_output.core_hooks import ConstrainedRequests
 from engine.structured_output.tracker import ConstraintTracker
 from gpu.config import EngineConfig
@@ -137,12 +138,14 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * num_prompt
+        # Stop strings compiled once for the request's n sequences (engine/stop_matcher.py).
+        stop = StopMatcher.get(params.stop_strings) if params.stop_strings else None
         for i in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids), request=req, index=i,
                 token_ids=list(prompt_token_ids), num_prompt_tokens=num_prompt,
                 options=params.to_sampling_options(i, sorted(self.eos_token_ids)),
-                detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop,
                                              params.include_stop_str_in_output, params.skip_special_tokens),
                 max_tokens=max_tokens,
             )

@@ -242,13 +242,10 @@ class SamplingParams:
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)):
             raise SamplingParamsError("stop", f"stop must be a string or a list of strings, got {stop!r}")
-        out: list[str] = []
         for s in items:
             if not isinstance(s, str) or not s:
                 raise SamplingParamsError("stop", f"stop strings must be non-empty strings, got {s!r}")
-            if s not in out:
-                out.append(s)
-        return out
+        return list(dict.fromkeys(items))  # first occurrences, in order; linear (issue 22)
 
     # ---- derived views ----------------------------------------------------------------------
 
