@@ -134,7 +134,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
             priority=int(priority),
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now),
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, stop_token_set=frozenset(params.stop_token_ids),
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * num_prompt
@@ -365,7 +365,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         stop_reason: int | str | None = None
         if past_min and not params.ignore_eos and token_id in self.eos_token_ids:
             finish = "stop"
-        elif past_min and token_id in params.stop_token_ids:
+        elif past_min and token_id in seq.request.stop_token_set:
             finish, stop_reason = "stop", token_id
         if finish is None or params.include_stop_str_in_output:
             matched = seq.detok.add_token(token_id, check_stop=past_min and finish is None)

@@ -487,3 +487,23 @@ def test_serve_defaults_to_admitting_256_prompt_tokens_per_step_offline_to_the_b
     assert engine_config_from_args(serve.parse_args([])).scheduler.prompt_admit_tokens == 256
     assert engine_config_from_args(serve.parse_args(["--prompt-admit-tokens", "0"])).scheduler.prompt_admit_tokens == 0
     assert engine_config_from_args(offline.parse_args([])).scheduler.prompt_admit_tokens == 0
+
+
+class _EqInt(int):
+    compares = 0
+
+    def __eq__(self, other):
+        _EqInt.compares += 1
+        return int.__eq__(self, other)
+
+    __hash__ = int.__hash__
+
+
+def test_stop_token_ids_are_looked_up_in_a_set():
+    """Issue 22: every generated token was compared with every stop id (``in`` on a list)."""
+    stop_id = tok.byte_ids("#")[0]
+    ids = [_EqInt(100_000 + i) for i in range(5000)] + [_EqInt(stop_id)]
+    _EqInt.compares = 0
+    text, out_ids, last = merged(run_one(tok.byte_ids("abcdef#gh"), max_tokens=20, stop_token_ids=ids))
+    assert (text, last.finish_reason, last.stop_reason) == ("abcdef", "stop", stop_id)
+    assert _EqInt.compares < 100
