@@ -6,7 +6,7 @@ seconds. The automaton is built once, in time linear in the total length of the 
 each generated character then costs amortised O(1) whatever their number:
 
 - ``state`` after some text is the node of the longest suffix of that text that is a prefix of a
-  stop string (the usual Aho-Corasick invariant; ``step`` advances it by one character);
+  stop string (the usual Aho-Corasick invariant; ``scan`` advances it over new text);
 - ``match_len[node]``: the length of the longest stop string that is a suffix of the node's
   string (0: none). The match ending at a character that starts earliest is that one;
 - ``hold_len[node]``: the length of the longest suffix of the node's string that is a *proper*
@@ -23,7 +23,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 
-_NO_CHILDREN: dict[str, int] = {}  # shared by every leaf; never written to
+_SHIFT = 21  # a transition's key: node << 21 | ord(character) (code points are below 2**21)
 
 
 class StopMatcher:
@@ -43,66 +43,57 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
         self.max_len = max(map(len, stops), default=0)
-        goto: list[dict[str, int]] = [{}]
+        # The trie's edges in one dict keyed by int (a dict per node took ~235 bytes a node).
+        goto: dict[int, int] = {}
         index = [-1]
         depth = [0]
+        parent = [0]
+        char = [0]
+        has_child = [False]
         for i, s in enumerate(stops):
             node = 0
             for ch in s:
-                nxt = goto[node].get(ch)
+                c = ord(ch)
+                key = node << _SHIFT | c
+                nxt = goto.get(key)
                 if nxt is None:
-                    nxt = len(goto)
-                    goto[node][ch] = nxt
-                    goto.append({})
+                    nxt = len(index)
+                    goto[key] = nxt
                     index.append(-1)
                     depth.append(depth[node] + 1)
+                    parent.append(node)
+                    char.append(c)
+                    has_child.append(False)
+                    has_child[node] = True
                 node = nxt
             if index[node] == -1:  # the first listed of equal strings (callers dedup anyway)
                 index[node] = i
-        n = len(goto)
+        n = len(index)
         fail = [0] * n
         match_len = [0] * n
         hold_len = [0] * n
-        # Breadth first: a node's failure target is shallower, so its tables are final.
-        order = list(goto[0].values())
-        head = 0
-        while head < len(order):
-            node = order[head]
-            head += 1
-            for ch, child in goto[node].items():
-                order.append(child)
-                f = fail[node] if node else 0
+        # Shallower nodes first: a node's failure target is shallower, so its tables are final.
+        for node in sorted(range(1, n), key=depth.__getitem__):
+            p, c = parent[node], char[node]
+            f = 0
+            if p:
+                f = fail[p]
                 while True:
-                    nxt = goto[f].get(ch)
-                    if nxt is not None and nxt != child:
-                        fail[child] = nxt
+                    nxt = goto.get(f << _SHIFT | c)
+                    if nxt is not None:
+                        f = nxt
                         break
                     if f == 0:
-                        fail[child] = 0
                         break
                     f = fail[f]
-        for node in order:  # depth first is not needed: fail[node] precedes node in BFS order
-            f = fail[node]
+            fail[node] = f
             match_len[node] = depth[node] if index[node] != -1 else match_len[f]
-            hold_len[node] = depth[node] if goto[node] else hold_len[f]
-        for node in range(n):
-            if not goto[node]:
-                goto[node] = _NO_CHILDREN
+            hold_len[node] = depth[node] if has_child[node] else hold_len[f]
         self.goto = goto
         self.fail = fail
         self.match_len = match_len
         self.hold_len = hold_len
         self.index = index
-
-    def step(self, state: int, ch: str) -> int:
-        goto, fail = self.goto, self.fail
-        while True:
-            nxt = goto[state].get(ch)
-            if nxt is not None:
-                return nxt
-            if state == 0:
-                return 0
-            state = fail[state]
 
     def scan(self, state: int, text: str, offset: int) -> tuple[int, int]:
         """Advance ``state`` over ``text``; returns (new state, the earliest position, counted
@@ -111,8 +102,9 @@ class StopMatcher:
         best = -1
         pos = offset
         for ch in text:
+            c = ord(ch)
             while True:
-                nxt = goto[state].get(ch)
+                nxt = goto.get(state << _SHIFT | c)
                 if nxt is not None:
                     state = nxt
                     break
@@ -131,7 +123,7 @@ class StopMatcher:
         node = 0
         best = -1
         for ch in text[start:start + self.max_len]:
-            node = goto[node].get(ch)
+            node = goto.get(node << _SHIFT | ord(ch))
             if node is None:
                 break
             i = index[node]
