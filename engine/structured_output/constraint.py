@@ -44,8 +44,8 @@ class BadWords:
     from the sequence's last generated token backwards, as far as the generated tokens and the trie
     go (the longest word's length at most), and every node it reaches holds the ids its words ban,
     grouped by bitmask word (``cols[start[node]:end[node]]``: word indices, ``keep``: those words'
-    bits with the banned ones cleared), applied with one vectorised AND. The root holds one-token words (always
-    banned). Immutable once built: the sequences of a request share one.
+    bits with the banned ones cleared), applied with one vectorised AND. The root holds one-token
+    words (always banned). Immutable once built: the sequences of a request share one.
     """
 
     __slots__ = ("children", "start", "end", "cols", "keep")
