@@ -43,10 +43,12 @@ class BeamGroup:
 
     __slots__ = ("params", "stop_ids", "num_candidates", "cum", "reports", "finished", "output_sent")
 
-    def __init__(self, params: BeamSearchParams, stop_ids: frozenset[int]):
+    def __init__(self, params: BeamSearchParams, stop_ids: frozenset[int], vocab_size: int | None = None):
+        """``stop_ids``: those that can occur (in the vocabulary); ids that cannot must change
+        nothing, so they neither widen K nor are kept."""
         self.params = params
         self.stop_ids = stop_ids
-        self.num_candidates = params.candidates_per_beam(len(stop_ids))
+        self.num_candidates = params.candidates_per_beam(len(stop_ids), vocab_size)
         self.cum: dict[int, float] = {}  # live seq id -> cum logprob
         self.reports: dict[int, tuple[int, SampledLogprobs]] = {}  # seq id -> (worker's token, logprobs)
         self.finished: list[Hypothesis] = []
@@ -66,7 +68,10 @@ def add_beam_request(core: "EngineCore", request_id: str, prompt: str | None, pr
     if width > max_seqs:
         raise RequestRejectedError(f"beam_width {width} is more than the engine runs at once "
                                    f"(max_num_seqs {max_seqs}); lower it")
+    vocab = core.vocab_size or getattr(core.tokenizer, "vocab_size", None) or None
     stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(core.eos_token_ids))
+    if vocab:  # an id that cannot occur must not change anything (issue 22)
+        stop_ids = frozenset(t for t in stop_ids if t < vocab)
     sp = SamplingParams(n=1, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
     if prompt_token_ids is not None:
         _check_beam_fits(core, len(prompt_token_ids), params)
@@ -78,7 +83,7 @@ def add_beam_request(core: "EngineCore", request_id: str, prompt: str | None, pr
     except RequestRejectedError:
         core.abort_request(request_id)
         raise
-    group = BeamGroup(params, stop_ids)
+    group = BeamGroup(params, stop_ids, vocab)
     req.beam = group
     seq = req.seqs[0]
     seq.options = SamplingOptions(temperature=0.0, seed=seq.options.seed, logprobs=group.num_candidates)

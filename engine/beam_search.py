@@ -78,9 +78,12 @@ class BeamSearchParams:
     def has_token_constraint(self) -> bool:  # read by the callers of SamplingParams
         return False
 
-    def candidates_per_beam(self, num_stop_ids: int) -> int:
-        """K: enough candidates that k live beams remain after the ones that end are removed."""
-        return max(2, 1 + num_stop_ids) * self.beam_width
+    def candidates_per_beam(self, num_stop_ids: int, vocab_size: int | None = None) -> int:
+        """K: enough candidates that k live beams remain after the ones that end are removed.
+        ``num_stop_ids`` counts only ids that can occur (in the vocabulary); K never exceeds
+        ``vocab_size`` (there are no more candidates than tokens)."""
+        k = max(2, 1 + num_stop_ids) * self.beam_width
+        return min(k, vocab_size) if vocab_size else k
 
 
 @dataclass(slots=True)

@@ -35,6 +35,7 @@ from engine.pooling_requests import PoolingRequests
 from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
+from engine.stop_matcher import StopMatcher
 from engine.structured_output.core_hooks import ConstrainedRequests
 from engine.structured_output.tracker import ConstraintTracker
 from gpu.config import EngineConfig
@@ -133,16 +134,18 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
             priority=int(priority),
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now),
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, stop_token_set=frozenset(params.stop_token_ids),
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * num_prompt
+        # Stop strings compiled once for the request's n sequences (engine/stop_matcher.py).
+        stop = StopMatcher.get(params.stop_strings) if params.stop_strings else None
         for i in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids), request=req, index=i,
                 token_ids=list(prompt_token_ids), num_prompt_tokens=num_prompt,
                 options=params.to_sampling_options(i, sorted(self.eos_token_ids)),
-                detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, stop,
                                              params.include_stop_str_in_output, params.skip_special_tokens),
                 max_tokens=max_tokens,
             )
@@ -362,7 +365,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         stop_reason: int | str | None = None
         if past_min and not params.ignore_eos and token_id in self.eos_token_ids:
             finish = "stop"
-        elif past_min and token_id in params.stop_token_ids:
+        elif past_min and token_id in seq.request.stop_token_set:
             finish, stop_reason = "stop", token_id
         if finish is None or params.include_stop_str_in_output:
             matched = seq.detok.add_token(token_id, check_stop=past_min and finish is None)
@@ -425,12 +428,18 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             if n_out == seq.num_sent_tokens and not finishing:
                 continue
             new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
+            # Every output is a delta: the entries go with it and the core keeps none (with
+            # top_logprobs 20 and n 128 a long request held ~21 objects per token per choice
+            # that it never reads again; issue 22). Whoever wants them all merges the deltas.
+            logprobs = seq.logprobs
+            if logprobs is not None:
+                seq.logprobs = []
             outs.append(CompletionOutput(
                 index=seq.index,
                 text=seq.detok.take_delta(),
                 token_ids=new_ids,
                 cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.logprobs[seq.num_sent_tokens:] if seq.logprobs is not None else None,
+                logprobs=logprobs,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             ))

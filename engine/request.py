@@ -110,6 +110,8 @@ class Request:
     pooled: bytes | None = None
     # Beam search state (engine/beam_engine.py BeamGroup); None for sampling requests.
     beam: Any = None
+    # params.stop_token_ids as a set, built once: every generated token is looked up in it.
+    stop_token_set: frozenset[int] = frozenset()
 
     @property
     def all_finished(self) -> bool:

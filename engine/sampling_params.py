@@ -245,7 +245,7 @@ class SamplingParams:
         for s in items:
             if not isinstance(s, str) or not s:
                 raise SamplingParamsError("stop", f"stop strings must be non-empty strings, got {s!r}")
-        return list(dict.fromkeys(items))  # first occurrences, in order: linear, not `not in` a list
+        return list(dict.fromkeys(items))  # first occurrences, in order; linear (issue 22)
 
     # ---- derived views ----------------------------------------------------------------------
 

@@ -37,6 +37,9 @@ class SeqState:
     block_table: list[int]
     options: SamplingOptions
     pooler: Any = None  # gpu.pooling.Pooler of a pooling (embedding) sequence: it samples nothing
+    # gpu.sampling_logits.LogitsPrep: logit_bias / min_tokens ids as tensors, built at the first
+    # sample and kept (None when the options have neither).
+    logits_prep: Any = None
 
 
 @dataclass(slots=True)
@@ -289,12 +292,17 @@ class ModelRunner:
         logprobs = None
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)], fp32=False)
+            options = [s.options for s in sample_states]
+            preps = self.sampler.logits_preps(logits, options, [s.logits_prep for s in sample_states])
+            for s, p in zip(sample_states, preps):
+                s.logits_prep = p
             result = self.sampler.sample(
                 logits,
-                [s.options for s in sample_states],
+                options,
                 [s.token_ids for s in sample_states],
                 [s.num_prompt_tokens for s in sample_states],
                 token_mask=self._token_mask(step, sample_batch_idx),
+                preps=preps,
             )
             for s, token in zip(sample_states, result.token_ids):
                 s.token_ids.append(token)

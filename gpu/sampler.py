@@ -53,7 +53,7 @@ from gpu.sampling_draws import (
     draw_from_candidates, draw_full_vocab, draw_top_p_by_histogram, seeded_uniform)
 from gpu.sampling_host import on_device, select_rows
 from gpu.sampling_logits import (  # noqa: F401  (process_logits: re-exported)
-    changes_logits, num_generated, process_logits, repair_non_finite)
+    LogitsPrep, changes_logits, needs_prep, num_generated, process_logits, repair_non_finite)
 from gpu.sampling_logprobs import (  # noqa: F401  (compute_prompt_logprobs: re-exported)
     compute_prompt_logprobs, logprob_entries)
 from gpu.sampling_mask import TokenMask
@@ -106,7 +106,10 @@ class Sampler:
         token_ids: list[list[int]],
         num_prompt_tokens: list[int],
         token_mask: TokenMask | None = None,
+        preps: list[LogitsPrep | None] | None = None,
     ) -> SamplerOutput:
+        """``preps``: each row's LogitsPrep (its logit_bias / min_tokens ids as tensors), kept by
+        the caller per sequence (``logits_preps``); built per call when not given."""
         batch, vocab = logits.shape
         if not (len(options) == len(token_ids) == len(num_prompt_tokens) == batch):
             raise ValueError(
@@ -114,10 +117,22 @@ class Sampler:
                 f"{len(token_ids)} token lists and {len(num_prompt_tokens)} prompt lengths"
             )
         if token_mask is None:
-            out = self._sample_plain(logits, options, token_ids, num_prompt_tokens)
+            out = self._sample_plain(logits, options, token_ids, num_prompt_tokens, preps)
             if out is not None:
                 return out
-        return self._sample_general(logits, options, token_ids, num_prompt_tokens, token_mask)
+        return self._sample_general(logits, options, token_ids, num_prompt_tokens, token_mask, preps)
+
+    @staticmethod
+    def logits_preps(logits: Tensor, options: list[SamplingOptions],
+                     held: list[LogitsPrep | None]) -> list[LogitsPrep | None]:
+        """Each row's LogitsPrep: the one ``held`` (kept by the caller per sequence) when it fits
+        these logits, else a new one (the caller keeps it), None for rows that need none."""
+        out = list(held)
+        for i, opt in enumerate(options):
+            p = out[i]
+            if p is None or not p.fits(logits):
+                out[i] = LogitsPrep(opt, logits.shape[1], logits.device) if needs_prep(opt) else None
+        return out
 
     def _sample_plain(
         self,
@@ -125,6 +140,7 @@ class Sampler:
         options: list[SamplingOptions],
         token_ids: list[list[int]],
         num_prompt_tokens: list[int],
+        preps: list[LogitsPrep | None] | None = None,
     ) -> SamplerOutput | None:
         """Plain rows (``plain_row``) in C; the rest, and rows it declines (a NaN or an infinite
         maximum, which the general path repairs), through ``_sample_general``. None when no row is
@@ -154,7 +170,8 @@ class Sampler:
         if not rest:
             return SamplerOutput(token_ids=tokens, logprobs=None)
         sub = self._sample_general(select_rows(logits, rest, batch), [options[i] for i in rest],
-                                   [token_ids[i] for i in rest], [num_prompt_tokens[i] for i in rest], None)
+                                   [token_ids[i] for i in rest], [num_prompt_tokens[i] for i in rest], None,
+                                   [preps[i] for i in rest] if preps is not None else None)
         for i, t in zip(rest, sub.token_ids):
             tokens[i] = t
         logprobs = None
@@ -171,6 +188,7 @@ class Sampler:
         token_ids: list[list[int]],
         num_prompt_tokens: list[int],
         token_mask: TokenMask | None,
+        preps: list[LogitsPrep | None] | None = None,
     ) -> SamplerOutput:
         """Every option, in torch: the order of operations in the module docstring."""
         batch, vocab = logits.shape
@@ -184,7 +202,7 @@ class Sampler:
             torch.log_softmax(select_rows(logits, lp_rows, batch), dim=-1) if lp_rows else None
         )
 
-        logits = process_logits(logits, options, token_ids, num_prompt_tokens)
+        logits = process_logits(logits, options, token_ids, num_prompt_tokens, preps)
         # Temperature scaling here rather than per path, so the one finiteness check below sees
         # every value a row is drawn from (a finite logit over a tiny temperature may overflow).
         temps = [o.temperature if o.temperature >= SAMPLING_EPS else 1.0 for o in options]

@@ -24,43 +24,79 @@ def changes_logits(opt: SamplingOptions) -> bool:
                 or opt.repetition_penalty != 1.0 or opt.frequency_penalty != 0.0 or opt.presence_penalty != 0.0)
 
 
+class LogitsPrep:
+    """One sequence's logit_bias and min_tokens ids as device tensors, built once (the worker keeps
+    it in the sequence's state, gpu/model_runner.py ``SeqState.logits_prep``) so that a step
+    applies every row's bias and block in one batched op instead of a Python loop over each row's
+    keys (issue 22). Ids outside the vocabulary are dropped here, once."""
+
+    __slots__ = ("vocab", "device", "bias_ids", "bias_vals", "blocked_ids")
+
+    def __init__(self, opt: SamplingOptions, vocab: int, device: torch.device):
+        self.vocab = vocab
+        self.device = device
+        self.bias_ids: Tensor | None = None
+        self.bias_vals: Tensor | None = None
+        self.blocked_ids: Tensor | None = None
+        if opt.logit_bias:
+            ids = torch.tensor(list(opt.logit_bias.keys()), dtype=torch.long, device=device)
+            # float64 keeps each bias as given; it becomes the logits' dtype when applied.
+            vals = torch.tensor(list(opt.logit_bias.values()), dtype=torch.float64, device=device)
+            inside = (ids >= 0) & (ids < vocab)
+            if bool(inside.any()):
+                self.bias_ids, self.bias_vals = ids[inside], vals[inside]
+        if opt.min_tokens > 0 and opt.min_tokens_blocked_ids:
+            ids = torch.tensor(opt.min_tokens_blocked_ids, dtype=torch.long, device=device)
+            ids = ids[(ids >= 0) & (ids < vocab)]
+            if ids.numel():
+                self.blocked_ids = ids
+
+    def fits(self, logits: Tensor) -> bool:
+        return self.vocab == logits.shape[1] and self.device == logits.device
+
+
+def needs_prep(opt: SamplingOptions) -> bool:
+    """Whether the row has a logit_bias or min_tokens ids (what ``LogitsPrep`` holds)."""
+    return bool(opt.logit_bias or (opt.min_tokens > 0 and opt.min_tokens_blocked_ids))
+
+
 def process_logits(
     logits: Tensor,
     options: list[SamplingOptions],
     token_ids: list[list[int]],
     num_prompt_tokens: list[int],
+    preps: list[LogitsPrep | None] | None = None,
 ) -> Tensor:
     """Apply logit_bias, min_tokens blocking and the three penalties, in place; returns logits.
+
+    ``preps``: each row's LogitsPrep (None where the row has neither a bias nor min_tokens ids),
+    built once per sequence by the caller; built here for this call when not given.
 
     Token ids outside the vocabulary in ``logit_bias`` are ignored here (the engine validates
     them against the tokenizer); failing the worker step would fail every request in it.
     """
     batch, vocab = logits.shape
     bias_rows: list[int] = []
-    bias_cols: list[int] = []
-    bias_vals: list[float] = []
+    bias_parts: list[LogitsPrep] = []
     block_rows: list[int] = []
-    block_cols: list[int] = []
+    block_parts: list[LogitsPrep] = []
     penalty_rows: list[int] = []
     for i, opt in enumerate(options):
         if not changes_logits(opt):
             continue
-        if opt.logit_bias:
-            for tok, bias in opt.logit_bias.items():
-                tok = int(tok)
-                if 0 <= tok < vocab:
-                    bias_rows.append(i)
-                    bias_cols.append(tok)
-                    bias_vals.append(float(bias))
-        if (
-            opt.min_tokens > 0
-            and opt.min_tokens_blocked_ids
-            and num_generated(token_ids, num_prompt_tokens, i) < opt.min_tokens
-        ):
-            for tok in opt.min_tokens_blocked_ids:
-                if 0 <= tok < vocab:
-                    block_rows.append(i)
-                    block_cols.append(tok)
+        if needs_prep(opt):
+            prep = preps[i] if preps is not None else None
+            if prep is None or not prep.fits(logits):
+                prep = LogitsPrep(opt, vocab, logits.device)
+            if prep.bias_ids is not None:
+                bias_rows.append(i)
+                bias_parts.append(prep)
+            if (
+                prep.blocked_ids is not None
+                and num_generated(token_ids, num_prompt_tokens, i) < opt.min_tokens
+            ):
+                block_rows.append(i)
+                block_parts.append(prep)
         if (
             opt.repetition_penalty != 1.0
             or opt.frequency_penalty != 0.0
@@ -68,16 +104,27 @@ def process_logits(
         ):
             penalty_rows.append(i)
     if bias_rows:
-        logits.index_put_(
-            (on_device(logits, bias_rows), on_device(logits, bias_cols)),
-            on_device(logits, bias_vals, logits.dtype),
-            accumulate=True,
-        )
+        rows, cols = _rows_and_cols(logits, bias_rows, [p.bias_ids for p in bias_parts])
+        vals = bias_parts[0].bias_vals if len(bias_parts) == 1 else torch.cat([p.bias_vals for p in bias_parts])
+        # One index_add_ over the flat logits (a row's ids are distinct; cheaper than an
+        # accumulating index_put_, which sorts).
+        if logits.is_contiguous():
+            logits.view(-1).index_add_(0, rows * vocab + cols, vals.to(logits.dtype))
+        else:
+            logits.index_put_((rows, cols), vals.to(logits.dtype), accumulate=True)
     if block_rows:
-        logits[on_device(logits, block_rows), on_device(logits, block_cols)] = float("-inf")
+        rows, cols = _rows_and_cols(logits, block_rows, [p.blocked_ids for p in block_parts])
+        logits[rows, cols] = float("-inf")
     if penalty_rows:
         _apply_penalties(logits, penalty_rows, options, token_ids, num_prompt_tokens)
     return logits
+
+
+def _rows_and_cols(logits: Tensor, rows: list[int], ids: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """(row index, column) pairs of every listed row's ids, as two flat tensors."""
+    cols = ids[0] if len(ids) == 1 else torch.cat(ids)
+    lens = on_device(logits, [t.shape[0] for t in ids])
+    return torch.repeat_interleave(on_device(logits, rows), lens), cols
 
 
 def _apply_penalties(

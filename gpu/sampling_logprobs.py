@@ -13,7 +13,11 @@ def logprob_entries(
     logprobs: Tensor, chosen: Tensor, ks: list[int], also: Tensor | None = None
 ) -> tuple[list[int], list[SampledLogprobs]]:
     """Logprob of each row's chosen token and its top-k, read back in one copy together with
-    ``also`` (the step's token ids; returned as the first value, [] without it)."""
+    ``also`` (the step's token ids; returned as the first value, [] without it).
+
+    A k above the vocabulary gets the whole vocabulary: each row's slice of the flattened top-k
+    is capped at ``k_max``, so it never reaches into the next row (issue 22: another request's
+    tokens and logprobs)."""
     rows, vocab = logprobs.shape
     picked = logprobs.gather(1, chosen.long().unsqueeze(1)).squeeze(1)
     k_max = min(max(ks, default=0), vocab)
@@ -30,6 +34,7 @@ def logprob_entries(
     entries = []
     for r, k in enumerate(ks):
         at = r * k_max
+        k = min(k, k_max)
         top = list(zip(top_ids[at:at + k], top_vals[at:at + k])) if k > 0 else []
         entries.append(SampledLogprobs(logprob=host_floats[0][r], top=top))
     return token_list, entries

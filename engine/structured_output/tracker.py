@@ -36,8 +36,9 @@ class ConstraintTracker:
         """Give the request's sequences their constraints; True when they can be scheduled now,
         False when the request waits for its grammar (held here)."""
         params = req.params
+        first = None  # built once per request (bad words tokenized and indexed once), shared
         for seq in req.seqs:
-            seq.constraint = self.manager.new_constraint(params)
+            seq.constraint = first = self.manager.new_constraint(params) if first is None else first.sibling()
         spec = params.structured_outputs
         if spec is None:
             return True

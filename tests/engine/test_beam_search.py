@@ -175,3 +175,25 @@ def test_select_keeps_only_top_width_finished_and_stops_when_no_live_beam_can_wi
     worse = [Hypothesis([B], -9.0, -9.0, "stop")]
     sel2 = select([LiveBeam("p", -1.0, [A], [(X, -0.2), (Y, -0.3)])], 1, worse, 2, stop, 1.0, False, 4)
     assert not sel2.done and sel2.finished == worse
+
+
+def test_out_of_vocabulary_stop_ids_change_nothing():
+    """Issue 22: stop ids that cannot occur must not widen the candidates (K) nor change the
+    result; K counts only in-vocabulary stop ids and never exceeds the vocabulary."""
+    from tests.engine.fakes import VOCAB
+    prompt = [BYTE0 + i for i in range(6)]
+    outs = []
+    for stop in ([], list(range(VOCAB, VOCAB + 5000)), [A, B] + list(range(VOCAB, VOCAB + 50))):
+        core, _ = make_core(top_logprobs=fake_top, num_blocks=64, block_size=4)
+        params = BeamSearchParams(beam_width=2, max_tokens=5, stop_token_ids=stop)
+        core.add_request("r", None, prompt, params)
+        g = core.requests["r"].beam
+        in_vocab = len([t for t in set(stop) | {EOS} if t < VOCAB])
+        assert g.num_candidates == min(max(2, 1 + in_vocab) * 2, VOCAB)
+        assert core.requests["r"].seqs[0].options.logprobs == g.num_candidates
+        outs.append([(o.token_ids, o.finish_reason) for o in run(core)[0]["r"].outputs])
+    assert outs[0] == outs[1]
+    core, _ = make_core(top_logprobs=fake_top, num_blocks=64, block_size=4)
+    core.add_request("r", None, prompt, BeamSearchParams(beam_width=16, max_tokens=2,
+                                                         stop_token_ids=list(range(VOCAB - 200, VOCAB))))
+    assert core.requests["r"].beam.num_candidates == VOCAB

@@ -74,3 +74,25 @@ def test_eos_allowed_finished_beams_ranked_and_blocks_freed(llm):
         assert s.score == pytest.approx(s.cum_logprob / len(s.output_tokens))
     bm = llm.core.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_out_of_vocabulary_stop_ids_beside_another_request_change_nothing(llm):
+    """Issue 22 (security): tens of thousands of stop ids that cannot occur made a beam row ask
+    for more logprobs than the vocabulary, and its candidates then included the next row's tokens
+    and logprobs (another request's). The beams must be the same as without them, whatever runs
+    beside them in the same steps."""
+    from engine.sampling_params import SamplingParams
+
+    vocab = llm.core.vocab_size
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    base = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    want = [(s.output_tokens, round(s.cum_logprob, 4)) for s in llm.beam_search([ids], base)[0].sequences]
+    hostile = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True,
+                               stop_token_ids=list(range(vocab, vocab + 40_000)))
+    llm.core.add_request("beam", None, ids, hostile)
+    for i in range(3):  # neighbours after the beam rows, asking for logprobs too
+        llm.core.add_request(f"n{i}", None, llm.tokenizer.encode(PROMPTS[i]),
+                             SamplingParams(temperature=0.0, max_tokens=6, logprobs=5))
+    out = llm._run(["beam", "n0", "n1", "n2"], use_tqdm=False)[0]
+    assert llm.core.requests == {}
+    assert [(o.token_ids, round(o.cumulative_logprob, 4)) for o in out.outputs] == want

@@ -487,3 +487,38 @@ def test_serve_defaults_to_admitting_256_prompt_tokens_per_step_offline_to_the_b
     assert engine_config_from_args(serve.parse_args([])).scheduler.prompt_admit_tokens == 256
     assert engine_config_from_args(serve.parse_args(["--prompt-admit-tokens", "0"])).scheduler.prompt_admit_tokens == 0
     assert engine_config_from_args(offline.parse_args([])).scheduler.prompt_admit_tokens == 0
+
+
+class _EqInt(int):
+    compares = 0
+
+    def __eq__(self, other):
+        _EqInt.compares += 1
+        return int.__eq__(self, other)
+
+    __hash__ = int.__hash__
+
+
+def test_stop_token_ids_are_looked_up_in_a_set():
+    """Issue 22: every generated token was compared with every stop id (``in`` on a list)."""
+    stop_id = tok.byte_ids("#")[0]
+    ids = [_EqInt(100_000 + i) for i in range(5000)] + [_EqInt(stop_id)]
+    _EqInt.compares = 0
+    text, out_ids, last = merged(run_one(tok.byte_ids("abcdef#gh"), max_tokens=20, stop_token_ids=ids))
+    assert (text, last.finish_reason, last.stop_reason) == ("abcdef", "stop", stop_id)
+    assert _EqInt.compares < 100
+
+
+def test_logprobs_already_delivered_are_not_kept_by_the_core():
+    """Issue 22: logprobs + top_logprobs 20 with n 128 kept ~21 objects per token per choice in
+    the core for the whole request although each delta had carried them out. The core keeps only
+    what it has not delivered yet; the merged deltas still hold every entry, in order."""
+    core, _ = make_core()
+    core.add_request("r", None, prompt(0, 5), SamplingParams(n=3, max_tokens=12, logprobs=2, ignore_eos=True))
+    seqs = core.requests["r"].seqs
+    results = run_to_completion(core, check=lambda c: [None for s in seqs if s.logprobs]
+                                and pytest.fail("delivered logprobs are still held by the core"))
+    for o in results["r"].outputs:
+        assert len(o.logprobs) == len(o.token_ids) == 12
+        assert [max(e, key=lambda t: e[t].logprob) for e in o.logprobs] == o.token_ids
+    assert all(s.logprobs == [] for s in seqs)

@@ -113,3 +113,32 @@ def test_default_model_chat_answer_matches_transformers(default_llm):
                            SamplingParams(temperature=0, max_tokens=64))
     assert out[0].outputs[0].text == "The capital of France is Paris."
     assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_logit_bias_and_min_tokens_ids_become_tensors_once_per_sequence():
+    """Issue 22: the worker keeps each sequence's bias / min_tokens ids as tensors (built at its
+    first sample), and they act: a +100 bias forces its token, min_tokens holds off the stop id."""
+    llm = tiny_llm()
+    try:
+        runner = llm.parts.executor.runner
+        forced = 1234
+        seen = []
+        execute = runner.execute
+
+        def spy(step):
+            out = execute(step)
+            seen.append({sid: s.logits_prep for sid, s in runner.seqs.items()})
+            return out
+
+        runner.execute = spy
+        bias = {forced: 100.0, **{t: -1.0 for t in range(10_000, 11_000)}, 10**9: 5.0}
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, logit_bias=bias,
+                                                       min_tokens=3, stop_token_ids=[forced]), use_tqdm=False)[0]
+        got = out.outputs[0].token_ids  # blocked for 3 tokens, then forced (and a stop id)
+        assert len(got) == 4 and forced not in got[:3] and got[3] == forced
+        assert out.outputs[0].finish_reason == "stop"
+        preps = [p for step in seen for p in step.values()]
+        assert preps and all(p is preps[0] for p in preps)  # one LogitsPrep, kept from step to step
+        assert preps[0].bias_ids.shape[0] == 1001 and forced in preps[0].blocked_ids.tolist()  # and EOS
+    finally:
+        llm.shutdown()

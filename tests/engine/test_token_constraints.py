@@ -64,3 +64,101 @@ class FakeTokenizer:
 
 def test_bad_words_tokenized_with_and_without_a_leading_space():
     assert bad_word_token_seqs(FakeTokenizer(), ["hi", "a b", " x"]) == [[5], [6], [7, 8], [9, 7, 8], [11]]
+
+
+# ---------------------------------------------------------------- many bad words (issue 22)
+
+import random  # noqa: E402
+
+
+def reference_fill(bad_words, mask, row, token_ids, num_prompt):
+    """The per-word loop as it was: every word checked for every row at every step."""
+    words = mask.view(np.uint32)
+    for seq in bad_words:
+        prefix = len(seq) - 1
+        if prefix == 0 or (len(token_ids) - num_prompt >= prefix and token_ids[-prefix:] == seq[:-1]):
+            t = seq[-1]
+            if t < words.shape[1] * 32:
+                words[row, t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+
+
+def test_bad_word_index_equals_the_per_word_loop():
+    rng = random.Random(22)
+    for case in range(400):
+        seqs = [[rng.randrange(8) if rng.random() < 0.8 else rng.randrange(V + 40)
+                 for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 30))]
+        c = SeqConstraint(bad_words=seqs)
+        prompt = [rng.randrange(8) for _ in range(rng.randint(0, 4))]
+        gen = [rng.randrange(8) for _ in range(rng.randint(0, 6))]
+        want = np.full((2, (V + 31) // 32), -1, dtype=np.int32)
+        reference_fill(seqs, want, 1, prompt + gen, len(prompt))
+        got = np.zeros((2, (V + 31) // 32), dtype=np.int32)
+        c.fill(got, 1, prompt + gen, len(prompt))
+        assert allowed(got, 1) == allowed(want, 1), f"case {case}: {seqs} {prompt} {gen}"
+
+
+class _CountedSeq(list):
+    """A bad word's tokens that count every time Python code looks at them."""
+    looks = 0
+
+    def _count(name):
+        def f(self, *a):
+            _CountedSeq.looks += 1
+            return getattr(list, name)(self, *a)
+        return f
+
+    for _name in ("__len__", "__getitem__", "__iter__", "__eq__", "__reversed__"):
+        locals()[_name] = _count(_name)
+    del _name
+
+
+def test_a_step_reads_no_bad_word_once_they_are_indexed():
+    """Issue 22: every bad word was checked for every row at every step inside schedule(). They
+    are indexed once; a step then reads none of them, and bans the same tokens."""
+    words = [_CountedSeq([10 + i % 50, 60 + i % 7, i % V]) for i in range(3000)] + [_CountedSeq([7])]
+    c = SeqConstraint(bad_words=words)
+    plain = [list(w) for w in words]
+    _CountedSeq.looks = 0
+    got = [allowed(fill(c, gen)) for gen in ([], [10], [10, 60], [5, 11, 61], [59, 66])]
+    assert _CountedSeq.looks == 0
+    assert got[2] == [t for t in range(V) if t not in (0, 7, 50)]  # (10, 60) then i % V, i = 350 k
+    for gen, row in zip(([], [10], [10, 60], [5, 11, 61], [59, 66]), got):
+        want = np.full((1, (V + 31) // 32), -1, dtype=np.int32)
+        reference_fill(plain, want, 0, [1, 2, 3] + gen, 3)
+        assert row == allowed(want)
+
+
+class _EqInt(int):
+    compares = 0
+
+    def __eq__(self, other):
+        _EqInt.compares += 1
+        return int.__eq__(self, other)
+
+    __hash__ = int.__hash__
+
+
+class CountingTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [_EqInt(ord(ch)) for ch in text]
+
+
+def test_bad_words_are_prepared_in_linear_time():
+    """Issue 22: ``ids not in seqs`` compared each word's tokens with every kept word's."""
+    _EqInt.compares = 0
+    seqs = bad_word_token_seqs(CountingTokenizer(), [f"w{i}" for i in range(2000)] + ["w5"])
+    n = _EqInt.compares
+    assert len(seqs) == 4000 and seqs[:2] == [[ord("w"), ord("0")], [ord(" "), ord("w"), ord("0")]]
+    assert n < 100
+
+
+def test_the_sequences_of_a_request_share_one_bad_word_index():
+    from engine.sampling_params import SamplingParams
+    from tests.engine.fakes import make_core
+
+    core, _ = make_core()
+    core.add_request("r", None, [5, 6], SamplingParams(n=3, bad_words=["ab", "cd"], max_tokens=4))
+    seqs = core.requests["r"].seqs
+    assert seqs[0].constraint.bad_words is not None
+    assert len({id(s.constraint.bad_words) for s in seqs}) == 1
+    assert len({id(s.constraint) for s in seqs}) == 3

@@ -797,3 +797,99 @@ def test_without_the_c_pass_every_row_takes_the_torch_path(monkeypatch):
     out = _run(logits, options).token_ids
     assert calls == [6]
     assert out == _general(logits.float(), options).token_ids
+
+
+# ---------------------------------------------------------------- logprobs never cross rows (issue 22)
+
+
+def test_a_row_asking_for_more_logprobs_than_the_vocabulary_never_reads_the_next_row():
+    """Issue 22: a beam row with many out-of-vocabulary stop ids asks for K > vocab candidates.
+    The top-k tensor is capped at the vocabulary, and each row's slice of it must be too: the
+    row's entries are its own tokens, never the next row's (another tenant's request)."""
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(3, vocab)
+    alone = _run(logits[:1], [SamplingOptions(temperature=0.0, logprobs=vocab + 200)]).logprobs[0]
+    options = [SamplingOptions(temperature=0.0, logprobs=vocab + 200),
+               SamplingOptions(temperature=0.0, logprobs=5), SamplingOptions(temperature=0.0, logprobs=vocab * 3)]
+    out = _run(logits, options).logprobs
+    for r in (0, 2):
+        assert len(out[r].top) == vocab
+        assert sorted(t for t, _ in out[r].top) == list(range(vocab))
+    assert out[0].top == alone.top
+    assert len(out[1].top) == 5
+    want = torch.log_softmax(logits[0], -1)
+    assert [v for _, v in out[0].top] == pytest.approx([float(want[t]) for t, _ in out[0].top])
+
+
+# ---------------------------------------------------------------- bias and min_tokens ids prepared once (issue 22)
+
+
+class _CountedDict(dict):
+    reads = 0
+
+    def _count(name):
+        def f(self, *a):
+            _CountedDict.reads += 1
+            return getattr(dict, name)(self, *a)
+        return f
+
+    for _name in ("items", "keys", "values", "__iter__", "__getitem__", "get"):
+        locals()[_name] = _count(_name)
+    del _name
+
+
+class _CountedTuple(tuple):
+    reads = 0
+
+    def __iter__(self):
+        _CountedTuple.reads += 1
+        return tuple.__iter__(self)
+
+    def __getitem__(self, i):
+        _CountedTuple.reads += 1
+        return tuple.__getitem__(self, i)
+
+
+def _reference_bias_and_block(logits, options, token_ids, num_prompt):
+    """Per key, as it was."""
+    out = logits.clone()
+    for i, o in enumerate(options):
+        for t, b in (o.logit_bias or {}).items():
+            if 0 <= t < out.shape[1]:
+                out[i, t] += b
+        if o.min_tokens > 0 and len(token_ids[i]) - num_prompt[i] < o.min_tokens:
+            for t in o.min_tokens_blocked_ids:
+                if 0 <= t < out.shape[1]:
+                    out[i, t] = float("-inf")
+    return out
+
+
+def test_bias_and_min_tokens_ids_are_tensors_built_once_and_a_step_reads_no_key():
+    """Issue 22: every logit_bias key and min_tokens id was looped over in Python for every row at
+    every step. They become tensors once per sequence (Sampler.logits_preps, kept by the worker);
+    a step then reads none of them and applies all rows in one op each, with the same values."""
+    torch.manual_seed(1)
+    vocab = 300
+    logits = torch.randn(4, vocab)
+    bias = _CountedDict({t: float((t % 7) - 3) for t in range(0, vocab + 500, 3)})  # some out of vocabulary
+    blocked = _CountedTuple(list(range(5, vocab + 200, 11)))
+    options = [SamplingOptions(temperature=0.0, logit_bias=bias),
+               SamplingOptions(temperature=0.7, seed=3, min_tokens=5, min_tokens_blocked_ids=blocked),
+               SamplingOptions(temperature=0.0),
+               SamplingOptions(temperature=0.0, logit_bias=bias, min_tokens=2, min_tokens_blocked_ids=blocked)]
+    token_ids = [[1, 2, 3], [1, 2], [1], [1, 2, 3, 4]]
+    num_prompt = [1, 1, 1, 1]
+    held = Sampler.logits_preps(logits, options, [None] * 4)
+    assert held[2] is None and held[0].bias_ids.shape[0] == len(range(0, vocab, 3))
+    assert Sampler.logits_preps(logits, options, held) == held  # kept: nothing rebuilt
+    _CountedDict.reads = _CountedTuple.reads = 0
+    got = process_logits(logits.clone(), options, token_ids, num_prompt, held)
+    out = _run(logits, options, token_ids, num_prompt)
+    _CountedDict.reads = _CountedTuple.reads = 0
+    for _ in range(3):
+        assert Sampler().sample(logits.clone(), options, token_ids, num_prompt, preps=held).token_ids == out.token_ids
+    assert _CountedDict.reads == 0 and _CountedTuple.reads == 0
+    want = _reference_bias_and_block(logits, options, token_ids, num_prompt)
+    assert torch.equal(got, want)
+    assert bool(torch.isinf(got[1, 5])) and not bool(torch.isinf(got[3, 5]))  # row 3 is past min_tokens
