@@ -29,6 +29,9 @@ _SOURCE = "fused_cpu.c"  # in kernels/csrc
 # Rows the bf16 GEMV takes. Measured (120 decode GEMVs of the default model, one thread, CPU time,
 # vs F.linear): M=1 1.63x, 2 1.57x, 4 1.40x, 8 1.13x, 16 0.81x; past 8 rows oneDNN's tiles win.
 GEMV_MAX_M = 8
+# Rows the fp32 GEMV (fz_gemv_f32) takes in the fused layer: it reads the plain fp32 weight, which
+# gpu/models/packed_linear.py keeps for 1-row batches (oneDNN's packed copy serves the rest).
+GEMV_F32_MAX_M = 8
 
 
 def _isa_flags(cpu: set[str]) -> list[str]:
@@ -60,6 +63,7 @@ def library() -> ctypes.CDLL | None:
     lib.fz_rotary_neox.restype = None
     lib.fz_rotary_neox.argtypes = [P, I64, I64, I64, I64, I64, P, P, I]
     lib.fz_gemv_bf16.restype, lib.fz_gemv_bf16.argtypes = I, [P, I64, I64, P, I64, P, I]
+    lib.fz_gemv_f32.restype, lib.fz_gemv_f32.argtypes = I, [P, I64, I64, P, I64, P, I]
     lib.fz_write_kv.restype, lib.fz_write_kv.argtypes = I64, [P, P, I64, P, P, P, I64, I64, I64, I, I]
     lib.fz_attn_in.restype = I  # the fz_linear arguments are pointers to LinearSpec
     lib.fz_attn_in.argtypes = [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I, I, I]
@@ -73,8 +77,9 @@ def library() -> ctypes.CDLL | None:
 
 
 class LinearSpec(ctypes.Structure):
-    """csrc/fused_cpu.c's ``fz_linear``: one linear layer of the fused decode layer, plain bf16 rows
-    (``KIND_BF16``) or a packed q8_0 / q4_1 weight with the addresses of the kernels that read it."""
+    """csrc/fused_cpu.c's ``fz_linear``: one linear layer of the fused decode layer, plain rows in the
+    activations' dtype (``KIND_PLAIN``: bf16 or fp32) or a packed q8_0 / q4_1 weight with the
+    addresses of the kernels that read it."""
 
     _fields_ = [("kind", ctypes.c_int64), ("big_rows", ctypes.c_int64), ("w", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("small", ctypes.c_void_p),
@@ -91,7 +96,7 @@ class LayerSpec(ctypes.Structure):
                 ("v_cache", ctypes.c_void_p)]
 
 
-KIND_BF16, KIND_Q8_0, KIND_Q4_1 = 0, 1, 2
+KIND_PLAIN, KIND_Q8_0, KIND_Q4_1 = 0, 1, 2
 KERNEL_FAILED = -3  # fz_attn_in / fz_mlp_out: a quantized kernel found no memory for its scratch
 ATTN_FAILED = -4  # fz_decode_stack: the attention kernel rejected its arguments or had no memory
 
@@ -169,6 +174,17 @@ def silu_and_mul_bf16(h: torch.Tensor) -> torch.Tensor:
     if library().fz_silu_mul_bf16(h.data_ptr(), M, I, a.data_ptr(), torch.get_num_threads()):
         raise ValueError("the fused SiLU-and-mul is not available in this build")
     return a
+
+
+def gemv_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T in fp32 for M <= 16 (both contiguous fp32): the fused layer's
+    plain fp32 linear, exposed for its tests."""
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=torch.float32)
+    if library().fz_gemv_f32(x.data_ptr(), M, K, weight.data_ptr(), N, y.data_ptr(), torch.get_num_threads()):
+        raise ValueError("the fp32 GEMV takes 1 to 16 rows")
+    return y
 
 
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class BoundLinear:
 def bind_linear(module: nn.Module, dtype: torch.dtype) -> BoundLinear | None:
     """The fused layer's view of a bias-free linear layer for activations of ``dtype``, or None
     where it cannot read the weight: q8_0 / q4_1 weights (either activation dtype; the AMX kernel
-    only for bf16 ones), plain bf16 rows only for bf16 activations."""
+    only for bf16 ones), or plain rows of the activations' own dtype (the bf16 or fp32 GEMV)."""
     if getattr(module, "bias", None) is not None:
         return None
     qweight = getattr(module, "qweight", None)
@@ -66,17 +66,16 @@ def bind_linear(module: nn.Module, dtype: torch.dtype) -> BoundLinear | None:
         ptrs = [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
         spec = fused.LinearSpec(kind, qgemm_n16.AMX_MIN_M if big else 0, *ptrs, small, big)
         return BoundLinear(spec, qweight.out_features, rows)
-    if dtype is not torch.bfloat16:
-        return None  # plain fp32 rows: torch's GEMV (no fused fp32 GEMV)
+    most = fused.GEMV_MAX_M if dtype is torch.bfloat16 else fused.GEMV_F32_MAX_M
     pw = getattr(module, "pweight", None)
     if pw is not None:
         weight, rows = pw.plain, pw.small_rows
     else:
-        weight, rows = module.weight, fused.GEMV_MAX_M
-    if weight is None or weight.dtype is not torch.bfloat16 or not weight.is_contiguous() or not rows:
+        weight, rows = module.weight, most
+    if weight is None or weight.dtype is not dtype or not weight.is_contiguous() or not rows:
         return None
-    spec = fused.LinearSpec(fused.KIND_BF16, 0, weight.data_ptr(), None, None, None, None)
-    return BoundLinear(spec, weight.shape[0], min(rows, fused.GEMV_MAX_M))
+    spec = fused.LinearSpec(fused.KIND_PLAIN, 0, weight.data_ptr(), None, None, None, None)
+    return BoundLinear(spec, weight.shape[0], min(rows, most))
 
 
 class FastDecodeLayer:
@@ -246,7 +245,7 @@ def enabled() -> bool:
 def bind_fast_decode(model: nn.Module) -> int:
     """Give every eligible decoder layer a ``fast_decode`` (FastDecodeLayer); returns how many.
     bf16 activations need the AVX512-BF16 build; fp32 ones (AVX2 machines) any build of the fused
-    ops, with every linear of the layer quantized (q8_0 / q4_1: the quantized kernels read them)."""
+    ops (q8_0 / q4_1 weights through the quantized kernels, plain fp32 rows through fz_gemv_f32)."""
     if not (enabled() and fused.available()):
         return 0
     from gpu.models.layers import SiluAndMul

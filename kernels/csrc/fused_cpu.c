@@ -22,6 +22,9 @@
 
 #include "bf16.h"
 #include "fp8.h"
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define FZ_BF16_GEMV 1
@@ -41,6 +44,7 @@ int fz_isa(void) {
 }
 
 #define FZ_MAXH 16384 /* hidden sizes up to this use a stack row buffer */
+#define FZ_CHUNK_F32 64 /* weight rows per work item of the fp32 GEMV */
 
 static inline void load_row(const void *src, int dtype, int64_t n, float *dst) {
     if (dtype == 0) {
@@ -247,6 +251,80 @@ int fz_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int
 #endif
 }
 
+/* y[M][N] = x[M][K] @ W[N][K]^T in fp32, for the few rows of an fp32 decode step: 4 weight rows
+ * share each activation load and 2 activation rows each weight load, fp32 FMA accumulation (8
+ * lanes, summed at the end of the row), a software prefetch ahead of the first pass's weight
+ * stream. The fp32 counterpart of fz_gemv_bf16: the step's weights are read once from memory, and
+ * again from L1/L2 for each further pair of rows. Rows of W split over threads in FZ_CHUNK runs. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define FZ_F32_PREFETCH 4096
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* rows n .. n+R of W against x rows m .. m+MR (R <= 4, MR <= 2) */
+static inline __attribute__((always_inline)) void gemv_f32_tile(const float *x, int64_t K, const float *W, int64_t N,
+                                                                float *y, int64_t n, int R, int64_t m, int MR,
+                                                                int prefetch) {
+    __m256 acc[2][4];
+    for (int i = 0; i < MR; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 w[4];
+        for (int r = 0; r < R; r++) {
+            if (prefetch && !(k & 15)) _mm_prefetch((const char *)(W + (n + r) * K + k) + FZ_F32_PREFETCH, _MM_HINT_T0);
+            w[r] = _mm256_loadu_ps(W + (n + r) * K + k);
+        }
+        for (int i = 0; i < MR; i++) {
+            __m256 xv = _mm256_loadu_ps(x + (m + i) * K + k);
+            for (int r = 0; r < R; r++) acc[i][r] = _mm256_fmadd_ps(w[r], xv, acc[i][r]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int r = 0; r < R; r++) {
+            float s = hsum256(acc[i][r]);
+            for (int64_t kk = k; kk < K; kk++) s += x[(m + i) * K + kk] * W[(n + r) * K + kk];
+            y[(m + i) * N + n + r] = s;
+        }
+}
+#endif
+
+int fz_gemv_f32(const float *x, int64_t M, int64_t K, const float *W, int64_t N, float *y, int nthreads) {
+    if (M < 1 || M > 16) return -1;
+    if (nthreads < 1) nthreads = 1;
+    int64_t chunks = (N + FZ_CHUNK_F32 - 1) / FZ_CHUNK_F32;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && N * K >= 65536)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t n0 = c * FZ_CHUNK_F32, n1 = n0 + FZ_CHUNK_F32 < N ? n0 + FZ_CHUNK_F32 : N;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (int64_t m = 0; m < M; m += 2) {
+            int two = m + 1 < M, pf = m == 0;
+            int64_t n = n0;
+            for (; n + 4 <= n1; n += 4) {
+                if (two) gemv_f32_tile(x, K, W, N, y, n, 4, m, 2, pf);
+                else gemv_f32_tile(x, K, W, N, y, n, 4, m, 1, pf);
+            }
+            for (; n < n1; n++) {
+                if (two) gemv_f32_tile(x, K, W, N, y, n, 1, m, 2, pf);
+                else gemv_f32_tile(x, K, W, N, y, n, 1, m, 1, pf);
+            }
+        }
+#else
+        for (int64_t n = n0; n < n1; n++)
+            for (int64_t m = 0; m < M; m++) {
+                float s = 0.f;
+                for (int64_t k = 0; k < K; k++) s += x[m * K + k] * W[n * K + k];
+                y[m * N + n] = s;
+            }
+#endif
+    }
+    return 0;
+}
+
 /* ---- one decoder layer around attention, for a few bf16 rows (AVX512-BF16 builds) ----------
  * A batch-1 decode step spent ~4 ms of ~20 in the Python and torch glue between the C calls of
  * its 30 layers (loadtest/PERF.md); these two calls do a Llama layer's work before and after
@@ -349,12 +427,13 @@ typedef struct {
 #define FZ_KERNEL_FAILED (-3) /* the quantized kernel could not allocate its activation scratch */
 
 /* y[M][N] = x[M][K] @ W^T, activations in and out in `dtype` (0 fp32, 1 bf16). Plain rows (kind 0)
- * only in bf16 on AVX512-BF16 builds (-1 elsewhere: the binder never hands them over). */
+ * are weights of the activations' dtype: bf16 on AVX512-BF16 builds only (-1 elsewhere: the
+ * binder never hands them over), fp32 anywhere. */
 static int linear_run(const fz_linear *L, const void *x, int64_t M, int64_t K, int64_t N, void *y, int nthreads,
                       int dtype) {
     if (L->kind == 0)
         return dtype == 1 ? fz_gemv_bf16((const uint16_t *)x, M, K, (const uint16_t *)L->w, N, (uint16_t *)y, nthreads)
-                          : -1;
+                          : fz_gemv_f32((const float *)x, M, K, (const float *)L->w, N, (float *)y, nthreads);
     void *fn = L->big != NULL && L->big_rows > 0 && M >= L->big_rows ? L->big : L->small;
     const int flags = dtype == 1 ? 3 : 0; /* the kernels' X_BF16 | Y_BF16, or fp32 in and out */
     int rc = L->kind == 1 ? ((fz_q8_fn)fn)(x, M, K, L->w, L->d, NULL, y, N, nthreads, flags)

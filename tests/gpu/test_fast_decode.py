@@ -154,15 +154,19 @@ def test_decode_stack_not_bound_in_layer_mode(monkeypatch):
     assert body.fast_stack is not None
 
 
-def test_not_bound_for_plain_fp32_weights_or_when_turned_off(monkeypatch):
-    llm = tiny_llm()  # fp32, plain weights: torch's fp32 GEMV, no fused layer
-    layers = llm.parts.executor.runner.model.model.layers
-    assert all(layer.fast_decode is None for layer in layers)
+def test_not_bound_when_turned_off(monkeypatch):
     monkeypatch.setenv(fast_decode.ENV, "0")
-    for options in ({"dtype": "float32", "quantization": "int4"},) + (
-            ({"dtype": "bfloat16"},) if fused.has_bf16_gemv() else ()):
+    for options in ({}, {"quantization": "int4"}) + (({"dtype": "bfloat16"},) if fused.has_bf16_gemv() else ()):
         llm = tiny_llm(**options)
         assert all(layer.fast_decode is None for layer in llm.parts.executor.runner.model.model.layers)
+
+
+def test_fp32_plain_weights_take_one_row_steps_only():
+    """Plain fp32 weights: the fused layer reads the plain copy packed_linear keeps for 1-row
+    batches (oneDNN's packed copy serves the rest), so the layer and stack take 1 row."""
+    body = tiny_llm().parts.executor.runner.model.model
+    assert all(layer.fast_decode is not None for layer in body.layers)
+    assert body.fast_stack is not None and body.fast_stack.max_rows == 1
 
 
 # ---- fp32 activations with q8_0 / q4_1 weights: the fused layer and stack on every CPU (AVX2 machines) ----
@@ -179,6 +183,25 @@ def test_fp32_quantized_tiny_model_layer_and_stack_match_eager(monkeypatch, quan
     assert 16 in _stack_calls(calls)
     calls = _compare(make, PROMPTS[:3], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
     assert 3 in _stack_calls(calls)
+
+
+def test_fp32_plain_tiny_model_layer_and_stack_match_eager(monkeypatch):
+    make = lambda: tiny_llm()  # noqa: E731
+    calls = _compare(make, PROMPTS[:1], monkeypatch)
+    assert [rows for rows, _ in calls].count(1) >= 2 * 23
+    calls = _compare(make, PROMPTS[:1], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
+    assert 1 in _stack_calls(calls)
+    calls = _compare(make, PROMPTS[:2], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
+    assert _stack_calls(calls) == []  # 2 rows: oneDNN's packed weights, layer by layer
+
+
+def test_fp32_default_model_plain_weights_stack_greedy_tokens_match_eager(monkeypatch):
+    from engine.llm import LLM
+
+    make = lambda: LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.25)  # noqa: E731
+    calls = _compare(make, PROMPTS[:1], monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack,
+                     near_ties=True)
+    assert 1 in _stack_calls(calls)
 
 
 def test_fp32_stack_over_an_fp8_kv_cache_matches_eager(monkeypatch):

@@ -147,3 +147,16 @@ def test_disabled_by_env():
     assert out == "False"
 
 
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (37, 7)])
+def test_fp32_gemv_matches_the_matmul(m, k, n):
+    """fz_gemv_f32 (the fused layer's plain fp32 linear): 4 weight rows x 2 activation rows a tile,
+    row and K tails, against torch's fp32 matmul."""
+    g = torch.Generator().manual_seed(m * 100 + k + n)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    y = fused.gemv_f32(x, w)
+    assert torch.allclose(y, x @ w.t(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError):
+        fused.gemv_f32(torch.randn(17, k), w)
