@@ -265,7 +265,7 @@ class AsyncEngine:
         try:
             core.add_request(request_id, prompt, prompt_token_ids, params, priority=priority,
                              cache_salt=cache_salt)
-        except ValueError:  # the request's own fault (RequestRejectedError, SamplingParamsError): 400
+        except (ValueError, EngineError):  # the request's fault (400) or a full pool (503)
             self._discard(core, request_id)
             raise
         except MemoryError:
