@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpu.config import DEFAULT_STEP_TIMEOUT_S, EngineConfig
+from gpu.config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, PrepConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +63,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a step may take before the workers count as hung and the engine fails "
                         "as for a dead worker (executor mp; the first steps get the startup timeout); "
                         "0 = no limit (default: %(default)g)")
+    p = parser.add_argument_group("request preparation (each kind in a bounded pool of its own; past its "
+                                  "deadline a request gets 400 naming the flag; 0 = no limit)")
+    prep = PrepConfig()
+    p.add_argument("--grammar-compile-timeout", type=float, default=prep.grammar_compile_timeout,
+                   help="seconds a structured-output grammar (JSON schema, regex, grammar) may take to "
+                        "validate and compile for the vocabulary (default: %(default)g)")
+    p.add_argument("--chat-template-timeout", type=float, default=prep.chat_template_timeout,
+                   help="seconds rendering one request's chat template may take (default: %(default)g)")
+    p.add_argument("--tokenize-timeout", type=float, default=prep.tokenize_timeout,
+                   help="seconds tokenizing or detokenizing one prompt may take (default: %(default)g)")
 
 
 def _json_arg(value: str | None) -> dict | None:
@@ -108,4 +118,6 @@ def engine_config_from_args(args: argparse.Namespace, default_executor: str | No
         restart_workers=getattr(args, "restart_workers", False),
         ray_placement_strategy=getattr(args, "ray_placement_strategy", "PACK"),
         ray_address=getattr(args, "ray_address", None),
+        **{name: getattr(args, name) for name in ("grammar_compile_timeout", "chat_template_timeout",
+                                                  "tokenize_timeout") if hasattr(args, name)},
     )

@@ -67,12 +67,14 @@ class InfoRoutes:
         else:
             ids = list(await self.engine.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         body = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
-        if req.return_token_strs:
+        if req.return_token_strs:  # off the loop where the engine can (up to max_token_strs ids)
             limit = self.limits.max_token_strs
             if len(ids) > limit:
                 raise refuse("return_token_strs", f"return_token_strs asks for {len(ids)} token strings",
                              "max_token_strs", limit)
-            body["token_strs"] = self.engine.tokenizer.convert_ids_to_tokens(ids)
+            convert = getattr(self.engine, "convert_ids_to_tokens", None)
+            body["token_strs"] = (await convert(ids) if convert is not None
+                                  else self.engine.tokenizer.convert_ids_to_tokens(ids))
         return ORJSONResponse(body)
 
     async def detokenize(self, request: Request) -> Response:

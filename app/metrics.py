@@ -15,6 +15,9 @@ Failures are counted, not only successes (an operator must see them on a dashboa
   (4xx by code; 499 = a client that left before a non-streaming answer).
 - ``request_overloaded_total``: requests refused with 503 + Retry-After because
   ``--max-waiting-requests`` were already waiting (also counted under status_code 503).
+- ``event_loop_lag_seconds`` / ``event_loop_lag_max_seconds``: how late the event loop woke a
+  task sleeping 50 ms, worst in the last 10 s / since start (app/loop_lag.py): a stalled loop
+  stalls every stream and /health.
 - ``engine_deaths_total`` (failures the engine did not recover from) / ``worker_restarts_total``
   (failures recovered by rebuilding the workers, ``--restart-workers``): from the engine.
 """
@@ -87,6 +90,26 @@ class EngineStatsCollector:
             yield c
 
 
+class LoopLagCollector:
+    def __init__(self, monitor: Any) -> None:
+        self.monitor = monitor
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for name, doc, v in (
+            ("event_loop_lag_seconds", "Worst lateness of a 50 ms sleep on the event loop in the last "
+             "10 s (a block still in progress included): time every stream and /health stood still.",
+             self.monitor.current()),
+            ("event_loop_lag_max_seconds", "Worst lateness of a 50 ms sleep on the event loop since the "
+             "server started.", self.monitor.max_since_start()),
+        ):
+            g = GaugeMetricFamily(PREFIX + name, doc)
+            g.add_metric([], float(v))
+            yield g
+
+
 class ServerMetrics:
     def __init__(self, engine: Any, model_name: str) -> None:
         disable_created_metrics()  # the *_created samples only add noise to every scrape
@@ -94,6 +117,10 @@ class ServerMetrics:
         self.model_name = model_name
         r = self.registry
         self.registry.register(EngineStatsCollector(engine, model_name))
+        from app.loop_lag import LoopLagMonitor
+
+        self.loop_lag = LoopLagMonitor()  # started on the server's loop (serve, or the first request)
+        self.registry.register(LoopLagCollector(self.loop_lag))
         if hasattr(engine, "replica_stats"):  # data parallel: the same figures per replica
             from app.replica_metrics import ReplicaStatsCollector
 
@@ -224,6 +251,8 @@ class HTTPErrorCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if not self.metrics.loop_lag.running:  # a server built without `serve` (tests, embedding)
+            self.metrics.loop_lag.start()
 
         async def counting_send(message: dict) -> None:
             if message["type"] == "http.response.start" and message["status"] >= 400:

@@ -165,6 +165,7 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
                         tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
                         limits=limits)
         uv_config.app = app
+        app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks
         block_size = config.cache.block_size
         port = sock.getsockname()[1]

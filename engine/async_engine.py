@@ -2,9 +2,17 @@
 
 The loop schedules a step, awaits the executor (a worker thread or worker processes, so the
 event loop stays free to accept requests and stream), processes the outputs and feeds one
-asyncio queue per request. Slow work (tokenizing, chat templates, model loading) runs in a
-thread pool. If the loop dies, every in-flight request ends with EngineDeadError and new
-ones are refused: never a hang.
+asyncio queue per request. Slow per-request work runs off the loop, each kind in a bounded pool
+of its own with a deadline (engine/prep_pools.py): tokenizing, chat-template rendering, grammar
+validation and compiles; a request past its deadline fails alone (400 naming the flag), a full
+pool refuses new work (503). Model loading and restarts use a pool of their own.
+
+The loop survives a request: an exception while one request is added (a MemoryError: 503) or
+while its output is processed or delivered fails that request only, and the loop goes on. It
+dies only when the executor fails (then --restart-workers applies), or when steps fail for no
+request it can name several times in a row (the core's state can no longer be trusted). If the
+loop dies, every in-flight request ends with EngineDeadError and new ones are refused: never a
+hang.
 
 With ``restart_workers`` (--restart-workers), a worker failure (death, hang, foreign reply:
 ExecutorError) fails the in-flight requests, and a fresh worker pool and engine core (empty
@@ -21,9 +29,11 @@ import logging
 import threading
 import time
 
-from engine.errors import (SHUTDOWN_ABORT_MESSAGE, EngineDeadError, EngineOverloadedError,
+from engine.core import INTERNAL_REQUEST_ERROR
+from engine.errors import (SHUTDOWN_ABORT_MESSAGE, EngineDeadError, EngineError, EngineOverloadedError,
                            EngineRestartingError)
 from engine.output_collector import OutputCollector
+from engine.prep_pools import DeadlinePool, PrepDeadlineError
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.restart_policy import RestartPolicy
@@ -37,6 +47,42 @@ logger = logging.getLogger(__name__)
 
 # How often an idle engine loop checks that its workers are alive.
 IDLE_HEALTH_CHECK_S = 1.0
+# Steps in a row that fail in the core for no request it can name before the loop gives up.
+MAX_UNATTRIBUTED_FAULTS = 3
+
+
+class _RenderInterrupted(Exception):
+    """Raised inside a request's own chat template when it runs past its deadline."""
+
+
+def _render_bounded(render, deadline_s: float | None):
+    """Call ``render()``; with a deadline, a line tracer on the template's own frames (jinja
+    compiles templates to Python code named "<template>") stops it once the deadline passes, so a
+    template with nested loops frees its thread instead of holding it for ever."""
+    if not deadline_s:
+        return render()
+    import sys
+
+    deadline = time.monotonic() + deadline_s
+
+    def on_line(frame, event, arg):
+        if event == "line" and time.monotonic() > deadline:
+            raise _RenderInterrupted()
+        return on_line
+
+    def on_call(frame, event, arg):
+        if frame.f_code.co_filename == "<template>":
+            if time.monotonic() > deadline:
+                raise _RenderInterrupted()
+            return on_line
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return render()
+    finally:
+        sys.settrace(previous)
 
 
 class AsyncEngine:
@@ -53,7 +99,16 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
         self._accepting = False
+        # Start-up, shutdown and worker restarts only; requests' work has the pools below.
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pagedserve-cpu")
+        prep = getattr(config, "prep", None)
+        self._tokenizer_pool = DeadlinePool(
+            "tokenizer", 2, getattr(prep, "tokenize_timeout", 30.0), what="tokenizing the prompt",
+            flag="--tokenize-timeout")
+        self._template_pool = DeadlinePool(
+            "chat-template", 2, getattr(prep, "chat_template_timeout", 5.0),
+            what="rendering the chat template", flag="--chat-template-timeout")
+        self._unattributed_faults = 0  # steps in a row that failed in the core for no known request
         self.last_step_gap_s = 0.0  # time between a step's reply and the next step's send
         self.num_deaths = 0  # times the engine loop stopped on a failure (for /metrics)
         self.num_worker_restarts = 0  # worker pools rebuilt after a failure (--restart-workers)
@@ -153,27 +208,43 @@ class AsyncEngine:
                 pass
         if self.parts is not None:
             await loop.run_in_executor(self._pool, self.parts.executor.shutdown)
+            self.parts.core.constraints.manager.shutdown()
         self._pool.shutdown(wait=False)
+        self._tokenizer_pool.shutdown()
+        self._template_pool.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.tokenizer.encode, text, add_special_tokens)
+        """Off the loop in the tokenizer pool (--tokenize-timeout; PrepDeadlineError: 400)."""
+        return await self._tokenizer_pool.run(self.tokenizer.encode, text, add_special_tokens, param="prompt")
 
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.tokenizer.decode, token_ids, skip_special_tokens)
+        return await self._tokenizer_pool.run(self.tokenizer.decode, token_ids, skip_special_tokens,
+                                              param="tokens")
+
+    async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str | None]:
+        """The token strings of ``token_ids`` (``/tokenize`` return_token_strs), off the loop."""
+        return await self._tokenizer_pool.run(self.tokenizer.convert_ids_to_tokens, token_ids, param="prompt")
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, **template_kwargs) -> str:
         """``template_kwargs``: ``chat_template`` and the template's variables (Tokenizer.
-        apply_chat_template)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool, lambda: self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **template_kwargs))
+        apply_chat_template). In the chat-template pool with its deadline (--chat-template-timeout):
+        a request's own template is also interrupted there; the model's is trusted to end."""
+        pool = self._template_pool
+        own_template = template_kwargs.get("chat_template") is not None
+
+        def render():
+            try:
+                return _render_bounded(lambda: self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, **template_kwargs),
+                    pool.timeout_s if own_template else None)
+            except _RenderInterrupted:
+                raise pool.deadline_error(param="chat_template") from None
+
+        return await pool.run(render, param="chat_template" if own_template else "messages")
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  prompt: str | None = None, priority: int = 0,
@@ -190,11 +261,45 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
         queue = OutputCollector()
-        self.core.add_request(request_id, prompt, prompt_token_ids, params, priority=priority,
-                              cache_salt=cache_salt)
+        core = self.core
+        try:
+            core.add_request(request_id, prompt, prompt_token_ids, params, priority=priority,
+                             cache_salt=cache_salt)
+        except (ValueError, EngineError):  # the request's fault (400) or a full pool (503)
+            self._discard(core, request_id)
+            raise
+        except MemoryError:
+            self._discard(core, request_id)
+            logger.warning("request %s: out of memory while admitting it; refused with 503", request_id)
+            raise EngineOverloadedError("the server has not enough memory to admit this request now; retry "
+                                        "later or send a smaller request") from None
+        except Exception as e:  # noqa: BLE001 - a fault in preparing this request: it alone fails
+            self._discard(core, request_id)
+            logger.error("request %s: preparing it failed; the engine goes on", request_id, exc_info=e)
+            raise EngineError(f"preparing the request failed: {INTERNAL_REQUEST_ERROR}") from None
         self._queues[request_id] = queue
         self._wake.set()
         return RequestStream(self, request_id, queue)
+
+    def _discard(self, core, request_id: str) -> None:
+        """Remove what a failed add_request left of this request (never another one: add_request
+        refuses an id in use before registering anything)."""
+        if request_id in self._queues:  # the id belongs to a running request: not ours to touch
+            return
+        req = core.requests.get(request_id)
+        if req is None:
+            return
+        try:
+            core.abort_request(request_id)
+        except Exception:  # noqa: BLE001 - half-built: drop it by hand
+            logger.exception("request %s: cleaning up after a failed add_request", request_id)
+            core.requests.pop(request_id, None)
+            for seq in req.seqs:
+                core._seqs.pop(seq.seq_id, None)
+                try:
+                    core.scheduler.finish(seq)
+                except Exception:  # noqa: BLE001
+                    pass
 
     def pool(self, prompt_token_ids: list[int], params, request_id: str, prompt: str | None = None,
              priority: int = 0, cache_salt: str | None = None) -> RequestStream:
@@ -205,12 +310,36 @@ class AsyncEngine:
 
     async def check_constraint(self, params: SamplingParams) -> None:
         """Refuse, before ``generate``, a structured-output spec or token constraint the grammar
-        engine cannot honour (RequestRejectedError with the library's reason: HTTP 400). Runs off
-        the loop: the first check of a spec parses it (and the first ever imports xgrammar)."""
+        engine cannot honour (RequestRejectedError with the library's reason: HTTP 400), and wait
+        for its grammar to compile, all within --grammar-compile-timeout (PrepDeadlineError: 400
+        naming it): a stream then starts only for a grammar that is ready. Runs off the loop, in
+        the grammar pool: the first check of a spec parses it (the first ever imports xgrammar);
+        requests with the same spec share one compile."""
         if self.parts is None or not params.has_token_constraint:
             return
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._pool, self.core.check_constraint, params)
+        manager = self.core.constraints.manager
+        t0 = time.monotonic()
+        await manager.pool.run(self.core.check_constraint, params)
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        compiled = manager.compiled(spec)
+        if compiled.done():
+            return  # a compile error surfaces (and is retried) when the request is added
+        timeout = manager.compile_timeout_s
+        inner = asyncio.wrap_future(compiled)
+        inner.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+        waiter = asyncio.shield(inner)
+        try:
+            if timeout:
+                await asyncio.wait_for(waiter, max(0.0, timeout - (time.monotonic() - t0)))
+            else:
+                await waiter
+        except TimeoutError:
+            manager.release_overdue()
+            raise manager.deadline_error() from None
+        except Exception:  # noqa: BLE001 - the compile's own error is reported by add_request
+            pass
 
     async def abort(self, request_id: str) -> None:
         queue = self._queues.pop(request_id, None)
@@ -241,10 +370,61 @@ class AsyncEngine:
             queue = self._queues.get(out.request_id)
             if queue is None:
                 continue
-            for comp in out.outputs if isinstance(out, RequestOutput) else ():  # not pooling's
-                if comp.token_ids and comp.token_times is None:
-                    comp.token_times = [now] * len(comp.token_ids)
-            queue.put_nowait(out)
+            try:
+                for comp in out.outputs if isinstance(out, RequestOutput) else ():  # not pooling's
+                    if comp.token_ids and comp.token_times is None:
+                        comp.token_times = [now] * len(comp.token_ids)
+                queue.put_nowait(out)
+            except Exception as e:  # noqa: BLE001 - this request's stream fails, not the loop
+                logger.error("request %s: delivering its output failed", out.request_id, exc_info=e)
+                self._queues.pop(out.request_id, None)
+                queue.put_nowait(EngineError(INTERNAL_REQUEST_ERROR))
+                self._abort_now(out.request_id)
+
+    def _schedule(self, core):
+        """``core.schedule()``; a fault there fails the requests it had (no one request can be
+        named) and the loop goes on, unless it keeps happening."""
+        try:
+            return core.schedule() if core.has_unfinished() else None
+        except Exception as e:  # noqa: BLE001
+            self._deliver(self._fail_step(core, None, e))
+            return None
+
+    def _process(self, core, scheduled, output) -> list[RequestOutput]:
+        """``core.process()``: a request whose own handling raises is failed inside it; a fault
+        outside any one request fails the requests of the step."""
+        try:
+            outputs = core.process(scheduled, output)
+        except Exception as e:  # noqa: BLE001
+            return self._fail_step(core, scheduled, e)
+        self._unattributed_faults = 0
+        return outputs
+
+    def _fail_step(self, core, scheduled, e: Exception) -> list[RequestOutput]:
+        self._unattributed_faults += 1
+        if self._unattributed_faults > MAX_UNATTRIBUTED_FAULTS:
+            raise e  # the core is broken, not a request: the loop dies (every request is told)
+        where = "processing a step" if scheduled is not None else "scheduling"
+        logger.error("the engine failed while %s; failing its requests, the engine goes on", where, exc_info=e)
+        ids = ({seq.request.request_id for seq in scheduled.seqs} if scheduled is not None
+               else set(core.requests))
+        outputs = []
+        for request_id in ids:
+            req = core.requests.get(request_id)
+            if req is None:
+                continue
+            try:
+                out = core.fail_request(req, None)
+            except Exception:  # noqa: BLE001
+                logger.exception("request %s: failing it failed", request_id)
+                core.requests.pop(request_id, None)
+                queue = self._queues.pop(request_id, None)
+                if queue is not None:
+                    queue.put_nowait(EngineError(INTERNAL_REQUEST_ERROR))
+                continue
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -352,7 +532,7 @@ class AsyncEngine:
         core.constraints.on_ready = lambda: loop.call_soon_threadsafe(wake.set)
         while True:
             self._apply_pending_aborts(core)
-            scheduled = core.schedule() if core.has_unfinished() else None
+            scheduled = self._schedule(core)
             ready = core.take_outputs()  # requests whose grammar failed to compile
             if ready:
                 self._deliver(ready)
@@ -370,7 +550,7 @@ class AsyncEngine:
                 reply_time = None
                 continue
             reply_time = time.perf_counter()
-            self._deliver(core.process(scheduled, output))
+            self._deliver(self._process(core, scheduled, output))
             await asyncio.sleep(0)  # let streams flush before the next step is sent
 
     def _apply_pending_aborts(self, core) -> None:
@@ -411,7 +591,7 @@ class AsyncEngine:
             self._apply_pending_aborts(core)
             try:
                 while len(in_flight) < executor.max_in_flight and core.has_unfinished():
-                    scheduled = core.schedule()
+                    scheduled = self._schedule(core)
                     if scheduled is None:
                         break
                     try:
@@ -438,4 +618,4 @@ class AsyncEngine:
             scheduled = in_flight.popleft()
             output = await executor.collect_async(scheduled.step_input.step_id)
             reply_time = time.perf_counter()
-            undelivered = core.process(scheduled, output)
+            undelivered = self._process(core, scheduled, output)

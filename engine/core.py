@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["EngineCore", "EngineStats", "ScheduledStep"]
 
+INTERNAL_REQUEST_ERROR = ("the server failed while processing this request (an internal error, logged "
+                          "on the server); other requests were not affected")
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -91,7 +94,9 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         self._token_text: dict[int, str] = {}  # decoded_token cache for logprobs
         # Token constraints (structured outputs, allowed_token_ids, bad_words); grammars compile
         # in a thread and their requests wait there, outside the scheduler.
-        self.constraints = ConstraintTracker(tokenizer, self.vocab_size or tokenizer.vocab_size)
+        prep = getattr(config, "prep", None)
+        self.constraints = ConstraintTracker(tokenizer, self.vocab_size or tokenizer.vocab_size,
+                                             compile_timeout_s=getattr(prep, "grammar_compile_timeout", 10.0))
         self._ready_outputs: list[RequestOutput] = []  # outputs made outside process()
         self._in_flight: collections.deque[ScheduledStep] = collections.deque()  # pipelined steps sent
 
@@ -257,24 +262,80 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         now = time.monotonic()
         logprobs = step_output.logprobs
         beam_reqs: dict[str, Request] = {}
+        failed: dict[str, RequestOutput | None] = {}  # requests whose own processing raised
         for i, (seq_id, token_id) in enumerate(zip(step_output.seq_ids, step_output.token_ids)):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             lp = logprobs[i] if logprobs is not None else None
             req = seq.request
-            if req.beam is not None:
-                req.beam.report(seq, token_id, lp)
-                beam_reqs[req.request_id] = req
-            else:
-                self._append_token(seq, token_id, lp)
+            try:
+                if req.beam is not None:
+                    req.beam.report(seq, token_id, lp)
+                    beam_reqs[req.request_id] = req
+                else:
+                    self._append_token(seq, token_id, lp)
+            except Exception as e:  # noqa: BLE001 - this request's fault: it fails, the step goes on
+                failed[req.request_id] = self.fail_request(req, e)
+                continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
             touched[req.request_id] = req
         for req in beam_reqs.values():
-            beam_engine.advance(self, req)
-        return [out for req in touched.values() if (out := self._make_output(req)) is not None]
+            if req.request_id not in failed:
+                try:
+                    beam_engine.advance(self, req)
+                except Exception as e:  # noqa: BLE001
+                    failed[req.request_id] = self.fail_request(req, e)
+        outputs = [out for out in failed.values() if out is not None]
+        for req in touched.values():
+            if req.request_id in failed:
+                continue
+            try:
+                out = self._make_output(req)
+            except Exception as e:  # noqa: BLE001
+                out = self.fail_request(req, e)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def fail_request(self, req: Request, cause: BaseException | None = None,
+                     message: str = INTERNAL_REQUEST_ERROR) -> RequestOutput | None:
+        """An internal fault while handling this one request (its preparation, a token, its
+        output): finish it with "error" and the ``message`` the client sees (the traceback goes to
+        the log), so the engine and every other request go on. Returns its final output."""
+        logger.error("request %s failed inside the engine; the others go on", req.request_id,
+                     exc_info=cause)
+        req.error = message
+        req.error_from_request = False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                try:
+                    self._finish_seq(seq, "error")
+                except Exception:  # noqa: BLE001 - its state is broken: drop it by hand
+                    logger.exception("request %s: finishing sequence %d failed", req.request_id, seq.seq_id)
+                    seq.finish_reason = "error"
+                    seq.status = SeqStatus.FINISHED
+                    self._seqs.pop(seq.seq_id, None)
+        self.requests.pop(req.request_id, None)
+        self.constraints.forget(req)
+        req.finished = True
+        try:
+            out = self._make_output(req)
+        except Exception:  # noqa: BLE001
+            out = None
+        if out is None or not isinstance(out, RequestOutput):
+            if req.seqs and req.seqs[0].pooling is not None:
+                return out
+            out = RequestOutput(
+                request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                prompt_logprobs=None, outputs=[CompletionOutput(seq.index, "", [], finish_reason="error")
+                                               for seq in req.seqs if not seq.finish_sent]
+                or [CompletionOutput(0, "", [], finish_reason="error")],
+                finished=True, metrics=req.metrics, error=message)
+        out.error, out.error_from_request, out.finished = message, False, True
+        return out
 
     def step(self) -> list[RequestOutput]:
         if getattr(self.executor, "max_in_flight", 1) > 1:

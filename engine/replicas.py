@@ -148,6 +148,9 @@ class ReplicatedEngine:
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return await self._front().decode(token_ids, skip_special_tokens)
 
+    async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str | None]:
+        return await self._front().convert_ids_to_tokens(token_ids)
+
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, **template_kwargs) -> str:
         return await self._front().render_chat(messages, add_generation_prompt, continue_final_message,

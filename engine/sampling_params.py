@@ -43,6 +43,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    _key: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -83,9 +84,12 @@ class StructuredOutputsParams:
     @property
     def key(self) -> tuple[str, str]:
         """Cache key of the compiled grammar: the kind and its spec as compact JSON (property
-        order kept: it is the order the properties are generated in)."""
-        value = getattr(self, self.kind)
-        return self.kind, value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+        order kept: it is the order the properties are generated in). Serialised once: a large
+        schema is looked up several times per request (validation, compile, admission)."""
+        if self._key is None:
+            value = getattr(self, self.kind)
+            self._key = self.kind, value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+        return self._key
 
 
 @dataclass(slots=True)

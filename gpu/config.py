@@ -126,6 +126,16 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
 
 
+@dataclass(slots=True)
+class PrepConfig:
+    """Deadlines of a request's preparation, each in a bounded pool of its own
+    (engine/prep_pools.py); past one the request fails with a 400 naming the option. Seconds;
+    0 = no limit. The flag of each is its name with dashes (--grammar-compile-timeout)."""
+    grammar_compile_timeout: float = 10.0  # validating + compiling a structured-output grammar
+    chat_template_timeout: float = 5.0  # rendering the chat template of one request
+    tokenize_timeout: float = 30.0  # tokenizing (or detokenizing) one prompt
+
+
 # vLLM's names for options that have another name here.
 OPTION_ALIASES = {"distributed_executor_backend": "executor", "kv_cache_dtype": "cache_dtype"}
 
@@ -136,12 +146,13 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    prep: PrepConfig = field(default_factory=PrepConfig)
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
         """Build from flat keyword options (``LLM(**options)``, CLI flags) by field name."""
         parts = {"model": ModelConfig(), "cache": CacheConfig(), "parallel": ParallelConfig(),
-                 "scheduler": SchedulerConfig()}
+                 "scheduler": SchedulerConfig(), "prep": PrepConfig()}
         for key, value in options.items():
             key = OPTION_ALIASES.get(key, key)
             for part in parts.values():

@@ -2,7 +2,10 @@
 
 The library lands in ``$PAGEDSERVE_KERNEL_CACHE`` (default ``~/.cache/pagedserve/kernels``) under
 a name keyed by the source, the flags and the compiler, so another process (a restarted server, a
-tensor-parallel worker) loads it without compiling. The vector ISA is chosen from this CPU's flags
+tensor-parallel worker) loads it without compiling. A cached library is code this process runs, so
+the directory and the file must belong to this user and be writable by no one else
+(``check_private``): otherwise another user could swap the library, and the build is refused
+with the reason (the kernel turns off; the torch path runs). The vector ISA is chosen from this CPU's flags
 with explicit ``-m`` options (never ``-march=native``), so a cached build stays valid on any
 machine with the same extensions. Every C kernel builds here: kernels/cpu_attention.py (ISA from
 ``pick_isa``), kernels/qgemm.py and kernels/fused.py (each picks its own ISA flags, for reasons
@@ -93,10 +96,34 @@ def build(source_name: str, extra_flags: list[str]) -> ctypes.CDLL:
     src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # shared headers
     key = hashlib.sha256(src + " ".join(flags).encode() + cc_path.encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"
-    if not out.is_file():
+    if out.parent.exists():
+        check_private(out.parent)
+    if out.is_file():
+        check_private(out)
+    else:
         logger.info("building %s: %s %s -> %s", source_name, cc, " ".join(flags), out)
         _compile(cc, flags, source, out)
     return ctypes.CDLL(str(out))
+
+
+def check_private(path: Path) -> None:
+    """Refuse a cache directory or library that another user owns or may write (KernelBuildError
+    saying which and why): loading it would run whatever they put there."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise KernelBuildError(f"cannot check the kernel build cache {path}: {e}") from None
+    what = "directory" if path.is_dir() else "library"
+    fix = ("; set PAGEDSERVE_KERNEL_CACHE to a directory only this user can write "
+           "(e.g. chmod 700 it), or remove it to have it rebuilt")
+    if st.st_uid != os.getuid():
+        raise KernelBuildError(f"refusing the kernel build cache {what} {path}: it is owned by uid "
+                               f"{st.st_uid}, not by this user (uid {os.getuid()}){fix}")
+    if st.st_mode & 0o022:
+        who = "everyone" if st.st_mode & 0o002 else "its group"
+        raise KernelBuildError(f"refusing the kernel build cache {what} {path}: it is writable by {who} "
+                               f"(mode {st.st_mode & 0o777:o}), so another user could replace the "
+                               f"code this process loads{fix}")
 
 
 def build_or_none(source_name: str, extra_flags: list[str], fallback: str) -> ctypes.CDLL | None:
@@ -125,7 +152,9 @@ def amx_tiles_granted() -> bool:
 
 def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        if not out.parent.exists():
+            out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # private: see check_private
+            check_private(out.parent)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     except OSError as e:
         raise KernelBuildError(f"cannot write the kernel build cache {out.parent}: {e} "
@@ -136,6 +165,7 @@ def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise KernelBuildError(f"building {source.name} failed ({' '.join(cmd)}):\n{proc.stderr}")
+        os.chmod(tmp, 0o755)  # whatever the umask: never group/world-writable (check_private)
         os.replace(tmp, out)  # atomic: a concurrent builder or loader sees the whole file or none
     finally:
         if os.path.exists(tmp):

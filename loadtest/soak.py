@@ -4,7 +4,10 @@
     pagedserve bench soak --start-server tiny --requests 5000 --concurrency 16
 
 The mix (loadtest/soak_mix.py) is chat and completions, streamed and not, n>1, logprobs, stop
-strings, streams the client drops mid-way and malformed input. After a warm-up and again at the
+strings, streams the client drops mid-way, malformed input and hostile requests (huge lists,
+fan-out, multi-MB /tokenize: each may get 200/400/413, never a 5xx). While it runs, /metrics is
+polled for ``pagedserve:event_loop_lag_seconds``: the worst event-loop stall is reported and
+held to ``--max-loop-lag``. After a warm-up and again at the
 end the run reads, with the server idle and no client connection open: RSS and open fds of the
 whole server process tree (/proc), and from /metrics the KV usage and running/waiting requests.
 It prints a JSON summary and exits 1 when a check fails (any 5xx, any wrong answer, a bad
@@ -26,7 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import proctree
-from loadtest.soak_mix import Outcome, Planned, check_full, check_stream, plan
+from loadtest.soak_mix import MIX, Outcome, Planned, check_full, check_stream, plan
 from loadtest.sse import SSEDecoder, StreamError
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,10 @@ class SoakConfig:
     max_rss_growth_pct: float = 5.0
     fd_tolerance: int = 4
     progress: bool = False
+    hostile_scale: float = 1.0  # list sizes of hostile requests (1.0 = those of issue 22)
+    no_hostile: bool = False
+    max_loop_lag_s: float = 1.0
+    lag_poll_s: float = 1.0
 
 
 # --------------------------------------------------------------------------- one request
@@ -77,6 +84,17 @@ async def send(client: httpx.AsyncClient, p: Planned, timeout: float) -> Outcome
 async def _send(client: httpx.AsyncClient, p: Planned, out: Outcome) -> None:
     kwargs = {"content": p.raw, "headers": {"content-type": "application/json"}} if p.raw is not None \
         else {"json": p.body}
+    if p.accept_status is not None:  # hostile: served or refused, never a 5xx
+        r = await client.post(p.path, **kwargs)
+        out.status = r.status_code
+        out.extra["hostile"] = p.note
+        if r.status_code not in p.accept_status:
+            out.ok, out.error = False, f"{p.note}: got {r.status_code} {r.text[:200]}"
+            return
+        body = r.json()
+        out.ok = ("error" in body) == (r.status_code != 200)
+        out.error = "" if out.ok else f"{p.note}: {r.status_code} with body {r.text[:200]}"
+        return
     if not p.stream:
         r = await client.post(p.path, **kwargs)
         out.status = r.status_code
@@ -170,6 +188,48 @@ async def wait_idle(base_url: str, timeout: float) -> dict[str, float | None]:
     return g
 
 
+LOOP_LAG = "event_loop_lag_seconds"
+LOOP_LAG_MAX = "event_loop_lag_max_seconds"
+
+
+class LagPoller:
+    """Reads the server's loop-lag gauge every ``interval`` s on its own connection (the worst in
+    the server's last 10 s), so a stall anywhere in the run is seen; None when the server has no
+    such gauge."""
+
+    def __init__(self, base_url: str, interval: float) -> None:
+        self.base_url = base_url
+        self.interval = interval
+        self.max_lag_s: float | None = None
+        self.samples = 0
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=60) as c:
+            while True:
+                try:
+                    v = _metric((await c.get("/metrics")).text, LOOP_LAG)
+                except httpx.HTTPError:
+                    v = None
+                if v is not None:
+                    self.samples += 1
+                    self.max_lag_s = v if self.max_lag_s is None else max(self.max_lag_s, v)
+                await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def read_gauge(base_url: str, name: str) -> float | None:
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
+        return _metric((await c.get("/metrics")).text, name)
+
+
 def server_pid(cfg: SoakConfig) -> int | None:
     if cfg.server_pid is not None:
         return cfg.server_pid
@@ -193,9 +253,10 @@ async def _phase(cfg: SoakConfig, start: int, count: int, model: str, max_model_
 
     async with httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout) as client:
         async def worker() -> None:
+            mix = {k: v for k, v in MIX.items() if k != "hostile"} if cfg.no_hostile else MIX
             for i in next_index:
                 p = plan(i, seed=cfg.seed, model=model, max_model_len=max_model_len,
-                         max_tokens=cfg.max_tokens)
+                         max_tokens=cfg.max_tokens, hostile_scale=cfg.hostile_scale, mix=mix)
                 o = await send(client, p, cfg.request_timeout)
                 outcomes.append(o)
                 if not o.ok:
@@ -225,26 +286,33 @@ async def async_run_soak(cfg: SoakConfig) -> dict:
     if pid is None:
         logger.warning("no server pid (pass --server-pid): RSS and fd figures are left out")
     counters_before = await read_failure_counters(cfg.base_url)
-    t0 = time.monotonic()
-    warm_outcomes: list[Outcome] = []
-    await _phase(cfg, 0, cfg.warmup, model, max_model_len, warm_outcomes)
-    warm_gauges = await wait_idle(cfg.base_url, cfg.idle_timeout)
-    warm = proctree.snapshot(pid) if pid else None
-    t1 = time.monotonic()
-    outcomes: list[Outcome] = []
-    await _phase(cfg, cfg.warmup, cfg.requests, model, max_model_len, outcomes)
-    t2 = time.monotonic()
-    end_gauges = await wait_idle(cfg.base_url, cfg.idle_timeout)
-    end = proctree.snapshot(pid) if pid else None
+    lag = LagPoller(cfg.base_url, cfg.lag_poll_s)
+    lag.start()
+    try:
+        t0 = time.monotonic()
+        warm_outcomes: list[Outcome] = []
+        await _phase(cfg, 0, cfg.warmup, model, max_model_len, warm_outcomes)
+        warm_gauges = await wait_idle(cfg.base_url, cfg.idle_timeout)
+        warm = proctree.snapshot(pid) if pid else None
+        t1 = time.monotonic()
+        outcomes: list[Outcome] = []
+        await _phase(cfg, cfg.warmup, cfg.requests, model, max_model_len, outcomes)
+        t2 = time.monotonic()
+        end_gauges = await wait_idle(cfg.base_url, cfg.idle_timeout)
+        end = proctree.snapshot(pid) if pid else None
+    finally:
+        await lag.stop()
     counted = counter_delta(counters_before, await read_failure_counters(cfg.base_url))
+    loop_lag = {"max_polled_s": lag.max_lag_s, "polls": lag.samples,
+                "max_since_server_start_s": await read_gauge(cfg.base_url, LOOP_LAG_MAX)}
     return summarize(cfg, model, warm_outcomes, outcomes, warm_gauges, end_gauges, warm, end,
-                     warmup_s=t1 - t0, run_s=t2 - t1, server_counted=counted)
+                     warmup_s=t1 - t0, run_s=t2 - t1, server_counted=counted, loop_lag=loop_lag)
 
 
 def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcomes: list[Outcome],
               warm_gauges: dict, end_gauges: dict, warm: proctree.TreeSnapshot | None,
               end: proctree.TreeSnapshot | None, *, warmup_s: float, run_s: float,
-              server_counted: dict | None = None) -> dict:
+              server_counted: dict | None = None, loop_lag: dict | None = None) -> dict:
     every = warm_outcomes + outcomes
     statuses = Counter(str(o.status) if o.status is not None else "no_response" for o in every)
     kinds: dict[str, Counter] = {}
@@ -266,6 +334,20 @@ def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcome
         and end_gauges.get("num_requests_waiting") == 0,
         "kv_usage_back_to_0": end_gauges.get("kv_cache_usage_perc") == 0,
     }
+    hostile = [o for o in every if o.kind == "hostile"]
+    hostile_by: dict[str, Counter] = {}
+    for o in hostile:
+        hostile_by.setdefault(o.extra.get("hostile", "?"), Counter())[
+            str(o.status) if o.status is not None else "no_response"] += 1
+    if hostile:
+        checks["hostile_no_5xx"] = not any(o.status is not None and o.status >= 500 for o in hostile)
+    worst_lag = None
+    if loop_lag:
+        known = [v for v in (loop_lag.get("max_polled_s"), loop_lag.get("max_since_server_start_s"))
+                 if v is not None]
+        worst_lag = max(known) if known else None
+        if worst_lag is not None:
+            checks["loop_lag_under_limit"] = worst_lag < cfg.max_loop_lag_s
     if warm and end:
         checks["rss_growth_under_limit"] = server["rss_growth_pct"] is not None and \
             server["rss_growth_pct"] < cfg.max_rss_growth_pct
@@ -280,7 +362,8 @@ def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcome
         checks["metrics_count_every_abort"] = \
             server_counted.get("request_success_total", {}).get("abort", 0.0) == \
             sum(1 for o in every if o.aborted)
-    latencies = sorted(o.latency_s for o in every if o.ok and not o.aborted and o.kind != "bad_input")
+    latencies = sorted(o.latency_s for o in every
+                       if o.ok and not o.aborted and o.kind not in ("bad_input", "hostile"))
     return {
         "model": model,
         "base_url": cfg.base_url,
@@ -295,7 +378,12 @@ def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcome
         "by_kind": {k: dict(v) for k, v in sorted(kinds.items())},
         "aborted_mid_stream": sum(1 for o in every if o.aborted),
         "bad_input": {"sent": len(bad), "got_expected_4xx": sum(1 for o in bad if o.ok)},
+        "hostile": {"sent": len(hostile),
+                    "five_xx": sum(1 for o in hostile if o.status is not None and o.status >= 500),
+                    "latency_max_s": round(max((o.latency_s for o in hostile), default=0.0), 3),
+                    "by_kind": {k: dict(v) for k, v in sorted(hostile_by.items())}},
         "five_xx": five_xx,
+        "loop_lag_s": {**(loop_lag or {}), "worst": worst_lag},
         "failures": len(failures),
         "first_failures": [{"index": o.index, "kind": o.kind, "status": o.status, "error": o.error}
                            for o in sorted(failures, key=lambda o: o.index)[:20]],
@@ -303,7 +391,8 @@ def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcome
         "metrics_after_warmup": warm_gauges,
         "metrics_at_end": end_gauges,
         "server": server,
-        "limits": {"max_rss_growth_pct": cfg.max_rss_growth_pct, "fd_tolerance": cfg.fd_tolerance},
+        "limits": {"max_rss_growth_pct": cfg.max_rss_growth_pct, "fd_tolerance": cfg.fd_tolerance,
+                   "max_loop_lag_s": cfg.max_loop_lag_s},
         "checks": checks,
         "passed": all(checks.values()),
     }
@@ -344,6 +433,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a request unanswered for this long counts as a hang")
     p.add_argument("--max-rss-growth-pct", type=float, default=5.0)
     p.add_argument("--fd-tolerance", type=int, default=4)
+    p.add_argument("--max-loop-lag", type=float, default=1.0,
+                   help="fail when the server's event loop stalled longer than this many seconds "
+                        "(pagedserve:event_loop_lag_seconds, polled from /metrics)")
+    p.add_argument("--hostile-scale", type=float, default=1.0,
+                   help="list sizes of the hostile requests: 1.0 = those of issue 22 (tens of "
+                        "thousands of stop strings, a 2,000-prompt x n=128 fan-out, ...)")
+    p.add_argument("--no-hostile", action="store_true", help="leave the hostile requests out of the mix")
     p.add_argument("--output", default=None, help="also write the JSON summary to this file")
 
 
@@ -368,7 +464,8 @@ def run(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, model=args.model,
                      server_pid=server.pid if server else args.server_pid,
                      request_timeout=args.request_timeout, max_rss_growth_pct=args.max_rss_growth_pct,
-                     fd_tolerance=args.fd_tolerance, progress=True)
+                     fd_tolerance=args.fd_tolerance, progress=True, hostile_scale=args.hostile_scale,
+                     no_hostile=args.no_hostile, max_loop_lag_s=args.max_loop_lag)
     try:
         summary = run_soak(cfg)
     except (httpx.HTTPError, OSError, ValueError, KeyError) as e:

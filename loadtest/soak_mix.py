@@ -23,8 +23,12 @@ _SYSTEM = "You are a careful assistant. Answer briefly and never invent facts yo
 MIX = {
     "completion": 14, "completion_stream": 14, "chat": 12, "chat_stream": 14,
     "completion_n_logprobs": 8, "chat_logprobs": 8, "stop_strings": 8,
-    "abort_stream": 12, "bad_input": 10,
+    "abort_stream": 12, "bad_input": 10, "hostile": 6,
 }
+# What a hostile request may be answered with: served, or refused by the admission guard.
+HOSTILE_OK = (200, 400, 413)
+HOSTILE_KINDS = ("huge_stop", "big_bad_words", "big_logit_bias", "fanout_n", "big_tokenize",
+                 "many_tool_messages", "template_kwargs_self")
 
 
 @dataclass(slots=True)
@@ -36,6 +40,7 @@ class Planned:
     raw: bytes | None = None  # sent as is (malformed JSON)
     stream: bool = False
     expect_status: int = 200
+    accept_status: tuple[int, ...] | None = None  # hostile: any of these (expect_status unused)
     n: int = 1
     drop_after_events: int | None = None  # abort: hang up after this many data events
     note: str = ""
@@ -88,9 +93,52 @@ def _bad(rng: random.Random, model: str, max_model_len: int) -> tuple[str, dict 
     return rng.choice(cases)
 
 
-def plan(index: int, *, seed: int, model: str, max_model_len: int, max_tokens: int) -> Planned:
+def _hostile(rng: random.Random, index: int, model: str, scale: float) -> Planned:
+    """One hostile request; ``scale`` shrinks the list sizes (1.0 = the sizes that froze the
+    loop for seconds before issue 22; a quick check may use less)."""
+    def size(n: int) -> int:
+        return max(2, int(n * scale))
+
+    what = rng.choice(HOSTILE_KINDS)
+    short = {"model": model, "max_tokens": 4, "temperature": 0.0}
+    if what == "huge_stop":
+        body = {**short, "prompt": _text(rng, 3, 10), "stop": [f"s{i:07d}" for i in range(size(40_000))]}
+        path = COMPLETIONS
+    elif what == "big_bad_words":
+        body = {**short, "prompt": _text(rng, 3, 10), "bad_words": [f"w{i}x" for i in range(size(20_000))]}
+        path = COMPLETIONS
+    elif what == "big_logit_bias":
+        # mostly past any vocabulary: must be refused (OpenAI/vLLM), never accepted and looped over
+        body = {**short, "prompt": _text(rng, 3, 10),
+                "logit_bias": {str(1_000_000 + i): 1.0 for i in range(size(50_000))}}
+        path = COMPLETIONS
+    elif what == "fanout_n":
+        body = {**short, "max_tokens": 1, "prompt": [[42]] * size(2000), "n": 128}
+        path = COMPLETIONS
+    elif what == "big_tokenize":
+        body = {"model": model, "prompt": "hello world " * size(200_000), "return_token_strs": True}
+        path = "/tokenize"
+    elif what == "many_tool_messages":
+        msgs = [{"role": "user", "content": "call it"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+        msgs += [{"role": "tool", "tool_call_id": "c0", "content": "ok " * 4} for _ in range(size(20_000))]
+        body = {**short, "messages": msgs}
+        path = CHAT
+    else:  # template_kwargs_self: a keyword the renderer itself takes
+        body = {**short, "messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": {"self": 1}}
+        path = CHAT
+    return Planned(index, "hostile", path, body, accept_status=HOSTILE_OK, note=what)
+
+
+def plan(index: int, *, seed: int, model: str, max_model_len: int, max_tokens: int,
+         hostile_scale: float = 1.0, mix: dict[str, int] | None = None) -> Planned:
     rng = random.Random(seed * 1_000_003 + index)
-    kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+    mix = MIX if mix is None else mix
+    kind = rng.choices(list(mix), weights=list(mix.values()))[0]
+    if kind == "hostile":
+        return _hostile(rng, index, model, hostile_scale)
     temp = rng.choice([0.0, 0.7, 1.0])
     mt = rng.randint(1, max_tokens)
     if kind == "bad_input":

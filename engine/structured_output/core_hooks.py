@@ -37,6 +37,7 @@ class ConstrainedRequests:
             if req.request_id not in self.requests:
                 continue
             req.error = reason
+            req.error_from_request = True  # a grammar that does not compile (in time) is the request's
             for seq in req.seqs:
                 if not seq.is_finished:
                     self._finish_seq(seq, "error")

@@ -2,30 +2,39 @@
 and each step's token bitmask built for the constrained rows that sample.
 
 Compiling a grammar for the vocabulary takes from a few ms to about a second (xgrammar, JSON
-schemas with string formats); it runs in one background thread (the library releases the GIL),
-so the event loop and the other requests' steps never wait for it. A request whose grammar is
-still compiling is held by EngineCore outside the scheduler until its future is done.
+schemas with string formats); it runs in a small pool of its own (engine/prep_pools.py; the
+library releases the GIL), so the event loop and the other requests' steps never wait for it. A
+request whose grammar is still compiling is held by EngineCore outside the scheduler until its
+future is done, or until ``compile_timeout_s`` (--grammar-compile-timeout) passes: then it fails
+with a 400 naming the limit. xgrammar cannot cancel a compile: one past its deadline runs on in
+its thread, which the pool replaces (so it starves no other compile), and identical specs share
+that one compile (``compiled`` is keyed by spec) instead of starting more.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
 
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_output.constraint import SeqConstraint, bad_word_token_seqs, ids_to_row, words_for
+from engine.prep_pools import DeadlinePool
 from engine.structured_output.xgrammar_backend import GrammarError, XGrammarBackend
 
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # distinct grammars kept (compiled and validated)
+COMPILE_THREADS = 2  # grammars compiled at once (each compile is single-threaded in xgrammar)
+DEFAULT_COMPILE_TIMEOUT_S = 10.0  # gpu/config.py PrepConfig.grammar_compile_timeout
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, backend=None):
+    def __init__(self, tokenizer, vocab_size: int, backend=None,
+                 compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.words = words_for(vocab_size)
@@ -33,7 +42,13 @@ class StructuredOutputManager:
         self._validated: OrderedDict[tuple, object] = OrderedDict()  # key -> Grammar | GrammarError
         self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._lock = threading.Lock()  # validate() may run in the app's pool and on the loop
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.compile_timeout_s = compile_timeout_s or None
+        # Validation (parsing the spec) and compiles: bounded, with the deadline, apart from the
+        # tokenizer and the chat template's pools.
+        self.pool = DeadlinePool("grammar", COMPILE_THREADS, self.compile_timeout_s,
+                                 what="compiling the structured-output grammar",
+                                 flag="--grammar-compile-timeout", max_queued=1024)
+        self._tasks: dict[tuple, object] = {}  # key -> the pool task of a compile in progress
         self.num_compiles = 0
 
     # ---- request time -----------------------------------------------------------------------
@@ -77,13 +92,27 @@ class StructuredOutputManager:
             if fut is not None and not (fut.done() and fut.exception() is not None):
                 self._compiled.move_to_end(key)
                 return fut
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-grammar")
-            fut = self._pool.submit(self._compile, spec)
+            task = self.pool.submit(self._compile, spec)  # PrepBusyError when 1024 wait
+            fut = task.future
             self._compiled[key] = fut
+            self._tasks[key] = task
+            fut.add_done_callback(lambda _f, key=key: self._tasks.pop(key, None))
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
             return fut
+
+    def release_overdue(self) -> None:
+        """Compiles running past the deadline stop counting against the pool (their threads run
+        on; xgrammar cannot be interrupted), so later compiles get threads."""
+        if not self.compile_timeout_s:
+            return
+        now = time.monotonic()
+        for task in list(self._tasks.values()):
+            if task.started is not None and not task.future.done() and now - task.started > self.compile_timeout_s:
+                self.pool.abandon(task)
+
+    def deadline_error(self, param: str | None = None):
+        return self.pool.deadline_error(self.compile_timeout_s, param)
 
     def _compile(self, spec: StructuredOutputsParams):
         grammar = self.validate(spec)
@@ -108,7 +137,6 @@ class StructuredOutputManager:
         return mask.tobytes()
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 

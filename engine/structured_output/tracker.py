@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.structured_output.manager import StructuredOutputManager
+from engine.structured_output.manager import DEFAULT_COMPILE_TIMEOUT_S, StructuredOutputManager
 from gpu.messages import pack_ints
 
 logger = logging.getLogger(__name__)
 
 
 class ConstraintTracker:
-    def __init__(self, tokenizer, vocab_size: int):
-        self.manager = StructuredOutputManager(tokenizer, vocab_size)
+    def __init__(self, tokenizer, vocab_size: int, compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S):
+        self.manager = StructuredOutputManager(tokenizer, vocab_size, compile_timeout_s=compile_timeout_s)
+        self._since: dict[str, float] = {}  # request id -> when it began waiting for its grammar
         self.compiling: dict[str, Request] = {}
         # Called from the compile thread when a grammar is ready (AsyncEngine: wake the loop).
         self.on_ready: Callable[[], None] | None = None
@@ -49,6 +51,7 @@ class ConstraintTracker:
         req.grammar_future = fut
         req.compiling = True
         self.compiling[req.request_id] = req
+        self._since[req.request_id] = time.monotonic()
         fut.add_done_callback(self._done)
         return False
 
@@ -67,9 +70,18 @@ class ConstraintTracker:
         """Requests whose compile finished: (ready to schedule, failed with a reason)."""
         ready: list[Request] = []
         failed: list[tuple[Request, str]] = []
-        for rid in [r for r, req in self.compiling.items() if req.grammar_future.done()]:
+        timeout = self.manager.compile_timeout_s
+        now = time.monotonic()
+        if timeout:
+            self.manager.release_overdue()
+        for rid in [r for r, req in self.compiling.items()
+                    if req.grammar_future.done() or (timeout and now - self._since.get(r, now) > timeout)]:
             req = self.compiling.pop(rid)
+            self._since.pop(rid, None)
             fut, req.grammar_future = req.grammar_future, None
+            if not fut.done():  # waited past --grammar-compile-timeout (the compile runs on)
+                failed.append((req, str(self.manager.deadline_error())))
+                continue
             exc = fut.exception()
             if exc is not None:  # stays "compiling" (outside the scheduler) until it is finished
                 failed.append((req, str(exc)))
@@ -81,11 +93,22 @@ class ConstraintTracker:
 
     def forget(self, req: Request) -> None:
         self.compiling.pop(req.request_id, None)
+        self._since.pop(req.request_id, None)
+
+    def next_deadline(self) -> float | None:
+        """Seconds until the first waiting request's compile deadline (the loop wakes by then)."""
+        timeout = self.manager.compile_timeout_s
+        if not timeout or not self._since:
+            return None
+        return max(0.0, min(self._since.values()) + timeout - time.monotonic())
 
     def wait(self, timeout: float) -> None:
         """Block until a pending compile is done (offline engine with nothing else to run)."""
         futures = [req.grammar_future for req in self.compiling.values()]
         if futures:
+            nearest = self.next_deadline()
+            if nearest is not None:
+                timeout = min(timeout, nearest + 0.01)
             concurrent.futures.wait(futures, timeout=timeout,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 

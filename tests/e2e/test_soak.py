@@ -92,3 +92,34 @@ def test_summary_compares_the_servers_failure_counters_with_the_clients():
     assert not run({**same, "http_error_responses_total": {}})["passed"]  # a 4xx not counted
     assert not run({**same, "request_errors_total": {"internal_error": 1.0}})["passed"]
     assert not run({**same, "request_success_total": {"length": 3.0}})["passed"]  # abort not counted
+
+
+def test_hostile_plans_cover_every_kind_and_accept_only_200_400_413():
+    from loadtest.soak_mix import HOSTILE_KINDS, HOSTILE_OK
+
+    hostile = [p for i in range(600)
+               if (p := plan(i, seed=1, model="m", max_model_len=64, max_tokens=8, hostile_scale=0.01)).kind
+               == "hostile"]
+    assert {p.note for p in hostile} == set(HOSTILE_KINDS)
+    assert all(p.accept_status == HOSTILE_OK for p in hostile)
+    small = next(p for p in hostile if p.note == "huge_stop")
+    big = plan(small.index, seed=1, model="m", max_model_len=64, max_tokens=8)  # full size
+    assert big.note == "huge_stop" and len(big.body["stop"]) == 40_000 and len(small.body["stop"]) == 400
+
+
+def test_summary_fails_on_a_hostile_5xx_or_a_loop_stall():
+    cfg = SoakConfig(base_url="http://x", max_loop_lag_s=1.0)
+    idle = {"kv_cache_usage_perc": 0.0, "num_requests_running": 0.0, "num_requests_waiting": 0.0}
+    ok = [Outcome(0, "chat", 200, ok=True), Outcome(1, "hostile", 400, ok=True, extra={"hostile": "huge_stop"})]
+
+    def run(outcomes, lag):
+        return summarize(cfg, "m", [], outcomes, idle, idle, None, None, warmup_s=1, run_s=1,
+                         loop_lag={"max_polled_s": lag, "max_since_server_start_s": lag})
+
+    good = run(ok, 0.05)
+    assert good["passed"] and good["hostile"]["by_kind"] == {"huge_stop": {"400": 1}}
+    assert good["loop_lag_s"]["worst"] == 0.05
+    stalled = run(ok, 17.0)
+    assert not stalled["passed"] and not stalled["checks"]["loop_lag_under_limit"]
+    five = run([*ok, Outcome(2, "hostile", 500, ok=False, extra={"hostile": "fanout_n"})], 0.05)
+    assert not five["passed"] and not five["checks"]["hostile_no_5xx"] and five["hostile"]["five_xx"] == 1

@@ -24,7 +24,8 @@ async def test_compile_runs_beside_a_stream_and_wakes_the_loop(monkeypatch):
     monkeypatch.setattr(ae, "IDLE_HEALTH_CHECK_S", 3600.0)
     config = EngineConfig.from_options(model=default_model_path(), load_format="dummy",
                                        hf_config=TINY_CONFIG, dtype="float32",
-                                       kv_cache_memory_gib=1 / 16, executor="inproc")
+                                       kv_cache_memory_gib=1 / 16, executor="inproc",
+                                       grammar_compile_timeout=120)  # held on purpose; a busy box is slow
     engine = AsyncEngine(config)
     await engine.start()
     try:
@@ -39,13 +40,16 @@ async def test_compile_runs_beside_a_stream_and_wakes_the_loop(monkeypatch):
         backend.compile = slow_compile
         params = SamplingParams(temperature=1.0, seed=1, max_tokens=30,
                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
-        await engine.check_constraint(params)  # off the loop; the spec is valid
+        # Off the loop; the spec is valid, and the check waits (within --grammar-compile-timeout)
+        # for the compile, which is held until the free stream has run.
+        checking = asyncio.create_task(engine.check_constraint(params))
         free = engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "free")
         constrained = engine.generate([1, 4, 5], params, "json")
         got = 0
         async for out in free:  # the whole free stream runs while the grammar is still compiling
             got += len(out.outputs[0].token_ids)
         assert got == 6 and engine.core.constraints.compiling
+        assert not checking.done()
         release.set()  # from now on only the compile's own wake-up can restart the idle loop
         text, finish = "", None
         async with asyncio.timeout(60):
@@ -53,6 +57,7 @@ async def test_compile_runs_beside_a_stream_and_wakes_the_loop(monkeypatch):
                 text += out.outputs[0].text
                 finish = out.outputs[0].finish_reason or finish
         assert finish == "stop"
+        await checking
         jsonschema.validate(json.loads(text), SCHEMA)
         backend.compile = real_compile
     finally:
