@@ -70,6 +70,7 @@ def library() -> ctypes.CDLL | None:
     lib.fz_mlp_out.restype = I
     lib.fz_mlp_out.argtypes = [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I, I]
     lib.fz_silu_mul_bf16.restype, lib.fz_silu_mul_bf16.argtypes = I, [P, I64, I64, P, I]
+    lib.fz_silu_mul_f32.restype, lib.fz_silu_mul_f32.argtypes = I, [P, I64, I64, P, I]
     lib.fz_decode_stack.restype = I
     lib.fz_decode_stack.argtypes = [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,
                                     I64, P, I64, F, I64, I, I, P, P, P, P, P, I]
@@ -173,6 +174,15 @@ def silu_and_mul_bf16(h: torch.Tensor) -> torch.Tensor:
     a = h.new_empty((M, I))
     if library().fz_silu_mul_bf16(h.data_ptr(), M, I, a.data_ptr(), torch.get_num_threads()):
         raise ValueError("the fused SiLU-and-mul is not available in this build")
+    return a
+
+
+def silu_and_mul_f32(h: torch.Tensor) -> torch.Tensor:
+    """silu(h[:, :I]) * h[:, I:] for a contiguous fp32 h [M, 2I]: the fused layer's SiLU (csrc/exp256.h
+    on AVX2), so an eager step and a fused one give a row the same result."""
+    M, I = h.shape[0], h.shape[1] // 2
+    a = h.new_empty((M, I))
+    library().fz_silu_mul_f32(h.data_ptr(), M, I, a.data_ptr(), torch.get_num_threads())
     return a
 
 

@@ -286,15 +286,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up over the two halves of a fused gate/up output. torch's vectorised ops,
-    not a scalar C loop (a scalar-expf kernel measured 1.5-14x slower at every batch size,
-    loadtest/PERF.md); on AVX512-BF16 CPUs the AVX-512 C loop of the fused decode layer, which
-    gives torch's bf16 results bit for bit 1.6x faster (256 x 1536: 137 -> 84 us)."""
+    """silu(gate) * up over the two halves of a fused gate/up output. On CPU the fused decode
+    layer's own C loop, so a row gets the same bits whether its step runs fused or eager (batch
+    invariance): bf16 on AVX512-BF16 CPUs (torch's bf16 results bit for bit, 1.6x faster: 256 x
+    1536 137 -> 84 us), fp32 with the vectorised exp of csrc/exp256.h (a scalar-expf kernel had
+    measured 1.5-14x slower than torch, loadtest/PERF.md); torch's ops elsewhere."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype is torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu"
-                and fused.has_bf16_gemv()):
-            return fused.silu_and_mul_bf16(x)
+        if x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu":
+            if x.dtype is torch.bfloat16 and fused.has_bf16_gemv():
+                return fused.silu_and_mul_bf16(x)
+            if x.dtype is torch.float32 and fused.available():
+                return fused.silu_and_mul_f32(x)  # the fused decode layer's own SiLU: same bits
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate, inplace=True).mul_(up)  # x is a fresh matmul output: reuse it
 

@@ -409,6 +409,16 @@ static void silu_mul_f32(const float *h, int64_t M, int64_t I, float *a) {
     }
 }
 
+/* a[M][I] = silu(h[:, :I]) * h[:, I:] in fp32 for the eager layer too (every batch size), rows split
+ * over the threads: the fused layer and the eager one then give a row the same bits, whichever
+ * path its step takes. */
+int fz_silu_mul_f32(const float *h, int64_t M, int64_t I, float *a, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && M * I >= 65536)
+    for (int64_t m = 0; m < M; m++) silu_mul_f32(h + m * 2 * I, 1, I, a + m * I);
+    return 0;
+}
+
 /* One linear layer of the fused layer: plain bf16 rows (kind 0, read by fz_gemv_bf16) or packed
  * q8_0 / q4_1 weights (kinds 1, 2) in the 16-channel layout, run by the quantized kernel whose
  * address the caller passes (csrc/qgemm_n16.c VNNI, csrc/qgemm_amx.c AMX): both libraries keep

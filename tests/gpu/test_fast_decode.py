@@ -24,12 +24,11 @@ def _run(llm, prompts, max_tokens=24):
 
 
 def _compare(make_llm, prompts, monkeypatch, max_tokens=24, mode="layer", counted=fast_decode.FastDecodeLayer,
-             near_ties=False):
+             exact=False):
     """Greedy outputs with the fast path in ``mode`` ("layer": per-layer calls only; "1": the
     stack for decode-only steps too) against the eager model; returns the (rows, taken) of every
-    call to ``counted.forward``. ``near_ties``: a top-logprob entry may be missing on one side
-    when it is within 0.05 of the smallest entry shown (two tokens of near-equal probability
-    swapping the last place); the chosen token's logprob is always compared."""
+    call to ``counted.forward``. ``exact``: the logprobs must be equal bit for bit (fp32: the fused
+    layer and the eager one run the same C pieces, SiLU included)."""
     calls = []
     real = counted.forward
 
@@ -52,12 +51,10 @@ def _compare(make_llm, prompts, monkeypatch, max_tokens=24, mode="layer", counte
         assert all(done for _, done in calls)  # never fell back once it took a batch
     for e, f in zip(eager, fast):
         assert f.token_ids == e.token_ids
-        for tok_id, le, lf in zip(e.token_ids, e.logprobs, f.logprobs):
-            assert abs(lf[tok_id].logprob - le[tok_id].logprob) < 0.05
+        for le, lf in zip(e.logprobs, f.logprobs):
+            if exact:
+                assert {t: x.logprob for t, x in lf.items()} == {t: x.logprob for t, x in le.items()}
             for tok, entry in le.items():
-                if near_ties and tok not in lf:
-                    assert entry.logprob - min(x.logprob for x in lf.values()) < 0.05
-                    continue
                 assert abs(lf[tok].logprob - entry.logprob) < 0.05
     return calls
 
@@ -176,17 +173,18 @@ def test_fp32_quantized_tiny_model_layer_and_stack_match_eager(monkeypatch, quan
     """fp32 activations: the fused layer calls the same quantized kernels with fp32 in and out,
     for 1 row and for 16 (the row kernels' chunks of 4), per layer and as one stack call."""
     make = lambda: tiny_llm(quantization=quantization)  # noqa: E731
-    calls = _compare(make, PROMPTS[:1], monkeypatch)
+    calls = _compare(make, PROMPTS[:1], monkeypatch, exact=True)
     assert [rows for rows, _ in calls].count(1) >= 2 * 23
     prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]  # 16 decode rows a step
-    calls = _compare(make, prompts, monkeypatch, max_tokens=12, mode="1", counted=fast_decode.FastDecodeStack)
+    calls = _compare(make, prompts, monkeypatch, max_tokens=12, mode="1", counted=fast_decode.FastDecodeStack,
+                     exact=True)
     assert 16 in _stack_calls(calls)
-    calls = _compare(make, PROMPTS[:3], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
+    calls = _compare(make, PROMPTS[:3], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack, exact=True)
     assert 3 in _stack_calls(calls)
 
 
 def test_fp32_plain_tiny_model_layer_and_stack_match_eager(monkeypatch):
-    make = lambda: tiny_llm()  # noqa: E731
+    make = lambda: tiny_llm()  # noqa: E731  (fz_gemv_f32 sums in another order than F.linear: close, not equal)
     calls = _compare(make, PROMPTS[:1], monkeypatch)
     assert [rows for rows, _ in calls].count(1) >= 2 * 23
     calls = _compare(make, PROMPTS[:1], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
@@ -199,14 +197,13 @@ def test_fp32_default_model_plain_weights_stack_greedy_tokens_match_eager(monkey
     from engine.llm import LLM
 
     make = lambda: LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.25)  # noqa: E731
-    calls = _compare(make, PROMPTS[:1], monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack,
-                     near_ties=True)
+    calls = _compare(make, PROMPTS[:1], monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack)
     assert 1 in _stack_calls(calls)
 
 
 def test_fp32_stack_over_an_fp8_kv_cache_matches_eager(monkeypatch):
     make = lambda: tiny_llm(quantization="int4", kv_cache_dtype="fp8")  # noqa: E731
-    calls = _compare(make, PROMPTS[:2], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
+    calls = _compare(make, PROMPTS[:2], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack, exact=True)
     assert 2 in _stack_calls(calls)
 
 
@@ -216,7 +213,7 @@ def test_fp32_default_model_gguf_q4_1_stack_greedy_tokens_match_eager(monkeypatc
 
     make = lambda: LLM(dtype="float32", quantization="auto", kv_cache_memory_gib=0.25)  # noqa: E731
     calls = _compare(make, PROMPTS, monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack,
-                     near_ties=True)
+                     exact=True)
     assert 4 in _stack_calls(calls)
 
 
