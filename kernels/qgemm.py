@@ -32,7 +32,12 @@ from kernels import cbuild, qgemm_n16
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # values per fp16 scale (and minimum) in q8_0 / q4_1, as in GGUF Q8_0 / Q4_1
-FUSED_MAX_M = 16  # above this many rows, dequantize blocks of W and use the BLAS matmul
+FUSED_MAX_M = 16  # above this many rows, dequantize blocks of W and use the BLAS matmul ...
+# ... except on the AVX2 build (the row layout's kernel of csrc/qgemm_avx2.h), which takes every M:
+# a row's result then depends on that row alone whatever the batch (batch invariance, DESIGN.md),
+# at no cost up to ~128 rows (faster than widening W below that) and ~1.3-1.4x the widened matmul's
+# time for prefill-sized batches of 256+ rows (loadtest/PERF.md, ninth session).
+ALL_ROWS = 1 << 62
 _DEQUANT_ROWS = 2048  # rows of W widened at a time on the large-M path (bounded scratch) ...
 _DEQUANT_BYTES = 4 << 20  # ... or more where they fit in this (one block for the default model's gate_up)
 _SOURCE = "qgemm.c"  # in kernels/csrc
@@ -244,7 +249,8 @@ class PackedLinear:
             self._mm, self._dequant, self._rows = lib.qg_int4_mm, lib.qg_int4_dequant, lib.qg_int4_rows
         if mode != "int8c" and tuple(tensors[1].shape) != (self.n, self.k // GROUP):
             raise ValueError(f"{mode}: scales of shape {tuple(tensors[1].shape)} for a {self.n}x{self.k} weight")
-        self._mmargs, self._fused_max, self.n16, self._amx = self._wargs, FUSED_MAX_M, None, None
+        self._mmargs, self.n16, self._amx = self._wargs, None, None
+        self._fused_max = ALL_ROWS if mode != "int8c" and isa() == "avx2" else FUSED_MAX_M
         n16 = qgemm_n16.library() if mode != "int8c" else None
         if n16 is not None:  # AVX-512 VNNI: only the 16-channel layout is kept (memory = the file's)
             self.n16 = self.tensors = qgemm_n16.repack(mode, tensors)

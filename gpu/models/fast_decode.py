@@ -35,6 +35,7 @@ from kernels.kv_cache_dtype import FP8
 logger = logging.getLogger(__name__)
 
 ENV = "PAGEDSERVE_FAST_DECODE"
+FP32_LAYER_MAX_ROWS = 64  # fp32 activations with quantized weights: the most rows a fused layer takes
 
 
 class BoundLinear:
@@ -63,6 +64,8 @@ def bind_linear(module: nn.Module, dtype: torch.dtype) -> BoundLinear | None:
         tensors, small, big, rows = entry
         if dtype is not torch.bfloat16 and big is not None:  # the AMX kernel multiplies bf16 rows only
             big, rows = None, qgemm_n16.FUSED_MAX_M
+        if dtype is torch.float32:  # the layer's norms, rotary and SiLU run on one thread: decode-sized
+            rows = min(rows, FP32_LAYER_MAX_ROWS)  # batches, even where the kernel takes every M (AVX2)
         ptrs = [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
         spec = fused.LinearSpec(kind, qgemm_n16.AMX_MIN_M if big else 0, *ptrs, small, big)
         return BoundLinear(spec, qweight.out_features, rows)
