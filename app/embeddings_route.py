@@ -102,6 +102,8 @@ class EmbeddingsRoute:
         elif isinstance(value[0], list):
             inputs = [(None, self.check_ids(list(ids), param)) for ids in value]
         else:
+            for i, t in enumerate(value):  # each text bounded before any is tokenized
+                self.fit_text(t, param, None, "the input" if len(value) == 1 else f"input {i}")
             ids = await asyncio.gather(*(self.engine.encode(t, add_special_tokens=add_special_tokens)
                                          for t in value))
             inputs = [(t, list(i)) for t, i in zip(value, ids)]
