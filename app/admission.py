@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import APIError
+from gpu.config import ModelConfig
 
 LIMIT_CODE = "limit_exceeded"  # one field past its bound (the schema states it)
 # a rule across fields past its bound (prompts x n, the token commitment): the schema cannot state it
@@ -40,8 +41,10 @@ def _limit(default: int, help: str) -> Any:
 class AdmissionLimits:
     """Per-request bounds of the server (``serve --help`` lists each as ``--max-...``)."""
 
-    max_logprobs: int = _limit(20, "most logprobs / top_logprobs / prompt_logprobs a request may ask "
-                                   "for (vLLM's --max-logprobs; the engine serves up to 20)")
+    # The engine's own limit (gpu.config.ModelConfig.max_logprobs): its flag is the engine's
+    # --max-logprobs (app/engine_args.py), read here under the same name; -1 = no cap.
+    max_logprobs: int = field(default=ModelConfig().max_logprobs, metadata={
+        "help": "most logprobs / top_logprobs / prompt_logprobs a request may ask for", "engine": True})
     max_prompts: int = _limit(1024, "prompts in one /v1/completions request")
     max_request_choices: int = _limit(1024, "sequences one request may ask for: prompts x max(n, "
                                             "best_of) (best_of = the beam width with use_beam_search)")
@@ -59,20 +62,18 @@ class AdmissionLimits:
     max_token_strs: int = _limit(65536, "tokens /tokenize returns as strings (return_token_strs)")
 
     def __post_init__(self) -> None:
-        from engine.sampling_params import MAX_LOGPROBS
-
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
-        if self.max_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be at most {MAX_LOGPROBS} (what the engine serves), "
-                             f"got {self.max_logprobs}")
+            lowest = -1 if f.name == "max_logprobs" else 0  # vLLM's -1: no cap
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ValueError(f"{f.name} must be an integer >= {lowest}, got {value!r}")
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("request limits (a request past one gets 400 naming it)")
         for f in dataclasses.fields(cls):
+            if f.metadata.get("engine"):
+                continue  # an engine flag (app/engine_args.py) of the same name sets it
             g.add_argument(flag(f.name), dest=f.name, type=int, default=f.default,
                            help=f"{f.metadata['help']} (default: %(default)s)")
 
@@ -123,7 +124,7 @@ def check_body(kind: str, data: Any, limits: AdmissionLimits, vocab_size: int | 
         check_logit_bias(data.get("logit_bias"), limits, vocab_size)
     for name in _LOGPROBS[kind]:
         value = data.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= limits.max_logprobs < value:
             raise refuse(name, f"'{name}' asks for {value}", "max_logprobs", limits.max_logprobs)
 
 

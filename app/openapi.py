@@ -250,7 +250,8 @@ def _fill_bounds(node: Any, bounds: dict[str, int | None], limits: AdmissionLimi
         if limit_name is not None:
             keyword = _LIMIT_KEYWORD[node["type"]]
             limit = getattr(limits, limit_name)
-            node[keyword] = min(node.get(keyword, limit), limit)
+            if limit >= 0:  # max_logprobs -1: no cap
+                node[keyword] = min(node.get(keyword, limit), limit)
         for value in node.values():
             _fill_bounds(value, bounds, limits)
     elif isinstance(node, list):

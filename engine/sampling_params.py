@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from engine.errors import SamplingParamsError
 from gpu.messages import SamplingOptions
 
-MAX_LOGPROBS = 20
+# logprobs / prompt_logprobs have no fixed bound here: the engine holds a request to its
+# max_logprobs (gpu.config.ModelConfig; --max-logprobs, LLM(max_logprobs=...)) in add_request.
 MAX_N = 128
 SEED_LIMIT = 2**63  # seeds live in [0, 2**63) so they survive msgpack and torch generators
 # Every integer setting reaches the workers inside a msgpack-encoded step and the worker's int64
@@ -171,9 +172,9 @@ class SamplingParams:
             raise SamplingParamsError(
                 "min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
-            self._check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+            self._check_int("logprobs", self.logprobs, 0, None)
         if self.prompt_logprobs is not None:
-            self._check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+            self._check_int("prompt_logprobs", self.prompt_logprobs, 0, None)
         self._check_token_masks()
 
     def _check_token_masks(self) -> None:
@@ -209,6 +210,18 @@ class SamplingParams:
         return bool(self.structured_outputs is not None or self.allowed_token_ids or self.bad_words)
 
     # ---- validation helpers -----------------------------------------------------------------
+
+    def check_max_logprobs(self, max_logprobs: int) -> None:
+        """``logprobs`` / ``prompt_logprobs`` within the engine's ``max_logprobs`` (-1: no cap),
+        as vLLM checks them against its model config."""
+        if max_logprobs < 0:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise SamplingParamsError(
+                    name, f"Requested {name} of {value}, which is greater than max allowed: {max_logprobs} "
+                          "(max_logprobs, --max-logprobs)")
 
     @staticmethod
     def _check_int(name: str, value, lo: int, hi: int | None) -> None:

@@ -171,12 +171,28 @@ async def test_logprobs_bounded_by_max_logprobs(make_client):
     assert r.status_code == 200, r.text
 
 
-def test_max_logprobs_cannot_pass_what_the_engine_serves():
-    from engine.sampling_params import MAX_LOGPROBS
+async def test_logprobs_above_20_where_the_server_allows_them(make_client):
+    # --max-logprobs 50: the request model no longer stops at a hard-coded 20
+    client, engine, _ = await make_client(max_logprobs=50)
+    r = await client.post("/v1/completions", json={**COMPLETION, "logprobs": 30})
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1].params.logprobs == 30
+    r = await client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 50})
+    assert r.status_code == 200, r.text
+    refused(await client.post("/v1/completions", json={**COMPLETION, "logprobs": 51}),
+            "logprobs", 50, "--max-logprobs")
+    client, engine, _ = await make_client(max_logprobs=-1)  # no cap
+    r = await client.post("/v1/completions", json={**COMPLETION, "prompt_logprobs": 200})
+    assert r.status_code == 200, r.text
 
-    AdmissionLimits(max_logprobs=MAX_LOGPROBS)
+
+def test_max_logprobs_is_the_engines_number():
+    # The engine serves whatever its max_logprobs says (tests/engine/test_max_logprobs.py): the
+    # admission limit may be above vLLM's default 20, or -1 (no cap), never below that.
+    AdmissionLimits(max_logprobs=50)
+    AdmissionLimits(max_logprobs=-1)
     with pytest.raises(ValueError, match="max_logprobs"):
-        AdmissionLimits(max_logprobs=MAX_LOGPROBS + 1)
+        AdmissionLimits(max_logprobs=-2)
     with pytest.raises(ValueError, match="max_stop_sequences"):
         AdmissionLimits(max_stop_sequences=-1)
 
