@@ -125,8 +125,11 @@ class ChoiceFanOut:
                 if comp.finish_reason == "error":
                     if out.error_from_request:
                         c.tracker.finish("error", "invalid_request")
+                        # the request's constraints admit no token, unless the engine names the
+                        # cause (a grammar compile past --grammar-compile-timeout: its own code)
                         raise APIError.bad_request(out.error or "the request's constraints admit no token",
-                                                   code="constraints_unsatisfiable")
+                                                   code=getattr(out, "error_code", None)
+                                                   or "constraints_unsatisfiable")
                     c.tracker.finish("error", "engine_error")
                     raise APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
                                    "server_error", None, "engine_error")

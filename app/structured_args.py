@@ -123,4 +123,4 @@ async def check_constraint(engine: Any, params: Any, param: str | None) -> None:
     try:
         await check(params)
     except RequestRejectedError as e:
-        raise APIError.bad_request(str(e), param=param) from None
+        raise APIError.bad_request(str(e), param=param, code=getattr(e, "code", None)) from None

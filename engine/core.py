@@ -316,6 +316,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
                      exc_info=cause)
         req.error = message
         req.error_from_request = False
+        req.error_code = None
         for seq in req.seqs:
             if not seq.is_finished:
                 try:
@@ -531,4 +532,5 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
             error_from_request=req.error_from_request,
+            error_code=req.error_code,
         )
