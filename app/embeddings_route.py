@@ -47,7 +47,7 @@ class EmbeddingsRoute:
     """Mixin of OpenAIServer (with RouteBase and ChoiceFanOut)."""
 
     async def embeddings(self, request: Request) -> Response:
-        req = parse(EmbeddingRequest, await self.read_json(request))
+        req = parse(EmbeddingRequest, await self.read_admitted(request, "embeddings"))
         inputs = await self.pooling_inputs(req.input, req.add_special_tokens, "input")
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         params = self.pooling_params(req.pooling_type, req.normalize, req.dimensions)

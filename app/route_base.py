@@ -69,7 +69,8 @@ class RouteBase:
                                         "--max-tokenize-body-bytes")
         else:
             data = await self.read_json(request)
-        check_body(kind, data, self.limits, getattr(self.engine.tokenizer, "vocab_size", None))
+        check_body(kind, data, self.limits, getattr(self.engine.tokenizer, "vocab_size", None),
+                   self.engine.max_model_len)
         return data
 
     def fit_text(self, text: str, param: str, keep: int | None = None, which: str = "the prompt") -> str:

@@ -129,10 +129,10 @@ async def test_fan_out_is_refused_before_anything_is_built(make_client):
     err = refused(r, "n", AdmissionLimits().max_request_choices, "--max-request-choices")
     assert "256000" in err["message"]
     assert prompted == [] and made == [] and built == [] and engine.calls == []
-    # the spies see a request within the limit, one built choice per prompt x n
+    # the spies see a request within the limit: its params built once, a choice per prompt x n
     r = await client.post("/v1/completions", json={"prompt": [[42]] * 2, "n": 3, "max_tokens": 1})
     assert r.status_code == 200, r.text
-    assert len(prompted) == 1 and len(made) == 1 and len(built) == 6
+    assert len(prompted) == 1 and len(made) == 1 and len(built) == 1 and len(engine.calls) == 6
 
 
 @pytest.mark.parametrize("path,body", ROUTES)
@@ -318,3 +318,67 @@ async def test_streamed_echo_logprobs_still_get_prompt_logprobs_for_every_choice
                                                     "stream": True})
     assert r.status_code == 200
     assert all(c.params.prompt_logprobs == 1 for c in engine.calls) and len(engine.calls) == 2
+
+
+# ---- found while checking "What must hold" (issue 22 follow-up) ------------------------------
+
+
+async def test_choices_share_one_validation_of_the_request_lists(make_client, monkeypatch):
+    # allowed_token_ids (up to the vocabulary), stop, bad_words, logit_bias were validated again
+    # for every choice on the loop: 1,024 choices x a vocabulary-sized list is seconds. The lists
+    # are validated once per request; the other choices are siblings that differ in max_tokens,
+    # seed and prompt_logprobs only.
+    from engine.sampling_params import SamplingParams
+
+    client, engine, _ = await make_client()
+    validated = []
+    real = SamplingParams._check_token_masks
+    monkeypatch.setattr(SamplingParams, "_check_token_masks", lambda self: validated.append(1) or real(self))
+    r = await client.post("/v1/completions", json={
+        "prompt": ["ab", "abcd"], "n": 3, "max_tokens": 2, "seed": 7, "stop": ["zz"], "prompt_logprobs": 1,
+        "allowed_token_ids": list(range(200)), "logit_bias": {"5": 1.0}})
+    assert r.status_code == 200, r.text
+    assert len(validated) == 1
+    params = [c.params for c in engine.calls]
+    assert [p.seed for p in params] == [7, 8, 9] * 2
+    assert [p.prompt_logprobs for p in params] == [1, None, None] * 2
+    assert all(p.allowed_token_ids == list(range(200)) and p.stop == ["zz"] and p.logit_bias == {5: 1.0}
+               and p.max_tokens == 2 and p.n == 1 for p in params)
+
+
+@pytest.mark.parametrize("path,body", ROUTES)
+async def test_allowed_token_ids_longer_than_the_vocabulary_are_400(make_client, path, body):
+    client, engine, server = await make_client()
+    validated = []
+    real_build = server.build_params
+    server.build_params = lambda kw: validated.append(kw) or real_build(kw)
+    r = await client.post(path, json={**body, "allowed_token_ids": list(range(256)) * 2})
+    err = assert_openai_error(r, 400, param="allowed_token_ids")
+    assert "512" in err["message"] and "256" in err["message"]
+    assert validated == [] and engine.calls == []
+    r = await client.post(path, json={**body, "allowed_token_ids": list(range(256))})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "prompt"), ("/v1/embeddings", "input")])
+async def test_token_id_prompts_past_the_context_are_refused_before_validation(make_client, monkeypatch,
+                                                                                 path, field):
+    # A 6 MB body of token ids took ~2 s of the loop to validate id by id before the context check
+    # refused it; its length alone says it cannot fit.
+    import app.completions_route as completions_route
+    import app.embeddings_route as embeddings_route
+
+    client, engine, _ = await make_client()
+    validated = []
+    for module in (completions_route, embeddings_route):
+        real_parse = module.parse
+        monkeypatch.setattr(module, "parse", lambda *a, _real=real_parse, **k: validated.append(a) or _real(*a, **k))
+    extra = {"max_tokens": 1} if field == "prompt" else {}
+    for value in ([5] * 100_000, [[5] * 3, [5] * 100_000]):
+        r = await client.post(path, json={field: value, **extra})
+        err = assert_openai_error(r, 400, param=field)
+        assert err["code"] == "context_length_exceeded" and "100000" in err["message"], err
+    assert validated == [] and engine.calls == []
+    if field == "prompt":  # truncation keeps the end of a long id list: validated and served
+        r = await client.post(path, json={field: [5] * 1000, "max_tokens": 1, "truncate_prompt_tokens": 10})
+        assert r.status_code == 200, r.text
