@@ -242,6 +242,9 @@ def _fill_bounds(node: Any, bounds: dict[str, int | None], limits: AdmissionLimi
             if bounds["vocab"] is not None:
                 node["patternProperties"] = {int_range_pattern(bounds["vocab"]): value
                                              for value in node["patternProperties"].values()}
+        elif kind == "vocab_items":  # a list of token ids, at most the vocabulary's size
+            if bounds["vocab"] is not None:
+                node["maxItems"] = bounds["vocab"] + 1
         elif kind is not None:
             limit = bounds[kind]
             if limit is not None:
