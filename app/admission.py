@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import APIError
+from gpu.config import ModelConfig
 
 LIMIT_CODE = "limit_exceeded"  # one field past its bound (the schema states it)
 # a rule across fields past its bound (prompts x n, the token commitment): the schema cannot state it
@@ -40,8 +41,10 @@ def _limit(default: int, help: str) -> Any:
 class AdmissionLimits:
     """Per-request bounds of the server (``serve --help`` lists each as ``--max-...``)."""
 
-    max_logprobs: int = _limit(20, "most logprobs / top_logprobs / prompt_logprobs a request may ask "
-                                   "for (vLLM's --max-logprobs; the engine serves up to 20)")
+    # The engine's own limit (gpu.config.ModelConfig.max_logprobs): its flag is the engine's
+    # --max-logprobs (app/engine_args.py), read here under the same name; -1 = no cap.
+    max_logprobs: int = field(default=ModelConfig().max_logprobs, metadata={
+        "help": "most logprobs / top_logprobs / prompt_logprobs a request may ask for", "engine": True})
     max_prompts: int = _limit(1024, "prompts in one /v1/completions request")
     max_request_choices: int = _limit(1024, "sequences one request may ask for: prompts x max(n, "
                                             "best_of) (best_of = the beam width with use_beam_search)")
@@ -59,20 +62,18 @@ class AdmissionLimits:
     max_token_strs: int = _limit(65536, "tokens /tokenize returns as strings (return_token_strs)")
 
     def __post_init__(self) -> None:
-        from engine.sampling_params import MAX_LOGPROBS
-
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
-        if self.max_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be at most {MAX_LOGPROBS} (what the engine serves), "
-                             f"got {self.max_logprobs}")
+            lowest = -1 if f.name == "max_logprobs" else 0  # vLLM's -1: no cap
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ValueError(f"{f.name} must be an integer >= {lowest}, got {value!r}")
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("request limits (a request past one gets 400 naming it)")
         for f in dataclasses.fields(cls):
+            if f.metadata.get("engine"):
+                continue  # an engine flag (app/engine_args.py) of the same name sets it
             g.add_argument(flag(f.name), dest=f.name, type=int, default=f.default,
                            help=f"{f.metadata['help']} (default: %(default)s)")
 
@@ -97,17 +98,30 @@ _LISTS = {
     "chat": (("messages", "max_messages"), ("tools", "max_tools"), ("stop", "max_stop_sequences"),
              ("stop_token_ids", "max_stop_token_ids"), ("bad_words", "max_bad_words")),
     "tokenize": (("messages", "max_messages"), ("tools", "max_tools")),
+    "embeddings": (),
 }
 _LOGPROBS = {"completions": ("logprobs", "prompt_logprobs"), "chat": ("top_logprobs", "prompt_logprobs"),
-             "tokenize": ()}
+             "tokenize": (), "embeddings": ()}
 
 
-def check_body(kind: str, data: Any, limits: AdmissionLimits, vocab_size: int | None) -> None:
-    """The bounds a JSON body can be held to before validation (``kind``: completions, chat or
-    tokenize). Only reads lengths and a bounded number of keys; shapes that are wrong are left
-    to the request model's validation."""
+def check_body(kind: str, data: Any, limits: AdmissionLimits, vocab_size: int | None,
+               max_model_len: int | None = None) -> None:
+    """The bounds a JSON body can be held to before validation (``kind``: completions, chat,
+    tokenize or embeddings). Only reads lengths and a bounded number of keys; shapes that are
+    wrong are left to the request model's validation."""
     if not isinstance(data, dict):
         return
+    if kind == "embeddings":
+        check_id_prompt_lengths(data.get("input"), "input", max_model_len, "input")
+        return
+    if kind == "completions" and data.get("truncate_prompt_tokens") is None:
+        check_id_prompt_lengths(data.get("prompt"), "prompt", max_model_len, "prompt")
+    allowed = data.get("allowed_token_ids")
+    if isinstance(allowed, list) and vocab_size is not None and len(allowed) > vocab_size:
+        # A longer list repeats ids or holds ids the model does not have: refused before each id
+        # is validated (and again for every choice).
+        raise APIError.bad_request(f"'allowed_token_ids' has {len(allowed)} ids but the vocabulary has "
+                                   f"{vocab_size} tokens", param="allowed_token_ids")
     for name, limit_name in _LISTS[kind]:
         value = data.get(name)
         limit = getattr(limits, limit_name)
@@ -123,8 +137,23 @@ def check_body(kind: str, data: Any, limits: AdmissionLimits, vocab_size: int | 
         check_logit_bias(data.get("logit_bias"), limits, vocab_size)
     for name in _LOGPROBS[kind]:
         value = data.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= limits.max_logprobs < value:
             raise refuse(name, f"'{name}' asks for {value}", "max_logprobs", limits.max_logprobs)
+
+
+def check_id_prompt_lengths(value: Any, param: str, max_model_len: int | None, what: str) -> None:
+    """A token-id prompt (a list of ids, or a list of such lists) longer than the context cannot
+    fit: refused from its length, before each id is validated (a 16 MiB body holds ~3M ids, ~2 s
+    of the event loop)."""
+    if max_model_len is None or not isinstance(value, list) or not value:
+        return
+    lists = [value] if not isinstance(value[0], list) else value
+    for i, ids in enumerate(lists):
+        if isinstance(ids, list) and len(ids) > max_model_len and not isinstance(ids[0], str):
+            which = f"{what} {i}" if len(lists) > 1 else f"your {what}"
+            raise APIError.bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, {which} has "
+                f"{len(ids)} tokens. Please shorten it.", param=param, code="context_length_exceeded")
 
 
 def check_logit_bias(bias: Any, limits: AdmissionLimits, vocab_size: int | None) -> None:

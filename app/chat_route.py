@@ -45,9 +45,12 @@ class ChatRoute:
     async def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool,
                           continue_final_message: bool, add_special_tokens: bool = False,
                           template_options: dict[str, Any] | None = None,
-                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                          tools: list[dict] | None = None, bounded: bool = False,
+                          keep: int | None = None) -> tuple[str | None, list[int]]:
         """``template_options`` (app/prompt_options.py) may override the two flags, as vLLM's
-        chat_template_kwargs do; ``tools``: the template's tools variable (app/tools/prompt.py)."""
+        chat_template_kwargs do; ``tools``: the template's tools variable (app/tools/prompt.py).
+        ``bounded``: the rendered text must fit the context (a 400 before it is tokenized), or
+        with ``keep`` (truncate_prompt_tokens) only its end is tokenized (the text is then None)."""
         from jinja2 import TemplateError
 
         template_options = dict(template_options or {})
@@ -61,7 +64,12 @@ class ChatRoute:
             param = "chat_template" if "chat_template" in template_options else "messages"
             raise APIError.bad_request(f"the chat template could not render these messages: {e}",
                                        param=param) from None
-        ids = await self.engine.encode(text, add_special_tokens=add_special_tokens)
+        if bounded:
+            fitted = self.fit_text(text, "messages", keep, "the conversation rendered by the chat template")
+            text = text if fitted is text else None
+        else:
+            fitted = text
+        ids = await self.engine.encode(fitted, add_special_tokens=add_special_tokens)
         return text, list(ids)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -76,7 +84,7 @@ class ChatRoute:
         messages, tools = self.template_messages(req.messages, plan.tools, options.get("chat_template"))
         text, ids = await self.chat_prompt(
             messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
-            options, tools)
+            options, tools, bounded=True, keep=req.truncate_prompt_tokens)
         kept = truncate_prompt(ids, req.truncate_prompt_tokens)
         if len(kept) < len(ids):
             text, ids = None, kept

@@ -42,12 +42,15 @@ class CompletionsRoute:
             return [(None, self.check_ids(list(prompt), "prompt"))]
         else:
             return [(None, self.check_ids(list(p), "prompt")) for p in prompt]
+        # Every text bounded before any is tokenized (a text cut to its end shows no echo text).
+        fitted = [self.fit_text(t, "prompt", req.truncate_prompt_tokens,
+                                "the prompt" if len(texts) == 1 else f"prompt {i}") for i, t in enumerate(texts)]
         ids = await asyncio.gather(*(self.engine.encode(t, add_special_tokens=req.add_special_tokens)
-                                     for t in texts))
+                                     for t in fitted))
         for i, t in enumerate(ids):
             if not t:
                 raise APIError.bad_request("the prompt is empty", param="prompt")
-        return list(zip(texts, [list(t) for t in ids]))
+        return [(text if cut is text else None, list(t)) for text, cut, t in zip(texts, fitted, ids)]
 
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self.read_admitted(request, "completions"))

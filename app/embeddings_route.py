@@ -47,7 +47,7 @@ class EmbeddingsRoute:
     """Mixin of OpenAIServer (with RouteBase and ChoiceFanOut)."""
 
     async def embeddings(self, request: Request) -> Response:
-        req = parse(EmbeddingRequest, await self.read_json(request))
+        req = parse(EmbeddingRequest, await self.read_admitted(request, "embeddings"))
         inputs = await self.pooling_inputs(req.input, req.add_special_tokens, "input")
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         params = self.pooling_params(req.pooling_type, req.normalize, req.dimensions)
@@ -102,6 +102,8 @@ class EmbeddingsRoute:
         elif isinstance(value[0], list):
             inputs = [(None, self.check_ids(list(ids), param)) for ids in value]
         else:
+            for i, t in enumerate(value):  # each text bounded before any is tokenized
+                self.fit_text(t, param, None, "the input" if len(value) == 1 else f"input {i}")
             ids = await asyncio.gather(*(self.engine.encode(t, add_special_tokens=add_special_tokens)
                                          for t in value))
             inputs = [(t, list(i)) for t, i in zip(value, ids)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpu.config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, PrepConfig
+from gpu.config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, ModelConfig, PrepConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +20,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "for other checkpoints), none dequantizes to --dtype, int8 in groups of 32 with a "
                         "scale (GGUF Q8_0), int4 in groups of 32 with scale and minimum (GGUF Q4_1)")
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-logprobs", type=int, default=ModelConfig().max_logprobs,
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's; "
+                        "-1 = no cap; default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--prompt-admit-tokens", type=int, default=0,
@@ -95,6 +98,7 @@ def engine_config_from_args(args: argparse.Namespace, default_executor: str | No
         dtype=args.dtype,
         quantization=getattr(args, "quantization", "auto"),
         max_model_len=args.max_model_len,
+        max_logprobs=getattr(args, "max_logprobs", ModelConfig().max_logprobs),
         seed=args.seed,
         hf_config=_json_arg(args.hf_config),
         served_model_name=getattr(args, "served_model_name", None),

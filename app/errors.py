@@ -79,7 +79,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError.engine_dead(str(exc) or "The engine has stopped.")
     if isinstance(exc, RequestRejectedError):
-        return APIError.bad_request(str(exc), param=getattr(exc, "param", None))
+        return APIError.bad_request(str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
     if _is_sampling_params_error(exc):
         return APIError.bad_request(str(exc), param=getattr(exc, "param", None))
     logger.error("unexpected error while serving a request", exc_info=exc)

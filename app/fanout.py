@@ -68,6 +68,7 @@ class ChoiceFanOut:
                            tracker=self.metrics.tracker())
                     for p, (text, ids) in enumerate(prompts) for i in range(n)]
         choices = []
+        first = None  # the request's params, validated once; the other choices are its siblings
         for p, (text, ids) in enumerate(prompts):
             for i in range(n):
                 kw = dict(base_kwargs)
@@ -79,10 +80,14 @@ class ChoiceFanOut:
                     # Choice i is seeded seed + i, as the engine seeds sequence i of an n > 1
                     # request: distinct choices, reproducible run to run.
                     kw["seed"] = (seed + i) % 2**63 if seed >= 0 else seed
+                if first is None or not hasattr(first, "sibling"):
+                    params = first = self.build_params(kw)
+                else:  # its lists (stop, allowed_token_ids...) are not validated again per choice
+                    params = first.sibling(max_tokens=kw["max_tokens"], seed=kw.get("seed"),
+                                           prompt_logprobs=kw.get("prompt_logprobs"))
                 choices.append(Choice(index=p * n + i, prompt_idx=p, sample_idx=i,
                                       request_id=f"{request_id}-{p}-{i}", prompt_ids=ids,
-                                      prompt_text=text, params=self.build_params(kw),
-                                      tracker=self.metrics.tracker()))
+                                      prompt_text=text, params=params, tracker=self.metrics.tracker()))
         return choices
 
     @staticmethod
@@ -125,8 +130,11 @@ class ChoiceFanOut:
                 if comp.finish_reason == "error":
                     if out.error_from_request:
                         c.tracker.finish("error", "invalid_request")
+                        # the request's constraints admit no token, unless the engine names the
+                        # cause (a grammar compile past --grammar-compile-timeout: its own code)
                         raise APIError.bad_request(out.error or "the request's constraints admit no token",
-                                                   code="constraints_unsatisfiable")
+                                                   code=getattr(out, "error_code", None)
+                                                   or "constraints_unsatisfiable")
                     c.tracker.finish("error", "engine_error")
                     raise APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
                                    "server_error", None, "engine_error")

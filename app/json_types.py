@@ -6,7 +6,6 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
-MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's bound on n
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # JSON integers must fit the engine's int64 fields
 
@@ -34,7 +33,8 @@ def json_integer(v: Any) -> Any:
 AS_INT = BeforeValidator(json_integer)
 Int = Annotated[int, AS_INT]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS, json_schema_extra={LIMIT_KEY: "max_logprobs"}), AS_INT]
+# Bounded by the server's --max-logprobs (checked in app/admission.py, stated in /openapi.json).
+NumLogprobs = Annotated[int, Field(ge=0, json_schema_extra={LIMIT_KEY: "max_logprobs"}), AS_INT]
 
 
 def limited(limit_name: str, **constraints: Any) -> Any:

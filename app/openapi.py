@@ -242,6 +242,9 @@ def _fill_bounds(node: Any, bounds: dict[str, int | None], limits: AdmissionLimi
             if bounds["vocab"] is not None:
                 node["patternProperties"] = {int_range_pattern(bounds["vocab"]): value
                                              for value in node["patternProperties"].values()}
+        elif kind == "vocab_items":  # a list of token ids, at most the vocabulary's size
+            if bounds["vocab"] is not None:
+                node["maxItems"] = bounds["vocab"] + 1
         elif kind is not None:
             limit = bounds[kind]
             if limit is not None:
@@ -250,7 +253,8 @@ def _fill_bounds(node: Any, bounds: dict[str, int | None], limits: AdmissionLimi
         if limit_name is not None:
             keyword = _LIMIT_KEYWORD[node["type"]]
             limit = getattr(limits, limit_name)
-            node[keyword] = min(node.get(keyword, limit), limit)
+            if limit >= 0:  # max_logprobs -1: no cap
+                node[keyword] = min(node.get(keyword, limit), limit)
         for value in node.values():
             _fill_bounds(value, bounds, limits)
     elif isinstance(node, list):

@@ -22,7 +22,7 @@ from app.structured_args import StructuredFields
 from app.extra_fields import ChatExtraFields, CompletionExtraFields, TokenizeExtraFields, log_ignored_fields
 from app.json_types import AS_INT as _AS_INT
 from app.json_types import (  # noqa: F401  (re-exported)
-    BOUND_KEY, INT64_MAX, INT64_MIN, LIMIT_KEY, MAX_LOGPROBS, MAX_N, Int, NonEmptyStr, NumLogprobs, limited)
+    BOUND_KEY, INT64_MAX, INT64_MIN, LIMIT_KEY, MAX_N, Int, NonEmptyStr, NumLogprobs, limited)
 from app.json_types import json_integer as _json_integer
 
 # A token id the model reads: the server answers 400 past the vocabulary.

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from app.admission import AdmissionLimits, check_body
 from app.errors import APIError
 from app.metrics import ServerMetrics
+from app.prompt_options import fit_text
 
 
 class RouteBase:
@@ -68,8 +69,15 @@ class RouteBase:
                                         "--max-tokenize-body-bytes")
         else:
             data = await self.read_json(request)
-        check_body(kind, data, self.limits, getattr(self.engine.tokenizer, "vocab_size", None))
+        check_body(kind, data, self.limits, getattr(self.engine.tokenizer, "vocab_size", None),
+                   self.engine.max_model_len)
         return data
+
+    def fit_text(self, text: str, param: str, keep: int | None = None, which: str = "the prompt") -> str:
+        """A text prompt bounded before it is tokenized (app/prompt_options.fit_text): a 400 when
+        it cannot fit the context, its end only when ``keep`` (truncate_prompt_tokens) is set."""
+        return fit_text(text, param, getattr(self.engine.tokenizer, "max_token_chars", None),
+                        self.engine.max_model_len, keep, which)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

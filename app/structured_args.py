@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import APIError
-from app.json_types import AS_INT, limited
+from app.json_types import AS_INT, BOUND_KEY, limited
 
 _TokenId = Annotated[int, Field(ge=0, le=2**63 - 1), AS_INT]  # 1.0 is an integer in JSON, as elsewhere
 
@@ -54,7 +54,9 @@ class StructuredFields(_Model):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM refuses an empty list (nothing could be sampled); the schema says so too.
-    allowed_token_ids: list[_TokenId] | None = Field(default=None, min_length=1)
+    # At most the vocabulary's size (a longer list repeats ids: app/admission.py refuses it).
+    allowed_token_ids: list[_TokenId] | None = Field(default=None, min_length=1,
+                                                     json_schema_extra={BOUND_KEY: "vocab_items"})
     bad_words: Annotated[list[str], limited("max_bad_words")] | None = None
 
     def structured_source(self) -> tuple[str, dict[str, Any]] | None:
@@ -123,4 +125,4 @@ async def check_constraint(engine: Any, params: Any, param: str | None) -> None:
     try:
         await check(params)
     except RequestRejectedError as e:
-        raise APIError.bad_request(str(e), param=param) from None
+        raise APIError.bad_request(str(e), param=param, code=getattr(e, "code", None)) from None

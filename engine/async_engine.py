@@ -130,6 +130,8 @@ class AsyncEngine:
         self.parts = await loop.run_in_executor(self._pool, build_engine, self.config)
         await preloading
         self.tokenizer = self.parts.tokenizer
+        # The text-length bound of prompts (app/prompt_options.fit_text): once, off the loop.
+        await loop.run_in_executor(self._pool, getattr, self.tokenizer, "max_token_chars", None)
         self._wake = asyncio.Event()
         self._accepting = True
         self._task = asyncio.create_task(self._run(), name="pagedserve-engine-loop")

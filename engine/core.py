@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from engine import beam_engine
 from engine.beam_search import BeamSearchParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineError, RequestRejectedError
+from engine.errors import EngineError, RequestRejectedError, SamplingParamsError
 from engine.kv_blocks import BlockManager, model_hash_seed
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from engine.pooling_params import PoolingParams
@@ -80,6 +80,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         self.executor = executor
         self.tokenizer = tokenizer
         self.max_model_len = int(config.model.max_model_len)
+        self.max_logprobs = int(config.model.max_logprobs)  # -1: no cap
         # Ids past the embedding table would crash the step for everyone; refuse them up front.
         self.vocab_size = int((config.model.hf_config or {}).get("vocab_size") or 0) or None
         self.block_manager = BlockManager(int(executor.num_blocks), config.cache.block_size,
@@ -125,6 +126,12 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             return self.add_pooling_request(request_id, prompt, prompt_token_ids, params,
                                             arrival_time, priority, cache_salt)
         self._check_fits(prompt_token_ids, params)
+        try:
+            params.check_max_logprobs(self.max_logprobs)
+        except SamplingParamsError as e:
+            rejected = RequestRejectedError(str(e))
+            rejected.param = e.param
+            raise rejected from None
         if params.has_token_constraint:
             self.check_constraint(params)
         num_prompt = len(prompt_token_ids)
@@ -309,6 +316,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
                      exc_info=cause)
         req.error = message
         req.error_from_request = False
+        req.error_code = None
         for seq in req.seqs:
             if not seq.is_finished:
                 try:
@@ -524,4 +532,5 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
             error_from_request=req.error_from_request,
+            error_code=req.error_code,
         )

@@ -74,6 +74,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sequence)
     error: str | None = field(default=None)  # set when finish_reason is "error"
     error_from_request: bool = False  # the request's constraints caused it (a 400), not the engine
+    # with error_from_request, the error code the client sees when it is not the default
+    # "constraints_unsatisfiable" (a grammar compile past --grammar-compile-timeout: its flag's name)
+    error_code: str | None = None
 
 
 def merge_delta(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
@@ -109,4 +112,5 @@ def merge_delta(acc: RequestOutput, delta: RequestOutput) -> RequestOutput:
     acc.num_cached_tokens = max(acc.num_cached_tokens, delta.num_cached_tokens)
     acc.error = delta.error or acc.error
     acc.error_from_request = delta.error_from_request or acc.error_from_request
+    acc.error_code = delta.error_code or acc.error_code
     return acc

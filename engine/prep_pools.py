@@ -33,11 +33,13 @@ logger = logging.getLogger(__name__)
 
 
 class PrepDeadlineError(RequestRejectedError):
-    """A request's preparation ran past its limit (HTTP 400 naming the limit)."""
+    """A request's preparation ran past its limit (HTTP 400 naming the limit). ``code``: the
+    error code the client sees, the limit's flag as a name (``grammar_compile_timeout``)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class PrepBusyError(EngineOverloadedError):
@@ -156,7 +158,8 @@ class DeadlinePool:
     def deadline_error(self, timeout_s: float | None = None, param: str | None = None) -> PrepDeadlineError:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         return PrepDeadlineError(f"{self.what} took longer than the limit of {timeout:g} s ({self.flag}); "
-                                 "simplify the request or ask the operator to raise the limit", param)
+                                 "simplify the request or ask the operator to raise the limit", param,
+                                 self.flag.lstrip("-").replace("-", "_"))
 
     async def run(self, fn: Callable, *args: Any, timeout_s: float | None = None,
                   param: str | None = None) -> Any:

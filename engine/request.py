@@ -101,6 +101,7 @@ class Request:
     # The error is the request's own doing (its constraints admit no token), not the engine's:
     # the server answers 400, not 500.
     error_from_request: bool = False
+    error_code: str | None = None  # with error_from_request: the client's error code (None: the default)
     # Prefix-cache tenant key: only requests with an equal salt (or both None) share KV blocks.
     cache_salt: str | None = None
     # Set while the request's grammar compiles: its sequences are not in the scheduler yet.

@@ -5,6 +5,7 @@ device-side sampler; the stop conditions (EOS, stop strings, max/min tokens) sta
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import secrets
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 from engine.errors import SamplingParamsError
 from gpu.messages import SamplingOptions
 
-MAX_LOGPROBS = 20
+# logprobs / prompt_logprobs have no fixed bound here: the engine holds a request to its
+# max_logprobs (gpu.config.ModelConfig; --max-logprobs, LLM(max_logprobs=...)) in add_request.
 MAX_N = 128
 SEED_LIMIT = 2**63  # seeds live in [0, 2**63) so they survive msgpack and torch generators
 # Every integer setting reaches the workers inside a msgpack-encoded step and the worker's int64
@@ -171,9 +173,9 @@ class SamplingParams:
             raise SamplingParamsError(
                 "min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
-            self._check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+            self._check_int("logprobs", self.logprobs, 0, None)
         if self.prompt_logprobs is not None:
-            self._check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+            self._check_int("prompt_logprobs", self.prompt_logprobs, 0, None)
         self._check_token_masks()
 
     def _check_token_masks(self) -> None:
@@ -209,6 +211,41 @@ class SamplingParams:
         return bool(self.structured_outputs is not None or self.allowed_token_ids or self.bad_words)
 
     # ---- validation helpers -----------------------------------------------------------------
+
+    def sibling(self, **changes) -> "SamplingParams":
+        """A copy with some of ``max_tokens``, ``seed`` and ``prompt_logprobs`` changed, checking
+        only those: the choices of one request (prompts x n) share its validated lists (stop,
+        allowed_token_ids, bad_words, logit_bias), which are read-only from here on, instead of
+        validating them again per choice on the event loop (issue 22)."""
+        unknown = set(changes) - {"max_tokens", "seed", "prompt_logprobs"}
+        if unknown:
+            raise TypeError(f"sibling() cannot change {sorted(unknown)}")
+        p = copy.copy(self)
+        for name, value in changes.items():
+            setattr(p, name, value)
+        if "seed" in changes and p.seed is not None:
+            if not _is_int(p.seed) or not 0 <= p.seed < SEED_LIMIT:
+                raise SamplingParamsError("seed", f"seed must be an integer in [0, 2**63 - 1], got {p.seed!r}")
+        if "max_tokens" in changes and p.max_tokens is not None:
+            self._check_int("max_tokens", p.max_tokens, 1, None)
+            if p.min_tokens > p.max_tokens:
+                raise SamplingParamsError(
+                    "min_tokens", f"min_tokens must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}")
+        if "prompt_logprobs" in changes and p.prompt_logprobs is not None:
+            self._check_int("prompt_logprobs", p.prompt_logprobs, 0, None)
+        return p
+
+    def check_max_logprobs(self, max_logprobs: int) -> None:
+        """``logprobs`` / ``prompt_logprobs`` within the engine's ``max_logprobs`` (-1: no cap),
+        as vLLM checks them against its model config."""
+        if max_logprobs < 0:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise SamplingParamsError(
+                    name, f"Requested {name} of {value}, which is greater than max allowed: {max_logprobs} "
+                          "(max_logprobs, --max-logprobs)")
 
     @staticmethod
     def _check_int(name: str, value, lo: int, hi: int | None) -> None:

@@ -316,6 +316,30 @@ class Tokenizer:
                 self._tok, _bytes_to_unicode(), lambda i: self.decode([i], skip_special_tokens=False))
         return fn(token_id)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of an input text one token can stand for, or None where the
+        tokenizer may drop characters (then no such bound exists). A text longer than
+        ``max_model_len x max_token_chars`` cannot fit the context: the server refuses it before
+        encoding it (encoding holds the interpreter, ~0.75 s per MiB). Computed once (start-up).
+
+        The longest vocabulary entry in characters bounds what one token covers: a byte-level
+        token's string has one character per byte (a byte is never more than a character), a
+        Metaspace or WordPiece token spells its text (plus markers). That holds as long as every
+        character of the input reaches some token: a pre-tokenizer that drops text (Whitespace,
+        BERT's, a Split that removes), a normalizer that may delete text (Strip, BERT's, a
+        precompiled map, a shrinking Replace) or unknown characters fused into one token leave no
+        bound. NFC/NFKC compose at most 4 characters into one (a canonical decomposition is at
+        most 4 long), so they multiply the bound by 4."""
+        factor = _text_shrink_factor(self._tok)
+        if factor is None:
+            logger.info("%s: the tokenizer may drop characters; text prompts get no length bound "
+                        "before tokenizing", self.source)
+            return None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        longest = max((len(t) for t in vocab), default=1)
+        return max(1, longest) * factor
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         return [self._tok.id_to_token(i) for i in ids]
 
@@ -362,6 +386,71 @@ class Tokenizer:
             rendered = rendered[:loc] if rendered[loc:loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG \
                 else rendered[:loc].rstrip()
         return rendered
+
+
+# Normalizers that never shorten a text; NFC/NFKC shorten it at most 4 times.
+_KEEPING_NORMALIZERS = {"Prepend", "Lowercase", "NFD", "NFKD"}
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+# Pre-tokenizers that keep every character in some piece.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Metaspace", "UnicodeScripts", "Split", "Punctuation",
+                           "FixedLength"}
+
+
+def _text_shrink_factor(backend: HFTokenizer) -> int | None:
+    """How many input characters at most become one character the model sees (normalizers), or
+    None when the tokenizer may drop input text (see Tokenizer.max_token_chars)."""
+    def state(component) -> dict | None:
+        if component is None:
+            return None
+        return json.loads(component.__getstate__())
+
+    def normalizer_factor(node: dict | None) -> int | None:
+        if node is None:
+            return 1
+        kind = node.get("type")
+        if kind == "Sequence":
+            factor = 1
+            for child in node.get("normalizers", []):
+                f = normalizer_factor(child)
+                if f is None:
+                    return None
+                factor *= f
+            return factor
+        if kind in _KEEPING_NORMALIZERS:
+            return 1
+        if kind in _COMPOSING_NORMALIZERS:
+            return 4
+        if kind == "Replace":
+            pattern = node.get("pattern", {})
+            if "String" in pattern and pattern["String"] and len(node.get("content", "")) >= len(pattern["String"]):
+                return 1
+        return None  # Strip, StripAccents, BertNormalizer, Precompiled, regex Replace...: may delete
+
+    def keeps_text(node: dict | None) -> bool:
+        if node is None:
+            return True
+        kind = node.get("type")
+        if kind == "Sequence":
+            return all(keeps_text(child) for child in node.get("pretokenizers", []))
+        if kind not in _KEEPING_PRE_TOKENIZERS:
+            return False  # Whitespace, WhitespaceSplit, BertPreTokenizer, CharDelimiterSplit...
+        return str(node.get("behavior", "Isolated")).lower() != "removed"
+
+    try:
+        factor = normalizer_factor(state(backend.normalizer))
+        if factor is None or not keeps_text(state(backend.pre_tokenizer)):
+            return None
+        model = backend.model
+        if type(model).__name__ != "BPE":
+            return None  # WordPiece / WordLevel / Unigram: one unknown token may stand for a long run
+        if model.unk_token is not None and model.fuse_unk and not model.byte_fallback:
+            return None  # a run of unknown characters becomes one token
+        if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+            return None  # an added token that swallows the whitespace beside it (any amount)
+    except Exception:  # noqa: BLE001 - a component we cannot read: no bound rather than a wrong one
+        logger.debug("cannot inspect the tokenizer's pipeline", exc_info=True)
+        return None
+    return factor
 
 
 def _read_json(path: str) -> dict | None:

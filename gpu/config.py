@@ -51,6 +51,10 @@ class ModelConfig:
     # A Hugging Face config dict; for load_format=dummy without a model path, it is the model.
     hf_config: dict | None = None
     served_model_name: str | None = None
+    # Most logprobs / prompt_logprobs one request may ask for (vLLM's max_logprobs and
+    # --max-logprobs; -1 = no cap). The engine holds each request to it (EngineCore.add_request);
+    # serve's admission check and /openapi.json state the same number.
+    max_logprobs: int = 20
 
 
 @dataclass(slots=True)

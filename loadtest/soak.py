@@ -29,7 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import proctree
-from loadtest.soak_mix import MIX, Outcome, Planned, check_full, check_stream, plan
+from loadtest.soak_mix import HOSTILE_KINDS, MIX, Outcome, Planned, check_full, check_stream, plan
 from loadtest.sse import SSEDecoder, StreamError
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ async def _send(client: httpx.AsyncClient, p: Planned, out: Outcome) -> None:
         r = await client.post(p.path, **kwargs)
         out.status = r.status_code
         out.extra["hostile"] = p.note
+        out.extra["hostile_size"] = p.size
         if r.status_code not in p.accept_status:
             out.ok, out.error = False, f"{p.note}: got {r.status_code} {r.text[:200]}"
             return
@@ -336,9 +337,11 @@ def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcome
     }
     hostile = [o for o in every if o.kind == "hostile"]
     hostile_by: dict[str, Counter] = {}
+    hostile_sizes: dict[str, int] = {}  # the largest of each kind sent
     for o in hostile:
-        hostile_by.setdefault(o.extra.get("hostile", "?"), Counter())[
-            str(o.status) if o.status is not None else "no_response"] += 1
+        kind = o.extra.get("hostile", "?")
+        hostile_by.setdefault(kind, Counter())[str(o.status) if o.status is not None else "no_response"] += 1
+        hostile_sizes[kind] = max(hostile_sizes.get(kind, 0), o.extra.get("hostile_size", 0))
     if hostile:
         checks["hostile_no_5xx"] = not any(o.status is not None and o.status >= 500 for o in hostile)
     worst_lag = None
@@ -381,7 +384,10 @@ def summarize(cfg: SoakConfig, model: str, warm_outcomes: list[Outcome], outcome
         "hostile": {"sent": len(hostile),
                     "five_xx": sum(1 for o in hostile if o.status is not None and o.status >= 500),
                     "latency_max_s": round(max((o.latency_s for o in hostile), default=0.0), 3),
-                    "by_kind": {k: dict(v) for k, v in sorted(hostile_by.items())}},
+                    "by_kind": {k: dict(v) for k, v in sorted(hostile_by.items())},
+                    # kind -> the largest sent, and the kinds that never came up (a short run)
+                    "size_by_kind": dict(sorted(hostile_sizes.items())),
+                    "kinds_not_sent": [k for k in HOSTILE_KINDS if k not in hostile_by]},
         "five_xx": five_xx,
         "loop_lag_s": {**(loop_lag or {}), "worst": worst_lag},
         "failures": len(failures),

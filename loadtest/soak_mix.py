@@ -28,7 +28,11 @@ MIX = {
 # What a hostile request may be answered with: served, or refused by the admission guard.
 HOSTILE_OK = (200, 400, 413)
 HOSTILE_KINDS = ("huge_stop", "big_bad_words", "big_logit_bias", "fanout_n", "big_tokenize",
-                 "many_tool_messages", "template_kwargs_self")
+                 "many_tool_messages", "template_kwargs_self", "huge_text_prompt")
+# Each hostile kind's size at hostile_scale 1.0 (list items, prompts, characters; 0: no size).
+HOSTILE_FULL_SIZE = {"huge_stop": 40_000, "big_bad_words": 20_000, "big_logit_bias": 50_000,
+                     "fanout_n": 2000, "big_tokenize": 200_000, "many_tool_messages": 20_000,
+                     "template_kwargs_self": 0, "huge_text_prompt": 200_000}
 
 
 @dataclass(slots=True)
@@ -44,6 +48,7 @@ class Planned:
     n: int = 1
     drop_after_events: int | None = None  # abort: hang up after this many data events
     note: str = ""
+    size: int = 0  # hostile: its size (HOSTILE_FULL_SIZE at hostile_scale 1.0)
 
 
 @dataclass(slots=True)
@@ -96,40 +101,43 @@ def _bad(rng: random.Random, model: str, max_model_len: int) -> tuple[str, dict 
 def _hostile(rng: random.Random, index: int, model: str, scale: float) -> Planned:
     """One hostile request; ``scale`` shrinks the list sizes (1.0 = the sizes that froze the
     loop for seconds before issue 22; a quick check may use less)."""
-    def size(n: int) -> int:
-        return max(2, int(n * scale))
-
     what = rng.choice(HOSTILE_KINDS)
+    n = max(2, int(HOSTILE_FULL_SIZE[what] * scale)) if HOSTILE_FULL_SIZE[what] else 0
     short = {"model": model, "max_tokens": 4, "temperature": 0.0}
     if what == "huge_stop":
-        body = {**short, "prompt": _text(rng, 3, 10), "stop": [f"s{i:07d}" for i in range(size(40_000))]}
+        body = {**short, "prompt": _text(rng, 3, 10), "stop": [f"s{i:07d}" for i in range(n)]}
         path = COMPLETIONS
     elif what == "big_bad_words":
-        body = {**short, "prompt": _text(rng, 3, 10), "bad_words": [f"w{i}x" for i in range(size(20_000))]}
+        body = {**short, "prompt": _text(rng, 3, 10), "bad_words": [f"w{i}x" for i in range(n)]}
         path = COMPLETIONS
     elif what == "big_logit_bias":
         # mostly past any vocabulary: must be refused (OpenAI/vLLM), never accepted and looped over
         body = {**short, "prompt": _text(rng, 3, 10),
-                "logit_bias": {str(1_000_000 + i): 1.0 for i in range(size(50_000))}}
+                "logit_bias": {str(1_000_000 + i): 1.0 for i in range(n)}}
         path = COMPLETIONS
     elif what == "fanout_n":
-        body = {**short, "max_tokens": 1, "prompt": [[42]] * size(2000), "n": 128}
+        body = {**short, "max_tokens": 1, "prompt": [[42]] * n, "n": 128}
         path = COMPLETIONS
     elif what == "big_tokenize":
-        body = {"model": model, "prompt": "hello world " * size(200_000), "return_token_strs": True}
+        body = {"model": model, "prompt": "hello world " * n, "return_token_strs": True}
         path = "/tokenize"
     elif what == "many_tool_messages":
         msgs = [{"role": "user", "content": "call it"},
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
-        msgs += [{"role": "tool", "tool_call_id": "c0", "content": "ok " * 4} for _ in range(size(20_000))]
+        msgs += [{"role": "tool", "tool_call_id": "c0", "content": "ok " * 4} for _ in range(n)]
         body = {**short, "messages": msgs}
         path = CHAT
+    elif what == "huge_text_prompt":
+        # a multi-MB text prompt (n sentences of 21 characters): tokenizing it held the loop ~0.75 s
+        # per MiB; it cannot fit the context and is refused before it is tokenized
+        body = {**short, "prompt": "The quick brown fox. " * n}
+        path = COMPLETIONS
     else:  # template_kwargs_self: a keyword the renderer itself takes
         body = {**short, "messages": [{"role": "user", "content": "hi"}],
                 "chat_template_kwargs": {"self": 1}}
         path = CHAT
-    return Planned(index, "hostile", path, body, accept_status=HOSTILE_OK, note=what)
+    return Planned(index, "hostile", path, body, accept_status=HOSTILE_OK, note=what, size=n)
 
 
 def plan(index: int, *, seed: int, model: str, max_model_len: int, max_tokens: int,

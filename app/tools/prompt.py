@@ -81,7 +81,7 @@ def template_messages(messages: list[Any], native: bool) -> list[dict[str, Any]]
             else:
                 # A run of tool results is one user turn; its blocks are joined once, at the end
                 # (appending to the turn's text each time was quadratic in the run's length).
-                response = f"<tool_response>\n{msg['content']}\n</tool_response>"
+                response = _tool_response(msg["content"])
                 if out and "_tool_responses" in out[-1]:
                     out[-1]["_tool_responses"].append(response)
                 else:
@@ -91,8 +91,18 @@ def template_messages(messages: list[Any], native: bool) -> list[dict[str, Any]]
     for msg in out:
         blocks = msg.pop("_tool_responses", None)
         if blocks is not None:
-            msg["content"] = "\n".join(blocks)
+            msg["content"] = _join_tool_responses(blocks)
     return out
+
+
+def _tool_response(content: str) -> str:
+    """One tool result as the Hermes-style block the default template shows."""
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def _join_tool_responses(blocks: list[str]) -> str:
+    """A run of tool results as one user turn's text: one join, once the run is complete."""
+    return "\n".join(blocks)
 
 
 def _hermes_call(name: str, arguments: str) -> str:

@@ -33,11 +33,12 @@ class ConstrainedRequests:
                 for seq in req.seqs:
                     if not seq.is_finished:
                         self.scheduler.add(seq)
-        for req, reason in failed:
+        for req, reason, code in failed:
             if req.request_id not in self.requests:
                 continue
             req.error = reason
             req.error_from_request = True  # a grammar that does not compile (in time) is the request's
+            req.error_code = code  # grammar_compile_timeout past --grammar-compile-timeout
             for seq in req.seqs:
                 if not seq.is_finished:
                     self._finish_seq(seq, "error")

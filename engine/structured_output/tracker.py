@@ -66,10 +66,11 @@ class ConstraintTracker:
         for seq in req.seqs:
             self.manager.attach_matcher(seq.constraint, compiled)
 
-    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
-        """Requests whose compile finished: (ready to schedule, failed with a reason)."""
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str, str | None]]]:
+        """Requests whose compile finished: (ready to schedule, failed with a reason and an error
+        code: ``grammar_compile_timeout`` past the deadline, else None)."""
         ready: list[Request] = []
-        failed: list[tuple[Request, str]] = []
+        failed: list[tuple[Request, str, str | None]] = []
         timeout = self.manager.compile_timeout_s
         now = time.monotonic()
         if timeout:
@@ -80,11 +81,12 @@ class ConstraintTracker:
             self._since.pop(rid, None)
             fut, req.grammar_future = req.grammar_future, None
             if not fut.done():  # waited past --grammar-compile-timeout (the compile runs on)
-                failed.append((req, str(self.manager.deadline_error())))
+                late = self.manager.deadline_error()
+                failed.append((req, str(late), late.code))
                 continue
             exc = fut.exception()
             if exc is not None:  # stays "compiling" (outside the scheduler) until it is finished
-                failed.append((req, str(exc)))
+                failed.append((req, str(exc), getattr(exc, "code", None)))
             else:
                 req.compiling = False
                 self._attach(req, fut.result())

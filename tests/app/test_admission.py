@@ -3,8 +3,6 @@ built for it, and a request past a bound gets a 400 (413 for a body) in OpenAI's
 names the field and the limit. The fake engine's vocabulary is 256 tokens, its context 128."""
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -61,12 +59,23 @@ async def test_list_fields_past_their_limit_are_400(make_client, path, body, fie
     assert r.status_code == 200, r.text
 
 
-async def test_huge_stop_list_is_refused_fast(make_client):
-    client, engine, _ = await make_client()
-    t0 = time.perf_counter()
+async def test_huge_stop_list_is_refused_before_any_per_item_work(make_client, monkeypatch):
+    # Refused from the list's length alone: the request model never validates the 50,000 strings
+    # and no SamplingParams dedups or compiles them.
+    import app.completions_route as route
+
+    client, engine, server = await make_client()
+    validated, built = [], []
+    real_parse = route.parse
+    monkeypatch.setattr(route, "parse", lambda *a, **k: validated.append(a) or real_parse(*a, **k))
+    real_build = server.build_params
+    server.build_params = lambda kw: built.append(kw) or real_build(kw)
     r = await client.post("/v1/completions", json={**COMPLETION, "stop": [f"stop{i}" for i in range(50_000)]})
-    assert time.perf_counter() - t0 < 2.0
     refused(r, "stop", AdmissionLimits().max_stop_sequences, "--max-stop-sequences")
+    assert validated == [] and built == [] and engine.encode_calls == [] and engine.calls == []
+    # the spies see a request within the limit
+    r = await client.post("/v1/completions", json={**COMPLETION, "stop": ["a"]})
+    assert len(validated) == 1 and len(built) == 1
 
 
 @pytest.mark.parametrize("path,body", ROUTES)
@@ -107,15 +116,23 @@ async def test_too_many_prompts_is_400(make_client):
 
 
 async def test_fan_out_is_refused_before_anything_is_built(make_client):
+    # 2,000 prompts x n 128 = 256,000 choices: refused from the two numbers, before a prompt is
+    # checked or tokenized and before a single choice (or its SamplingParams) is built.
     client, engine, server = await make_client(max_prompts=4096)
-    built = []
-    server.build_params = lambda kw: built.append(kw)  # make_choices must never get here
-    t0 = time.perf_counter()
+    built, prompted, made = [], [], []
+    real_build = server.build_params
+    server.build_params = lambda kw: built.append(kw) or real_build(kw)
+    real_prompts, real_make = server.completion_prompts, server.make_choices
+    server.completion_prompts = lambda req: prompted.append(req) or real_prompts(req)
+    server.make_choices = lambda *a, **k: made.append(a) or real_make(*a, **k)
     r = await client.post("/v1/completions", json={"prompt": [[42]] * 2000, "n": 128, "max_tokens": 1})
-    assert time.perf_counter() - t0 < 2.0
     err = refused(r, "n", AdmissionLimits().max_request_choices, "--max-request-choices")
     assert "256000" in err["message"]
-    assert built == [] and engine.calls == []
+    assert prompted == [] and made == [] and built == [] and engine.calls == []
+    # the spies see a request within the limit: its params built once, a choice per prompt x n
+    r = await client.post("/v1/completions", json={"prompt": [[42]] * 2, "n": 3, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert len(prompted) == 1 and len(made) == 1 and len(built) == 1 and len(engine.calls) == 6
 
 
 @pytest.mark.parametrize("path,body", ROUTES)
@@ -154,12 +171,28 @@ async def test_logprobs_bounded_by_max_logprobs(make_client):
     assert r.status_code == 200, r.text
 
 
-def test_max_logprobs_cannot_pass_what_the_engine_serves():
-    from engine.sampling_params import MAX_LOGPROBS
+async def test_logprobs_above_20_where_the_server_allows_them(make_client):
+    # --max-logprobs 50: the request model no longer stops at a hard-coded 20
+    client, engine, _ = await make_client(max_logprobs=50)
+    r = await client.post("/v1/completions", json={**COMPLETION, "logprobs": 30})
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1].params.logprobs == 30
+    r = await client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 50})
+    assert r.status_code == 200, r.text
+    refused(await client.post("/v1/completions", json={**COMPLETION, "logprobs": 51}),
+            "logprobs", 50, "--max-logprobs")
+    client, engine, _ = await make_client(max_logprobs=-1)  # no cap
+    r = await client.post("/v1/completions", json={**COMPLETION, "prompt_logprobs": 200})
+    assert r.status_code == 200, r.text
 
-    AdmissionLimits(max_logprobs=MAX_LOGPROBS)
+
+def test_max_logprobs_is_the_engines_number():
+    # The engine serves whatever its max_logprobs says (tests/engine/test_max_logprobs.py): the
+    # admission limit may be above vLLM's default 20, or -1 (no cap), never below that.
+    AdmissionLimits(max_logprobs=50)
+    AdmissionLimits(max_logprobs=-1)
     with pytest.raises(ValueError, match="max_logprobs"):
-        AdmissionLimits(max_logprobs=MAX_LOGPROBS + 1)
+        AdmissionLimits(max_logprobs=-2)
     with pytest.raises(ValueError, match="max_stop_sequences"):
         AdmissionLimits(max_stop_sequences=-1)
 
@@ -285,3 +318,67 @@ async def test_streamed_echo_logprobs_still_get_prompt_logprobs_for_every_choice
                                                     "stream": True})
     assert r.status_code == 200
     assert all(c.params.prompt_logprobs == 1 for c in engine.calls) and len(engine.calls) == 2
+
+
+# ---- found while checking "What must hold" (issue 22 follow-up) ------------------------------
+
+
+async def test_choices_share_one_validation_of_the_request_lists(make_client, monkeypatch):
+    # allowed_token_ids (up to the vocabulary), stop, bad_words, logit_bias were validated again
+    # for every choice on the loop: 1,024 choices x a vocabulary-sized list is seconds. The lists
+    # are validated once per request; the other choices are siblings that differ in max_tokens,
+    # seed and prompt_logprobs only.
+    from engine.sampling_params import SamplingParams
+
+    client, engine, _ = await make_client()
+    validated = []
+    real = SamplingParams._check_token_masks
+    monkeypatch.setattr(SamplingParams, "_check_token_masks", lambda self: validated.append(1) or real(self))
+    r = await client.post("/v1/completions", json={
+        "prompt": ["ab", "abcd"], "n": 3, "max_tokens": 2, "seed": 7, "stop": ["zz"], "prompt_logprobs": 1,
+        "allowed_token_ids": list(range(200)), "logit_bias": {"5": 1.0}})
+    assert r.status_code == 200, r.text
+    assert len(validated) == 1
+    params = [c.params for c in engine.calls]
+    assert [p.seed for p in params] == [7, 8, 9] * 2
+    assert [p.prompt_logprobs for p in params] == [1, None, None] * 2
+    assert all(p.allowed_token_ids == list(range(200)) and p.stop == ["zz"] and p.logit_bias == {5: 1.0}
+               and p.max_tokens == 2 and p.n == 1 for p in params)
+
+
+@pytest.mark.parametrize("path,body", ROUTES)
+async def test_allowed_token_ids_longer_than_the_vocabulary_are_400(make_client, path, body):
+    client, engine, server = await make_client()
+    validated = []
+    real_build = server.build_params
+    server.build_params = lambda kw: validated.append(kw) or real_build(kw)
+    r = await client.post(path, json={**body, "allowed_token_ids": list(range(256)) * 2})
+    err = assert_openai_error(r, 400, param="allowed_token_ids")
+    assert "512" in err["message"] and "256" in err["message"]
+    assert validated == [] and engine.calls == []
+    r = await client.post(path, json={**body, "allowed_token_ids": list(range(256))})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "prompt"), ("/v1/embeddings", "input")])
+async def test_token_id_prompts_past_the_context_are_refused_before_validation(make_client, monkeypatch,
+                                                                                 path, field):
+    # A 6 MB body of token ids took ~2 s of the loop to validate id by id before the context check
+    # refused it; its length alone says it cannot fit.
+    import app.completions_route as completions_route
+    import app.embeddings_route as embeddings_route
+
+    client, engine, _ = await make_client()
+    validated = []
+    for module in (completions_route, embeddings_route):
+        real_parse = module.parse
+        monkeypatch.setattr(module, "parse", lambda *a, _real=real_parse, **k: validated.append(a) or _real(*a, **k))
+    extra = {"max_tokens": 1} if field == "prompt" else {}
+    for value in ([5] * 100_000, [[5] * 3, [5] * 100_000]):
+        r = await client.post(path, json={field: value, **extra})
+        err = assert_openai_error(r, 400, param=field)
+        assert err["code"] == "context_length_exceeded" and "100000" in err["message"], err
+    assert validated == [] and engine.calls == []
+    if field == "prompt":  # truncation keeps the end of a long id list: validated and served
+        r = await client.post(path, json={field: [5] * 1000, "max_tokens": 1, "truncate_prompt_tokens": 10})
+        assert r.status_code == 200, r.text

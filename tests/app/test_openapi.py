@@ -106,8 +106,17 @@ def body_validator(doc: dict, name: str) -> Draft202012Validator:
     return Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
 
 
+ADMISSION_KIND = {CompletionRequest: "completions", ChatCompletionRequest: "chat", TokenizeRequest: "tokenize"}
+
+
 def server_accepts(model, body: dict) -> bool:
+    """As the server reads a body: the admission bounds (app/admission.py, default limits, the fake
+    engine's vocabulary), then the request model."""
+    from app.admission import AdmissionLimits, check_body
+
     try:
+        if model in ADMISSION_KIND:
+            check_body(ADMISSION_KIND[model], body, AdmissionLimits(), FakeAsyncEngine().tokenizer.vocab_size)
         req = parse(model, body)
         if isinstance(req, TokenizeRequest):
             req.check()

@@ -2,8 +2,6 @@
 natively; the default model's template gets the same text written out by app/tools/prompt.py."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from app.protocol import ChatCompletionRequest
@@ -82,15 +80,27 @@ def _with_template(tokenizer, source):
     return t
 
 
-def test_many_tool_results_are_merged_in_linear_time():
+def test_many_tool_results_are_merged_in_linear_time(monkeypatch):
     # Each tool result was appended with out[-1]["content"] += ...: 10,000 results of 200
-    # characters copied ~10 GB on the event loop.
+    # characters copied ~10 GB on the event loop. Linear, counted: each result is made into its
+    # block once, and the turn's text is the one join of the whole run (no copy of it after).
+    from app.tools import prompt
+
     raw = [{"role": "user", "content": "go"}] + [
         {"role": "tool", "tool_call_id": str(i), "content": f"{i:06d}" + "r" * 194} for i in range(10_000)]
     msgs = ChatCompletionRequest.model_validate({"messages": raw}).messages
-    t0 = time.perf_counter()
+    made, joins = [], []
+    real_block, real_join = prompt._tool_response, prompt._join_tool_responses
+    monkeypatch.setattr(prompt, "_tool_response", lambda c: made.append(c) or real_block(c))
+
+    def join(blocks):
+        joins.append((len(blocks), real_join(blocks)))
+        return joins[-1][1]
+
+    monkeypatch.setattr(prompt, "_join_tool_responses", join)
     out = template_messages(msgs, native=False)
-    assert time.perf_counter() - t0 < 0.5
+    assert len(made) == 10_000 and [n for n, _ in joins] == [10_000]
+    assert out[1]["content"] is joins[0][1]
     assert len(out) == 2 and out[1]["role"] == "user"
     blocks = out[1]["content"].split("\n<tool_response>\n")
     assert len(blocks) == 10_000 and blocks[0].startswith("<tool_response>\n000000")

@@ -70,7 +70,9 @@ SEMANTIC_400_PARAMS = {
 # constraints_unsatisfiable: allowed_token_ids / bad_words / min_tokens leave the structured output no token
 # request_limit_exceeded: prompts x n past --max-request-choices, or the token commitment past
 # --max-request-tokens (app/admission.py); each list's own bound is in the schema
-SEMANTIC_400_CODES = {"context_length_exceeded", "constraints_unsatisfiable", "request_limit_exceeded"}
+# grammar_compile_timeout: a grammar the schema allows that compiles past --grammar-compile-timeout
+SEMANTIC_400_CODES = {"context_length_exceeded", "constraints_unsatisfiable", "request_limit_exceeded",
+                      "grammar_compile_timeout"}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The hostile-request canary (issue 22, admission): while each hostile request below is sent to
 one real server (tiny random model), a client polls /health every 100 ms and small chat requests
 run beside it. Each hostile request gets its 400/413 in bounded time, the slowest /health answer
-stays under HEALTH_BOUND_S, the server's process tree grows by less than RSS_BOUND_MIB, the
+stays under HEALTH_BOUND_S (a multi-MB text prompt included: refused before it is tokenized, or only
+its end tokenized with truncate_prompt_tokens), the server's process tree grows by less than RSS_BOUND_MIB, the
 small chats keep succeeding, and the server is healthy at the end.
 
 HEALTH_BOUND_S is 1 s (PAGEDSERVE_CANARY_HEALTH_S loosens it on a loaded CI box); the slowest
@@ -94,6 +95,7 @@ def watch(server):
 
 
 tool = {"role": "tool", "tool_call_id": "c", "content": "r" * 100}
+BIG_TEXT = "The quick brown fox. " * 200_000  # 4.2 MB
 HOSTILE = {
     "huge stop list": ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 4,
                                            "stop": [f"stop{i}" for i in range(50_000)]}, 400, "stop"),
@@ -114,6 +116,13 @@ HOSTILE = {
                                   400, "chat_template_kwargs"),
     "chat_template_kwargs self on /tokenize": ("/tokenize", {"messages": USER, "chat_template_kwargs": {"self": 1}},
                                                400, "chat_template_kwargs"),
+    # Text that cannot fit the context (4096 tokens x 81 characters at most a token): refused
+    # before it is tokenized (tokenizing holds the interpreter ~0.75 s per MiB)
+    "multi-MB text prompt": ("/v1/completions", {"model": "tiny", "prompt": BIG_TEXT, "max_tokens": 4},
+                             400, "prompt"),
+    "multi-MB chat message": ("/v1/chat/completions", {**SMALL_CHAT, "messages": [
+        {"role": "user", "content": BIG_TEXT}]}, 400, "messages"),
+    "multi-MB embedding input": ("/v1/embeddings", {"model": "tiny", "input": BIG_TEXT}, 400, "input"),
 }
 
 
@@ -132,6 +141,25 @@ def test_hostile_request_is_refused_promptly_and_freezes_nothing(server, watch, 
     slowest = watch.slowest_health(t0)
     print(f"\n{name}: {r.status_code} in {took:.3f} s; slowest /health meanwhile {slowest:.3f} s")
     assert slowest < HEALTH_BOUND_S, f"{name}: /health took {slowest:.2f} s"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": "tiny", "prompt": BIG_TEXT, "max_tokens": 2, "truncate_prompt_tokens": 64}),
+    ("/v1/chat/completions", {**SMALL_CHAT, "max_tokens": 2, "truncate_prompt_tokens": 64,
+                              "messages": [{"role": "user", "content": BIG_TEXT}]}),
+])
+def test_multi_mb_text_with_truncation_is_served_and_freezes_nothing(server, watch, path, body):
+    # truncate_prompt_tokens asks for the end of the text: only that end is tokenized
+    t0 = time.monotonic()
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    took = time.monotonic() - t0
+    assert r.status_code == 200, r.text[:500]
+    assert r.json()["usage"]["prompt_tokens"] == 64
+    assert took < ANSWER_BOUND_S, f"answered in {took:.2f} s"
+    time.sleep(2 * POLL_S)
+    slowest = watch.slowest_health(t0)
+    print(f"\ntruncated multi-MB text on {path}: 200 in {took:.3f} s; slowest /health meanwhile {slowest:.3f} s")
+    assert slowest < HEALTH_BOUND_S, f"/health took {slowest:.2f} s"
 
 
 def test_server_is_healthy_and_bounded_after_the_hostile_requests(server, watch):

@@ -107,6 +107,26 @@ def test_hostile_plans_cover_every_kind_and_accept_only_200_400_413():
     assert big.note == "huge_stop" and len(big.body["stop"]) == 40_000 and len(small.body["stop"]) == 400
 
 
+def test_every_hostile_kind_comes_at_its_full_size():
+    from loadtest.soak_mix import HOSTILE_FULL_SIZE, HOSTILE_KINDS
+
+    full = {}
+    for i in range(1500):
+        p = plan(i, seed=0, model="m", max_model_len=64, max_tokens=8)
+        if p.kind == "hostile":
+            full.setdefault(p.note, p)
+    assert set(full) == set(HOSTILE_KINDS) == set(HOSTILE_FULL_SIZE)
+    measured = {"huge_stop": lambda b: len(b["stop"]), "big_bad_words": lambda b: len(b["bad_words"]),
+                "big_logit_bias": lambda b: len(b["logit_bias"]), "fanout_n": lambda b: len(b["prompt"]),
+                "big_tokenize": lambda b: len(b["prompt"]) // len("hello world "),
+                "many_tool_messages": lambda b: sum(m["role"] == "tool" for m in b["messages"]),
+                "template_kwargs_self": lambda b: 0,
+                "huge_text_prompt": lambda b: len(b["prompt"]) // len("The quick brown fox. ")}
+    for kind, p in full.items():
+        assert p.size == HOSTILE_FULL_SIZE[kind] == measured[kind](p.body), kind
+    assert len(full["huge_text_prompt"].body["prompt"]) > 4_000_000  # multi-MB
+
+
 def test_summary_fails_on_a_hostile_5xx_or_a_loop_stall():
     cfg = SoakConfig(base_url="http://x", max_loop_lag_s=1.0)
     idle = {"kv_cache_usage_perc": 0.0, "num_requests_running": 0.0, "num_requests_waiting": 0.0}

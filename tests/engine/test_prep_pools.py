@@ -214,6 +214,7 @@ async def test_a_compile_past_its_deadline_is_a_400_and_starves_no_other(grammar
         for r in results:
             assert isinstance(r, PrepDeadlineError), r
             assert "--grammar-compile-timeout" in str(r) and "1 s" in str(r)
+            assert r.code == "grammar_compile_timeout"
         assert len(slow_grammars) == 1  # identical specs share one compile
         # another compile gets a thread although the stuck one runs on
         await asyncio.wait_for(eng.check_constraint(_json(SCHEMA)), 10)
@@ -226,6 +227,7 @@ async def test_a_compile_past_its_deadline_is_a_400_and_starves_no_other(grammar
                 deltas.append(d)
         assert deltas[-1].outputs[0].finish_reason == "error" and deltas[-1].error_from_request
         assert "--grammar-compile-timeout" in deltas[-1].error
+        assert deltas[-1].error_code == "grammar_compile_timeout"  # not "constraints unsatisfiable"
         assert eng.health_status() == "ok"
     finally:
         release.set()

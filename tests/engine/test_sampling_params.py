@@ -24,8 +24,9 @@ from engine.sampling_params import SamplingParams
     ({"max_tokens": 0}, "max_tokens", ">= 1"),
     ({"min_tokens": -1}, "min_tokens", ">= 0"),
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens", "<= max_tokens (4)"),
-    ({"logprobs": 21}, "logprobs", "[0, 20]"),
-    ({"prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
+    # no upper bound here: the engine holds logprobs to its max_logprobs (test_max_logprobs.py)
+    ({"logprobs": -1}, "logprobs", ">= 0"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs", ">= 0"),
     ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
     ({"n": True}, "n", "integer"),
 ])
@@ -113,3 +114,20 @@ def test_stop_strings_are_deduplicated_in_linear_time_order_kept():
     p = SamplingParams(stop=stops + [_EqCounted("s7"), _EqCounted("s0")])
     assert _EqCounted.compares <= 10
     assert p.stop_strings == [f"s{i}" for i in range(3000)]
+
+
+def test_sibling_checks_only_what_it_changes():
+    # The choices of one request share its validated lists (issue 22: validating them per choice
+    # on the loop was seconds for 1,024 choices); a sibling checks the fields it changes.
+    base = SamplingParams(n=1, max_tokens=8, min_tokens=2, seed=1, stop=["x"], allowed_token_ids=[3, 4],
+                          prompt_logprobs=1)
+    s = base.sibling(max_tokens=5, seed=9, prompt_logprobs=None)
+    assert (s.max_tokens, s.seed, s.prompt_logprobs) == (5, 9, None)
+    assert (base.max_tokens, base.seed, base.prompt_logprobs) == (8, 1, 1)
+    assert s.stop_strings == ["x"] and s.allowed_token_ids == [3, 4] and s.min_tokens == 2
+    with pytest.raises(SamplingParamsError, match="min_tokens"):
+        base.sibling(max_tokens=1)
+    with pytest.raises(SamplingParamsError, match="seed"):
+        base.sibling(seed=-1)
+    with pytest.raises(TypeError):
+        base.sibling(stop=["y"])
