@@ -78,6 +78,7 @@ static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline float v_hsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline vf v_exp(vf x) { return exp512_nonpos(x); } /* x <= 0 */
 #elif PA_ISA == 2
+#include "exp256.h"
 typedef __m256 vf;
 static inline vf v_zero(void) { return _mm256_setzero_ps(); }
 static inline vf v_set1(float x) { return _mm256_set1_ps(x); }
@@ -97,22 +98,7 @@ static inline float v_hsum(vf v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-static inline vf v_exp(vf x) { /* x <= 0 */
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    vf p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+static inline vf v_exp(vf x) { return exp256(x); } /* x <= 0: csrc/exp256.h's upper clamp changes nothing */
 #else
 typedef float vf;
 static inline vf v_zero(void) { return 0.0f; }
