@@ -2,6 +2,8 @@
 engine (queues, merging, death handling) in milliseconds, without a model."""
 from __future__ import annotations
 
+import pytest
+
 from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
 
 
@@ -31,3 +33,12 @@ async def started_engine(**config_kw):
     engine = AsyncEngine(make_config(**{"num_blocks": 128, **config_kw}))
     await engine.start()
     return engine
+
+
+@pytest.fixture
+async def fake_engine(monkeypatch):
+    """A started AsyncEngine over the fake executor and tokenizer, shut down after the test."""
+    patch_build_engine(monkeypatch)
+    eng = await started_engine()
+    yield eng
+    await eng.shutdown()

@@ -9,7 +9,7 @@ import pytest
 
 from engine.errors import EngineError, EngineOverloadedError
 from engine.sampling_params import SamplingParams
-from tests.engine.fake_async import patch_build_engine, started_engine
+from tests.engine.fake_async import fake_engine  # noqa: F401 (a fixture)
 from tests.engine.fakes import FakeTokenizer
 
 PROMPT = FakeTokenizer().encode("hello there")
@@ -35,11 +35,8 @@ def _tokens(deltas) -> int:
 
 
 @pytest.fixture
-async def engine(monkeypatch):
-    patch_build_engine(monkeypatch)
-    eng = await started_engine()
-    yield eng
-    await eng.shutdown()
+def engine(fake_engine):
+    return fake_engine
 
 
 async def _others_finish_and_engine_lives(engine, streams):

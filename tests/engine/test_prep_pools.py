@@ -13,7 +13,7 @@ import pytest
 from engine.errors import EngineOverloadedError, RequestRejectedError
 from engine.prep_pools import DeadlinePool, PrepBusyError, PrepDeadlineError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from tests.engine.fake_async import patch_build_engine, started_engine
+from tests.engine.fake_async import fake_engine  # noqa: F401 (a fixture)
 from tests.engine.fakes import FakeTokenizer
 
 # ---- the pool ----------------------------------------------------------------------------------
@@ -78,11 +78,8 @@ async def test_work_that_never_started_is_cancelled_not_run():
 
 
 @pytest.fixture
-async def engine(monkeypatch):
-    patch_build_engine(monkeypatch)
-    eng = await started_engine()
-    yield eng
-    await eng.shutdown()
+def engine(fake_engine):
+    return fake_engine
 
 
 async def test_a_stuck_chat_template_does_not_hold_the_tokenizer(engine, monkeypatch):
