@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import APIError
-from gpu.config import ModelConfig
+from contracts.config import ModelConfig
 
 LIMIT_CODE = "limit_exceeded"  # one field past its bound (the schema states it)
 # a rule across fields past its bound (prompts x n, the token commitment): the schema cannot state it
@@ -41,7 +41,7 @@ def _limit(default: int, help: str) -> Any:
 class AdmissionLimits:
     """Per-request bounds of the server (``serve --help`` lists each as ``--max-...``)."""
 
-    # The engine's own limit (gpu.config.ModelConfig.max_logprobs): its flag is the engine's
+    # The engine's own limit (contracts.config.ModelConfig.max_logprobs): its flag is the engine's
     # --max-logprobs (app/engine_args.py), read here under the same name; -1 = no cap.
     max_logprobs: int = field(default=ModelConfig().max_logprobs, metadata={
         "help": "most logprobs / top_logprobs / prompt_logprobs a request may ask for", "engine": True})

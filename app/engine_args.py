@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpu.config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, ModelConfig, PrepConfig
+from contracts.config import DEFAULT_STEP_TIMEOUT_S, EngineConfig, ModelConfig, PrepConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

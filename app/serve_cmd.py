@@ -23,17 +23,17 @@ from app.admission import AdmissionLimits
 from app.engine_args import add_engine_args, engine_config_from_args
 from app.listen import ListenError, bind_socket
 from app.tools.parsers import AUTO_PARSERS
-from gpu.config import ConfigError
-from gpu.error_text import error_summary
-from gpu.executor import ExecutorError
-from gpu.models.errors import ModelLoadError
+from contracts.config import ConfigError
+from contracts.error_text import error_summary
+from contracts.errors import ExecutorError
+from contracts.errors import ModelLoadError
 
 logger = logging.getLogger("pagedserve.serve")
 
 STARTUP_ERRORS = (ConfigError, ModelLoadError, ExecutorError)
 DEFAULT_EXECUTOR = "mp"  # model compute in worker processes: the event loop stays free
 # Online, the time to first token counts: a step takes new prompts up to this many prompt tokens
-# (gpu/config.py SchedulerConfig.prompt_admit_tokens says what it buys and costs).
+# (contracts/config.py SchedulerConfig.prompt_admit_tokens says what it buys and costs).
 SERVE_PROMPT_ADMIT_TOKENS = 256
 
 

@@ -38,10 +38,10 @@ from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream
 from engine.restart_policy import RestartPolicy
 from engine.sampling_params import SamplingParams
-from gpu.config import EngineConfig
-from gpu.error_text import error_summary
-from gpu.executor import ExecutorError
-from gpu.messages import StepEncodeError
+from contracts.config import EngineConfig
+from contracts.error_text import error_summary
+from contracts.errors import ExecutorError
+from contracts.messages import StepEncodeError
 
 logger = logging.getLogger(__name__)
 

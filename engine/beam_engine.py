@@ -32,7 +32,7 @@ from engine.errors import RequestRejectedError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
-from gpu.messages import SampledLogprobs, SamplingOptions
+from contracts.messages import SampledLogprobs, SamplingOptions
 
 if TYPE_CHECKING:
     from engine.core import EngineCore

@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from gpu.config import DEFAULT_MODEL_NAME, ConfigError, EngineConfig, default_model_path
+from contracts.config import DEFAULT_MODEL_NAME, ConfigError, EngineConfig, default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class EngineParts:
 
 def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
     """Fill in the model path, its HF config, the served name and the context length."""
-    from gpu.models.hf_config import load_hf_config
+    from contracts.hf_config import load_hf_config
 
     m = config.model
     if m.model is None and not (m.load_format == "dummy" and m.hf_config):

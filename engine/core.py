@@ -38,9 +38,9 @@ from engine.scheduler import ScheduledStep, Scheduler
 from engine.stop_matcher import StopMatcher
 from engine.structured_output.core_hooks import ConstrainedRequests
 from engine.structured_output.tracker import ConstraintTracker
-from gpu.config import EngineConfig
-from gpu.error_text import error_summary
-from gpu.messages import SampledLogprobs, StepEncodeError, StepOutput
+from contracts.config import EngineConfig
+from contracts.error_text import error_summary
+from contracts.messages import SampledLogprobs, StepEncodeError, StepOutput
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 from engine.swap_space import SwapSpace
 
 if TYPE_CHECKING:
-    from gpu.config import ModelConfig
+    from contracts.config import ModelConfig
 
 NULL_BLOCK = 0
 _ROOT_TAG = b"pagedserve prefix cache v1\0"

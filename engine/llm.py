@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from engine.llm_pooling import PoolingLLM
 from engine.outputs import RequestOutput, merge_delta
 from engine.sampling_params import SamplingParams
-from gpu.config import EngineConfig
+from contracts.config import EngineConfig
 
 # Show a progress bar only when a run is long enough to want one.
 TQDM_MIN_REQUESTS = 16

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import SamplingParamsError
-from gpu.messages import PoolingOptions
+from contracts.messages import PoolingOptions
 
 POOLING_TYPES = ("last", "mean", "cls")
 

@@ -18,7 +18,7 @@ from engine.outputs import RequestMetrics
 from engine.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from engine.pooling_params import PoolingParams
 from engine.request import Request, Sequence, SeqStatus
-from gpu.messages import PooledOutput, SamplingOptions
+from contracts.messages import PooledOutput, SamplingOptions
 
 _NO_SAMPLING = SamplingOptions()
 

@@ -28,7 +28,7 @@ from dataclasses import fields
 from engine.dp_policy import PrefixIndex, ReplicaView, choose_replica
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
 from engine.sampling_params import SamplingParams
-from gpu.config import ConfigError, EngineConfig
+from contracts.config import ConfigError, EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestMetrics, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from gpu.messages import SamplingOptions
+from contracts.messages import SamplingOptions
 
 
 class SeqStatus(enum.Enum):
@@ -46,7 +46,7 @@ class Sequence:
     # Token constraint (engine/structured_output SeqConstraint): grammar matcher, allowed ids,
     # bad words; None for a free sequence.
     constraint: Any = None
-    # gpu.messages.PoolingOptions of a pooling (embedding) sequence: prefill only, no tokens.
+    # contracts.messages.PoolingOptions of a pooling (embedding) sequence: prefill only, no tokens.
     pooling: Any = None
 
     @property

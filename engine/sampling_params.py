@@ -1,6 +1,6 @@
 """User-facing sampling settings with OpenAI / vLLM semantics, validated on construction.
 
-The engine converts them into ``gpu.messages.SamplingOptions`` (one per sequence) for the
+The engine converts them into ``contracts.messages.SamplingOptions`` (one per sequence) for the
 device-side sampler; the stop conditions (EOS, stop strings, max/min tokens) stay here.
 """
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.errors import SamplingParamsError
-from gpu.messages import SamplingOptions
+from contracts.messages import SamplingOptions
 
 # logprobs / prompt_logprobs have no fixed bound here: the engine holds a request to its
-# max_logprobs (gpu.config.ModelConfig; --max-logprobs, LLM(max_logprobs=...)) in add_request.
+# max_logprobs (contracts.config.ModelConfig; --max-logprobs, LLM(max_logprobs=...)) in add_request.
 MAX_N = 128
 SEED_LIMIT = 2**63  # seeds live in [0, 2**63) so they survive msgpack and torch generators
 # Every integer setting reaches the workers inside a msgpack-encoded step and the worker's int64

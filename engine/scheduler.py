@@ -17,7 +17,7 @@ One ``schedule()`` call builds one step:
      running sequences of strictly lower priority (lowest, then latest, first) until it fits;
      equal priorities never preempt each other, so they keep FCFS order.
 
-Bookkeeping mirrors the worker (gpu/messages.py): ``num_computed_tokens`` grows by the tokens
+Bookkeeping mirrors the worker (contracts/messages.py): ``num_computed_tokens`` grows by the tokens
 scheduled; a sequence samples when it reaches its token count, and the engine appends the
 sampled token as the worker does. Sequences of n > 1 requests other than the first wait until
 the prompt has been computed once, so that they hit its blocks in the prefix cache.
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 from engine.kv_blocks import BlockManager
 from engine.request import Sequence, SeqStatus
-from gpu.config import SchedulerConfig
-from gpu.messages import NewSeq, StepInput, pack_ints, pack_pairs
+from contracts.config import SchedulerConfig
+from contracts.messages import NewSeq, StepInput, pack_ints, pack_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ class Scheduler:
         entries = sorted(scheduled.values(), key=lambda e: e[1] != 1)
         seqs: list[Sequence] = []
         num_new_tokens: list[int] = []
-        new_block_seqs: list[int] = []  # (batch index, block id) pairs, see gpu/messages.py
+        new_block_seqs: list[int] = []  # (batch index, block id) pairs, see contracts/messages.py
         new_block_ids: list[int] = []
         samples: list[bool] = []
         for i, (seq, n, blocks) in enumerate(entries):

@@ -155,7 +155,7 @@ class Tokenizer:
     def from_model(cls, path: str | None = None) -> "Tokenizer":
         """From a .gguf file or a directory with tokenizer.json; None = the default model."""
         if path is None:
-            from gpu.config import default_model_path
+            from contracts.config import default_model_path
 
             path = default_model_path()
         if os.path.isdir(path):
@@ -170,8 +170,8 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: str) -> "Tokenizer":
-        from gpu.models.errors import ModelLoadError
-        from gpu.models.gguf_file import read_gguf
+        from contracts.errors import ModelLoadError
+        from contracts.gguf_file import read_gguf
 
         try:
             reader = read_gguf(path)

@@ -14,7 +14,7 @@ The executor rows use whatever gpu/transport.py picks (PAGEDSERVE_STEP_TRANSPORT
 ring rows are left out on CPUs where the ring refuses to run.
 
 Serialization is part of every round trip except the *-bytes ones. Both transports carry the
-same message objects: the step's per-sequence columns are int arrays (gpu/messages.py), which
+same message objects: the step's per-sequence columns are int arrays (contracts/messages.py), which
 msgspec moves as raw bytes and pickle as array reconstructors, so neither side decodes one
 Python int per sequence; the echo's reply is as big as a real one (an int64 sequence id and an
 int32 token per sequence).
@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
+from contracts.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
 from gpu.shm_ring import ring_is_safe_here
 from gpu.transport import attach_channel, create_channel
 from gpu.worker import SHUTDOWN_MESSAGE, TAG_SHUTDOWN, decode_step, encode_output, encode_step
@@ -215,7 +215,7 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
         echoes["pipe"] = _RingEcho(ctx, kind="pipe")
         echoes["queue"] = _QueueEcho(ctx)
         if with_executor:
-            from gpu.config import EngineConfig
+            from contracts.config import EngineConfig
             from gpu.mp_executor import MultiprocExecutor
 
             executor = MultiprocExecutor(EngineConfig.from_options(executor="mp"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from gpu.bench_ipc import _Echo
-from gpu.messages import STEP_OUTPUT_DECODER, StepInput
+from contracts.messages import STEP_OUTPUT_DECODER, StepInput
 from gpu.worker import encode_step
 
 ECHO_RUNNER = "gpu.bench_ipc:EchoRunner"
@@ -38,7 +38,7 @@ class _CompiledGraphEcho(_Echo):
         import ray
         from ray.dag import InputNode
 
-        from gpu.config import EngineConfig
+        from contracts.config import EngineConfig
         from gpu.ray_worker import RayWorker
 
         self.actor = ray.remote(RayWorker).options(num_cpus=1).remote()
@@ -62,7 +62,7 @@ class _CompiledGraphEcho(_Echo):
 def ray_echoes() -> dict[str, _Echo]:
     import ray
 
-    from gpu.config import EngineConfig
+    from contracts.config import EngineConfig
     from gpu.ray_executor import ENV_RAY_TRANSPORT, create_ray_executor
 
     ray.init(address="local", num_cpus=4, object_store_memory=128 << 20, include_dashboard=False)

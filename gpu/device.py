@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from gpu.config import ConfigError
+from contracts.config import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,9 @@ import asyncio
 import concurrent.futures
 import threading
 
-from gpu.config import EngineConfig
-from gpu.messages import StepInput, StepOutput
-
-
-class ExecutorError(RuntimeError):
-    """The workers failed (died, or a step raised); in-flight requests cannot finish."""
+from contracts.config import EngineConfig
+from contracts.errors import ExecutorError
+from contracts.messages import StepInput, StepOutput
 
 
 class Executor(abc.ABC):

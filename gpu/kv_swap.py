@@ -5,7 +5,7 @@ One host tensor per layer for K and one for V, shaped like that worker's device 
 parallelism each rank swaps its own shard. Pinned memory on CUDA (fast, asynchronous copies); on
 CPU a separate host pool still saves recomputing a long context. The engine's block manager
 decides which block goes where (engine/swap_space.py); the worker only copies, before the
-forward of the step that carries the pairs, swap-outs first (gpu/messages.py says why).
+forward of the step that carries the pairs, swap-outs first (contracts/messages.py says why).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from gpu.kv_alloc import zeroed_tensor
 from kernels.kv_cache_dtype import index_copy_rows
-from gpu.messages import StepInput
+from contracts.messages import StepInput
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The model runner: owns the model, the paged KV cache and the per-sequence device-side state.
 
-It turns a StepInput (diffs only, see gpu/messages.py) into flat input tensors, runs one forward
+It turns a StepInput (diffs only, see contracts/messages.py) into flat input tensors, runs one forward
 over the mixed batch of decodes and prefill chunks, samples, and returns a StepOutput.
 """
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from gpu.config import EngineConfig
+from contracts.config import EngineConfig
 from gpu.device import resolve_device, resolve_dtype
 from gpu.forward_context import forward_context
 from gpu.kv_alloc import zeroed_tensor
 from gpu.kv_swap import owned_layers
-from gpu.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
+from contracts.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
 from gpu.pooling import new_pooler
 from kernels import kv_cache_dtype
 from kernels.kv_cache_dtype import index_copy_rows
@@ -236,7 +236,7 @@ class ModelRunner:
             return self.model(batch.input_ids, batch.positions)
 
     def begin_step(self, step: StepInput) -> list:
-        """The bookkeeping before a forward, in gpu/messages.py's order (swaps, forgets, block
+        """The bookkeeping before a forward, in contracts/messages.py's order (swaps, forgets, block
         copies, new sequences, new blocks): the scheduled sequences' states. Every runner (and
         every pipeline stage) starts a step here, so each keeps its own layers' KV in step."""
         if self.swap_pool is not None:

@@ -37,9 +37,9 @@ from multiprocessing.connection import wait
 
 import msgspec
 
-from gpu.config import EngineConfig
+from contracts.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
-from gpu.messages import STEP_OUTPUT_DECODER, StepEncodeError, StepInput, StepOutput
+from contracts.messages import STEP_OUTPUT_DECODER, StepEncodeError, StepInput, StepOutput
 from gpu.pipeline_tokens import SampledTokenRelay
 from gpu.shm_ring import RingPeerDied, RingTimeout
 from gpu.transport import create_channel

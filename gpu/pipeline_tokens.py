@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gpu.messages import StepOutput
+from contracts.messages import StepOutput
 
 TAG_SAMPLED = ord("T")  # first byte of the message on the step ring
 

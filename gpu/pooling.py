@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu.messages import NewSeq, PoolingOptions
+from contracts.messages import NewSeq, PoolingOptions
 
 POOLING_TYPES = ("last", "mean", "cls")
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gpu.config import EngineConfig
+from contracts.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
-from gpu.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
+from contracts.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
 from gpu.mp_executor import DEFAULT_STARTUP_TIMEOUT_S, next_step_timeout
 from gpu.pipeline_tokens import SampledTokenRelay
 from gpu.ray_cluster import PlacedWorkers, import_ray

@@ -16,8 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from gpu.config import EngineConfig
-from gpu.executor import ExecutorError
+from contracts.config import EngineConfig
+from contracts.errors import ExecutorError
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Placement (gpu/ray_cluster.py): one bundle per rank, PACK or SPREAD (``--ray-pla
 on the cluster ``ray.init`` finds or on a local instance started on demand. torch.distributed
 meets at an address the driver asks rank 0's actor for (its node, a free port).
 
-Steps travel one of two ways, with the same messages (gpu/messages.py) and the same rank
+Steps travel one of two ways, with the same messages (contracts/messages.py) and the same rank
 behaviour (gpu/worker.py):
 
 - ``shm``: every actor on the driver's node. The mp executor's shared-memory ring (pipes on
@@ -31,7 +31,7 @@ import select
 import time
 import weakref
 
-from gpu.config import EngineConfig
+from contracts.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
 from gpu.mp_executor import RING_SLOT_SIZE, RING_SLOTS, MultiprocExecutor
 from gpu.ray_cluster import PlacedWorkers, import_ray, place_workers

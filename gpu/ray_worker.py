@@ -24,7 +24,7 @@ import socket
 import threading
 import traceback
 
-from gpu.config import EngineConfig
+from contracts.config import EngineConfig
 from gpu.ring_errors import RingClosed, RingPeerDied
 from gpu.worker import (DEFAULT_RUNNER, PIPELINE_RUNNER, WorkerArgs, _serve, _setup_torch, _teardown_torch,
                         handle_message, load_factory, output_rank)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from gpu.messages import SampledLogprobs, SamplingOptions
+from contracts.messages import SampledLogprobs, SamplingOptions
 from gpu.sampling_draws import (
     draw_from_candidates, draw_full_vocab, draw_top_p_by_histogram, seeded_uniform)
 from gpu.sampling_host import on_device, select_rows

@@ -8,7 +8,7 @@ import logging
 import torch
 from torch import Tensor
 
-from gpu.messages import SamplingOptions
+from contracts.messages import SamplingOptions
 from gpu.sampling_host import on_device
 
 logger = logging.getLogger(__name__)

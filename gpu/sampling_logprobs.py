@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gpu.messages import SampledLogprobs
+from contracts.messages import SampledLogprobs
 from gpu.sampling_host import fetch_to_host
 
 

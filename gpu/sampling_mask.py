@@ -1,4 +1,4 @@
-"""The step's token bitmask (gpu/messages.py StepInput.token_mask*) applied to the logits: masked
+"""The step's token bitmask (contracts/messages.py StepInput.token_mask*) applied to the logits: masked
 tokens get -inf before logprobs, bias, penalties, temperature and the draw (as vLLM applies its
 grammar bitmask before the sampler), so no sampling mode can pick one.
 

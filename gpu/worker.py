@@ -26,8 +26,8 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from gpu.config import EngineConfig
-from gpu.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepEncodeError, StepInput, StepOutput
+from contracts.config import EngineConfig
+from contracts.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepEncodeError, StepInput, StepOutput
 from gpu.pipeline_tokens import TAG_SAMPLED, decode_sampled_tokens
 from gpu.shm_ring import RingClosed, RingPeerDied, RingSpec, ShmRing
 from gpu.transport import attach_channel

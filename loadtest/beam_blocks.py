@@ -29,7 +29,7 @@ def main() -> None:
     from engine.beam_search import BeamSearchParams
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
-    from gpu.config import default_model_path
+    from contracts.config import default_model_path
     from loadtest.local_server import TINY_CONFIG
 
     ap = argparse.ArgumentParser()

@@ -43,7 +43,7 @@ def _cache(bm: BlockManager, tokens: list[int]) -> None:
 
 
 def measure(replicas: int, prompt_len: int, prefix_len: int, runs: int) -> dict[str, tuple[float, float]]:
-    from gpu.config import EngineConfig
+    from contracts.config import EngineConfig
 
     engine = ReplicatedEngine(EngineConfig(), replicas, engine_factory=lambda c, p: _Replica(c))
     engine._build_prefix_index()

@@ -15,7 +15,7 @@ import random
 
 from engine.replicas import ReplicatedEngine
 from engine.sampling_params import SamplingParams
-from gpu.config import EngineConfig, default_model_path
+from contracts.config import EngineConfig, default_model_path
 from loadtest.local_server import TINY_CONFIG
 
 

@@ -47,7 +47,7 @@ def free_port() -> int:
 
 def tiny_args(max_model_len: int = 2048, num_blocks: int = 256, config: dict | None = None) -> list[str]:
     """`serve` arguments for a random-weight model (``config``, default TINY_CONFIG)."""
-    from gpu.config import default_model_path
+    from contracts.config import default_model_path
 
     return ["--model", default_model_path(), "--load-format", "dummy", "--hf-config",
             json.dumps(config or TINY_CONFIG), "--dtype", "float32", "--max-model-len",

@@ -12,6 +12,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from gpu.config import default_model_path
+    from contracts.config import default_model_path
 
     return default_model_path()

@@ -10,7 +10,7 @@ from loadtest.local_server import TINY_CONFIG  # noqa: F401  (one definition, in
 def tiny_llm(**options):
     """LLM over TINY_CONFIG (random weights, fp32) with the default model's tokenizer."""
     from engine.llm import LLM
-    from gpu.config import default_model_path
+    from contracts.config import default_model_path
 
     options = {"load_format": "dummy", "hf_config": TINY_CONFIG, "dtype": "float32",
                "kv_cache_memory_gib": 1 / 16, **options}

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # distinct grammars kept (compiled and validated)
 COMPILE_THREADS = 2  # grammars compiled at once (each compile is single-threaded in xgrammar)
-DEFAULT_COMPILE_TIMEOUT_S = 10.0  # gpu/config.py PrepConfig.grammar_compile_timeout
+DEFAULT_COMPILE_TIMEOUT_S = 10.0  # contracts/config.py PrepConfig.grammar_compile_timeout
 
 
 class StructuredOutputManager:

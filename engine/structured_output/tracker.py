@@ -17,7 +17,7 @@ from collections.abc import Callable
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured_output.manager import DEFAULT_COMPILE_TIMEOUT_S, StructuredOutputManager
-from gpu.messages import pack_ints
+from contracts.messages import pack_ints
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -56,12 +56,12 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def iter_gguf_weights(path: str, hf_config: dict, reader=None, only: set[str] | None = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass ``reader`` (gpu.models.gguf_file.read_gguf of ``path``) to skip parsing the file again;
+    """Pass ``reader`` (contracts.gguf_file.read_gguf of ``path``) to skip parsing the file again;
     ``only``: the GGUF names to read (the others are loaded packed, gpu.models.gguf_packed)."""
     from gpu.models.gguf_quants import dequantize
 
     if reader is None:
-        from gpu.models.hf_config import open_gguf
+        from contracts.hf_config import open_gguf
 
         reader = open_gguf(path)
     arch_field = reader.fields.get("general.architecture")

@@ -22,7 +22,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

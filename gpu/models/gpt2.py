@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.models.attention import Attention
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 from gpu.models.stages import MissingLayer, StageActivations, StagePlan
 from gpu.models.layers import (ColumnParallelLinear, LayerNorm, ParallelLMHead, QKVParallelLinear,
                                RowParallelLinear, VocabParallelEmbedding)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 from kernels import fused
 from gpu.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 

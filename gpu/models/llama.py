@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from gpu.models.attention import Attention
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 from gpu.models.layers import (GatedMLP, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
                                VocabParallelEmbedding)
 from gpu.models.rotary import RotaryEmbedding, rope_params_from_config

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from gpu.models.errors import ModelLoadError, UnsupportedArchitectureError
-from gpu.models.hf_config import is_gguf, load_hf_config, normalize_config
+from contracts.errors import ModelLoadError, UnsupportedArchitectureError
+from contracts.hf_config import is_gguf, load_hf_config, normalize_config
 from gpu.models.registry import resolve_architecture, supported_architectures
 from gpu.models.weights import WeightTracker
 
@@ -68,13 +68,13 @@ def resolve_load_format(path: str | None, load_format: str) -> str:
 
 
 def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Module:
-    """Build the model of ``model_config`` (gpu.config.ModelConfig) on ``device`` in ``dtype`` and
+    """Build the model of ``model_config`` (contracts.config.ModelConfig) on ``device`` in ``dtype`` and
     load its weights. Raises ModelLoadError naming the file and tensor on any problem."""
     t0 = time.perf_counter()
     path = model_config.model
     fmt = model_config.load_format
     if path is None and not (fmt == "dummy" and model_config.hf_config):
-        from gpu.config import default_model_path
+        from contracts.config import default_model_path
 
         path = default_model_path()
     reader = None
@@ -83,7 +83,7 @@ def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Modu
     else:
         fmt = resolve_load_format(path, fmt)
         if fmt == "gguf":
-            from gpu.models.hf_config import gguf_to_hf_config, open_gguf
+            from contracts.hf_config import gguf_to_hf_config, open_gguf
 
             if not os.path.isfile(path):
                 raise ModelLoadError(f"{path}: no such GGUF file")

@@ -21,7 +21,7 @@ import logging
 import torch
 from torch import nn
 
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-from gpu.models.errors import UnsupportedArchitectureError
+from contracts.errors import UnsupportedArchitectureError
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 from kernels import fused
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ PROMPT = "The quick brown fox"
 
 
 def tiny_options() -> dict:
-    from gpu.config import default_model_path
+    from contracts.config import default_model_path
 
     return {"model": default_model_path(), "load_format": "dummy", "hf_config": TINY_CONFIG, "dtype": "float32",
             "kv_cache_memory_gib": 1 / 16, "executor": "inproc"}
@@ -39,7 +39,7 @@ def expected():
 @pytest.fixture
 async def client():
     from engine.async_engine import AsyncEngine
-    from gpu.config import EngineConfig
+    from contracts.config import EngineConfig
 
     engine = AsyncEngine(EngineConfig.from_options(**tiny_options()))
     await engine.start()

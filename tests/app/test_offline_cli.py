@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    from gpu.config import default_model_path
+    from contracts.config import default_model_path
 
     engine = ["--model", default_model_path(), "--load-format", "dummy", "--hf-config", json.dumps(TINY_CONFIG),
               "--dtype", "float32", "--kv-cache-memory", "0.05"]

@@ -8,7 +8,7 @@ import pytest
 
 from app.engine_args import add_engine_args, engine_config_from_args
 from engine.bootstrap import resolve_config
-from gpu.config import ConfigError, default_model_path
+from contracts.config import ConfigError, default_model_path
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def test_unknown_mode_is_refused_by_the_parser():
                                            ({"swap_space_gib": -1.0}, "--swap-space"),
                                            ({"swap_space_gib": float("nan")}, "--swap-space")])
 def test_bad_values_are_config_errors(options, flag):
-    from gpu.config import EngineConfig
+    from contracts.config import EngineConfig
 
     config = EngineConfig.from_options(model=default_model_path(), hf_config={"max_position_embeddings": 256},
                                        **options)

@@ -28,7 +28,7 @@ def occupied_port() -> socket.socket:
 
 
 def serve_argv(port: int) -> list[str]:
-    from gpu.config import default_model_path
+    from contracts.config import default_model_path
 
     return ["serve", "--model", default_model_path(), "--load-format", "dummy",
             "--hf-config", json.dumps(TINY_CONFIG), "--dtype", "float32", "--max-model-len", "256",

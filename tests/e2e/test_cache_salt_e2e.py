@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.server import build_app
 from engine.async_engine import AsyncEngine
-from gpu.config import EngineConfig, default_model_path
+from contracts.config import EngineConfig, default_model_path
 from tests.tiny import TINY_CONFIG
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # several full blocks of 16 tokens

@@ -25,7 +25,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def model_path() -> str:
-    from gpu.config import default_model_path
+    from contracts.config import default_model_path
 
     return default_model_path()
 

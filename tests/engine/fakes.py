@@ -1,14 +1,14 @@
 """Test doubles for the engine: a byte-level tokenizer and an executor that mirrors the worker.
 
-FakeExecutor keeps the worker's per-sequence state exactly as gpu/messages.py describes, writes
+FakeExecutor keeps the worker's per-sequence state exactly as contracts/messages.py describes, writes
 (token, position) into a fake paged KV cache at ``table[t // B] * B + t % B`` and, before a
 sequence samples, checks that its whole context is in the cache at the right slots (so a wrong
 prefix-cache hit, a lost block or a bad preemption shows up as an assertion).
 """
 from __future__ import annotations
 
-from gpu.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from gpu.messages import SampledLogprobs, StepInput, StepOutput
+from contracts.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from contracts.messages import SampledLogprobs, StepInput, StepOutput
 from gpu.worker import decode_step, encode_step
 
 PAD, BOS, EOS = 0, 1, 2
@@ -98,7 +98,7 @@ class FakeExecutor:
             assert sid in self.seqs, f"finished id {sid} unknown to the worker"
             del self.seqs[sid]
         B = self.block_size
-        for src, dst in step.blocks_to_copy:  # copy-on-write, before the new seqs (gpu/messages.py)
+        for src, dst in step.blocks_to_copy:  # copy-on-write, before the new seqs (contracts/messages.py)
             assert src != dst and 0 not in (src, dst)
             for t in range(B):
                 if src * B + t in self.kv:

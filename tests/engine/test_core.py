@@ -379,7 +379,7 @@ def test_stats_counts():
 
 
 def test_prompt_logprobs_collected_across_chunks_and_sent_once():
-    from gpu.messages import PromptLogprobs, SampledLogprobs
+    from contracts.messages import PromptLogprobs, SampledLogprobs
 
     core, ex = make_core(max_num_batched_tokens=4)
     p = prompt(0, 7)

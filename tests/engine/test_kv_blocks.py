@@ -175,7 +175,7 @@ def test_cache_salt_isolates_tenants_and_equal_salts_share():
 
 def test_chain_is_seeded_per_model():
     from engine.kv_blocks import model_hash_seed
-    from gpu.config import ModelConfig
+    from contracts.config import ModelConfig
 
     seeds = {
         model_hash_seed(ModelConfig(model="/models/a", dtype="float32")),

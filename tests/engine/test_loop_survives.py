@@ -188,7 +188,7 @@ async def test_a_core_that_keeps_failing_kills_the_loop(engine, monkeypatch):
 
 
 async def test_an_executor_failure_still_kills_the_loop(engine):
-    from gpu.executor import ExecutorError
+    from contracts.errors import ExecutorError
 
     executor = engine.parts.executor
 

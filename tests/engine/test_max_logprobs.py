@@ -9,7 +9,7 @@ import pytest
 
 from engine.errors import RequestRejectedError
 from engine.sampling_params import SamplingParams
-from gpu.config import EngineConfig, ModelConfig
+from contracts.config import EngineConfig, ModelConfig
 from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
 
 

@@ -113,7 +113,7 @@ async def test_a_requests_own_template_with_nested_loops_is_stopped_at_its_deadl
     and its thread is freed too, not left looping."""
     from engine.async_engine import AsyncEngine
     from engine.tokenizer import Tokenizer
-    from gpu.config import EngineConfig, default_model_path
+    from contracts.config import EngineConfig, default_model_path
 
     engine = AsyncEngine(EngineConfig.from_options(chat_template_timeout=0.5))
     engine.tokenizer = Tokenizer.from_model(default_model_path())
@@ -169,7 +169,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 async def grammar_engine(monkeypatch):
     """A real tiny-model engine (xgrammar needs the real tokenizer), its compiles slowed at will."""
     from engine.async_engine import AsyncEngine
-    from gpu.config import EngineConfig, default_model_path
+    from contracts.config import EngineConfig, default_model_path
     from tests.tiny import TINY_CONFIG
 
     config = EngineConfig.from_options(model=default_model_path(), load_format="dummy",

@@ -11,7 +11,7 @@ import pytest
 
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
 from engine.sampling_params import SamplingParams
-from gpu.executor import ExecutorError
+from contracts.errors import ExecutorError
 from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
 
 PROMPT = FakeTokenizer().encode("restart me")

@@ -17,7 +17,7 @@ from engine.beam_search import BeamSearchParams
 from engine.errors import RequestRejectedError
 from engine.request import SeqStatus
 from engine.sampling_params import SamplingParams
-from gpu.messages import SamplingOptions
+from contracts.messages import SamplingOptions
 from tests.engine.beam_fakes import fake_top, reference_beam_search
 from tests.engine.fakes import BYTE0, default_next_token, make_core
 

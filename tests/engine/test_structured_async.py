@@ -19,7 +19,7 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 async def test_compile_runs_beside_a_stream_and_wakes_the_loop(monkeypatch):
     import engine.async_engine as ae
     from engine.async_engine import AsyncEngine
-    from gpu.config import EngineConfig, default_model_path
+    from contracts.config import EngineConfig, default_model_path
 
     monkeypatch.setattr(ae, "IDLE_HEALTH_CHECK_S", 3600.0)
     config = EngineConfig.from_options(model=default_model_path(), load_format="dummy",

@@ -37,7 +37,7 @@ async def test_the_engine_lives_after_a_step_that_cannot_be_encoded(monkeypatch)
 
 @pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
 def test_encode_step_raises_a_typed_error(value):
-    from gpu.messages import NewSeq, SamplingOptions, StepEncodeError, StepInput
+    from contracts.messages import NewSeq, SamplingOptions, StepEncodeError, StepInput
     from gpu.worker import encode_step
 
     seq = NewSeq(1, [1, 2], 2, 0, [1], SamplingOptions(seed=value))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import traceback
 
-from gpu.error_text import error_summary
+from contracts.error_text import error_summary
 
 
 def _chained_traceback() -> str:

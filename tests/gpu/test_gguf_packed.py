@@ -10,7 +10,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize as library_dequantize
 
-from gpu.config import ModelConfig
+from contracts.config import ModelConfig
 from gpu.models import gguf_packed
 from gpu.models.gguf_loader import unpermute_rows
 from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
@@ -54,7 +54,7 @@ def test_auto_holds_no_full_precision_copy(default_models, default_model_path):
 @pytest.mark.parametrize("mode,layer,head", [("auto", "q4_1", "q8_0"), ("int4", "q4_1", "q8_0"),
                                               ("int8", "q8_0", "q8_0")])
 def test_plan_follows_the_mode(default_model_path, mode, layer, head):
-    from gpu.models.hf_config import gguf_to_hf_config, open_gguf
+    from contracts.hf_config import gguf_to_hf_config, open_gguf
     from gpu.models.loader import build_model
 
     reader = open_gguf(default_model_path)
@@ -162,7 +162,7 @@ def test_default_model_as_the_file_says_in_bf16_is_as_close_to_fp32_as_plain_bf1
 
 
 def test_auto_is_none_off_cpu_and_int_modes_need_a_cpu():
-    from gpu.models.errors import ModelLoadError
+    from contracts.errors import ModelLoadError
     from gpu.models.loader import resolve_quantization
 
     assert resolve_quantization(None, "cpu") == "auto"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from gpu.config import EngineConfig, default_model_path
+from contracts.config import EngineConfig, default_model_path
 from gpu.model_runner import BatchRequest, ModelRunner
 from tests.tiny import TINY_CONFIG, tiny_llm
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.config import ConfigError
+from contracts.config import ConfigError
 from kernels.kv_cache_dtype import FP8
 from tests.gpu.test_mp_equivalence import GREEDY, UNTIED, prompts, token_ids
 from tests.tiny import tiny_llm

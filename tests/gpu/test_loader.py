@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu.config import ModelConfig
+from contracts.config import ModelConfig
 from gpu.forward_context import forward_context
-from gpu.models.errors import ModelLoadError, UnsupportedArchitectureError
+from contracts.errors import ModelLoadError, UnsupportedArchitectureError
 from gpu.models.loader import load_model
 
 from tests.gpu.test_models import ARCHS, assert_close, make_caches, paged_step, save_hf_model
@@ -33,7 +33,7 @@ def default_pair(default_model_path):
 
 
 def test_default_gguf_config(default_model_path):
-    from gpu.models.hf_config import load_hf_config
+    from contracts.hf_config import load_hf_config
 
     cfg = load_hf_config(default_model_path)
     assert cfg["architectures"] == ["LlamaForCausalLM"]

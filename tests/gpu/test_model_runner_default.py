@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from gpu.config import EngineConfig
+from contracts.config import EngineConfig
 from gpu.model_runner import BatchRequest, ModelRunner
 
 PROMPTS = [

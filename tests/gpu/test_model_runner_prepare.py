@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from gpu.config import EngineConfig
+from contracts.config import EngineConfig
 from gpu.model_runner import BatchRequest, ModelRunner
 
 
@@ -42,7 +42,7 @@ def test_mixed_batch_slots_unchanged():
 
 def test_blocks_to_copy_are_copied_in_every_layer_before_the_new_seqs():
     """Copy-on-write of beam forks (StepInput.blocks_to_copy): dst takes src's K/V, others untouched."""
-    from gpu.messages import StepInput, pack_ints
+    from contracts.messages import StepInput, pack_ints
 
     r = _runner()
     torch.manual_seed(0)

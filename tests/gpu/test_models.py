@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from gpu.config import ModelConfig
+from contracts.config import ModelConfig
 from gpu.forward_context import forward_context
 from gpu.models.packed_linear import dense_weight  # a loaded linear layer's weight, packed or not
 from kernels.metadata import AttentionMetadata

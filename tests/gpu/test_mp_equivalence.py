@@ -13,7 +13,7 @@ import random
 import pytest
 
 from engine.sampling_params import SamplingParams
-from gpu.executor import ExecutorError
+from contracts.errors import ExecutorError
 from tests.tiny import TINY_CONFIG, tiny_llm
 
 UNTIED = {**TINY_CONFIG, "tie_word_embeddings": False}

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from gpu.config import EngineConfig
-from gpu.executor import ExecutorError
-from gpu.messages import NewSeq, SamplingOptions, StepInput, StepOutput
+from contracts.config import EngineConfig
+from contracts.errors import ExecutorError
+from contracts.messages import NewSeq, SamplingOptions, StepInput, StepOutput
 from gpu.shm_ring import ShmRing
 from gpu.transport import pick_transport
 
@@ -145,7 +145,7 @@ def test_step_error_is_returned_and_worker_keeps_serving(executor):
 
 def test_a_step_that_cannot_be_encoded_is_refused_and_the_executor_goes_on(executor):
     """Nothing is sent, so no reply is due: the next steps (sync and async) are answered."""
-    from gpu.messages import StepEncodeError
+    from contracts.messages import StepEncodeError
 
     bad = NewSeq(9, [1, 2, 3], 3, 0, [9], SamplingOptions(top_k=2**64))
     with pytest.raises(StepEncodeError, match="step 4 cannot be encoded"):
@@ -243,7 +243,7 @@ def test_owner_gone_leaves_no_worker_and_no_segment(how):
     rings. A normal exit without shutdown(): the finalizer runs at interpreter exit."""
     script = textwrap.dedent(f"""
         import sys, time
-        from gpu.config import EngineConfig
+        from contracts.config import EngineConfig
         from gpu.mp_executor import MultiprocExecutor
         if __name__ == "__main__":
             cfg = EngineConfig.from_options(executor="mp", num_blocks=5)

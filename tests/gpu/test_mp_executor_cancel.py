@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpu.executor import ExecutorError
+from contracts.errors import ExecutorError
 from tests.gpu.test_mp_executor import _config, _existing, _gone, own_segments  # noqa: F401  (fixture)
 
 HERE = "tests.gpu.test_mp_executor_cancel"

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from gpu.executor import ExecutorError
+from contracts.errors import ExecutorError
 from gpu.pipe_channel import PipeChannel
 from gpu.transport import ENV_TRANSPORT
 from tests.gpu.test_mp_equivalence import GREEDY, UNTIED, prompts, seeded_params, shutdown_clean, token_ids

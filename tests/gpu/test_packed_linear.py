@@ -181,7 +181,7 @@ def test_missing_ops_and_other_devices_keep_f_linear(tmp_path, monkeypatch):
 
 
 def test_quantized_layers_are_left_alone():
-    from gpu.config import ModelConfig
+    from contracts.config import ModelConfig
     from gpu.models.loader import load_model
 
     model = load_model(ModelConfig(load_format="dummy", hf_config=ARCHS["llama"], quantization="int8"),

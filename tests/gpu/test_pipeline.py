@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from gpu.executor import ExecutorError
+from contracts.errors import ExecutorError
 from gpu.parallel_state import (init_pipeline_parallel, reset_pipeline_parallel, stage_layer_range)
 from tests.gpu.test_mp_equivalence import UNTIED, prompts, shutdown_clean, stream_token_ids, token_ids
 from tests.tiny import tiny_llm
@@ -171,7 +171,7 @@ def test_async_engine_pp2_keeps_two_steps_in_flight_and_equals_single_process(ti
 
     from engine.async_engine import AsyncEngine
     from engine.llm import LLM
-    from gpu.config import EngineConfig
+    from contracts.config import EngineConfig
 
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16,
                "max_num_batched_tokens": 64}

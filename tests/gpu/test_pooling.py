@@ -5,7 +5,7 @@ import msgspec
 import pytest
 import torch
 
-from gpu.messages import (
+from contracts.messages import (
     STEP_INPUT_DECODER, STEP_INPUT_ENCODER, STEP_OUTPUT_DECODER, NewSeq, PooledOutput, PoolingOptions,
     SamplingOptions, StepInput, StepOutput)
 from gpu.pooling import Pooler

@@ -66,7 +66,7 @@ def test_int8_agreement_on_random_weights_stays_above_its_floor():
 
 
 def _tiny_model():
-    from gpu.config import ModelConfig
+    from contracts.config import ModelConfig
     from tests.tiny import TINY_CONFIG
 
     return loader.load_model(ModelConfig(load_format="dummy", hf_config=TINY_CONFIG))
@@ -93,7 +93,7 @@ def test_every_linear_layer_is_quantized_and_its_full_weight_freed():
 
 
 def test_unknown_mode_and_non_cpu_device_are_refused():
-    from gpu.models.errors import ModelLoadError
+    from contracts.errors import ModelLoadError
 
     model = _tiny_model()
     with pytest.raises(ModelLoadError, match="unknown quantization"):

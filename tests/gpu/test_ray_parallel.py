@@ -21,7 +21,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from engine.errors import EngineDeadError  # noqa: E402
-from gpu.config import EngineConfig  # noqa: E402
+from contracts.config import EngineConfig  # noqa: E402
 from tests.gpu.test_mp_equivalence import GREEDY, prompts, token_ids  # noqa: E402
 from tests.gpu.test_pipeline import one_thread  # noqa: E402
 from tests.gpu.test_ray_executor import (  # noqa: E402,F401  (local_ray, tiny_checkpoint, transport: fixtures)

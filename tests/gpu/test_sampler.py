@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu.messages import SampledLogprobs, SamplingOptions
+from contracts.messages import SampledLogprobs, SamplingOptions
 from gpu.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, process_logits
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.messages import SamplingOptions
+from contracts.messages import SamplingOptions
 from gpu.sampler import Sampler
 from gpu.sampling_mask import TokenMask, unpack_bitmask
 

@@ -15,7 +15,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def test_next_step_is_sent_before_the_last_outputs_are_delivered(tiny_checkpoint):  # noqa: F811
     from engine.async_engine import AsyncEngine
     from engine.llm import LLM
-    from gpu.config import EngineConfig
+    from contracts.config import EngineConfig
 
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16,
                "max_num_batched_tokens": 64}

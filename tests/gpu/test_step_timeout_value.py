@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from gpu.config import EngineConfig
-from gpu.executor import ExecutorError
+from contracts.config import EngineConfig
+from contracts.errors import ExecutorError
 
 RUNNER = "tests.gpu.test_mp_executor:FakeRunner"
 
@@ -26,12 +26,12 @@ def test_a_step_timeout_that_is_no_limit_is_refused_at_start(bad):
 
 
 def test_the_default_step_timeout_has_one_owner():
-    """gpu.config owns the default; the CLI flag and a Namespace without it take that value
+    """contracts.config owns the default; the CLI flag and a Namespace without it take that value
     (three copies of 300.0 could drift apart)."""
     import argparse
 
     from app.engine_args import add_engine_args, engine_config_from_args
-    from gpu.config import DEFAULT_STEP_TIMEOUT_S, ParallelConfig
+    from contracts.config import DEFAULT_STEP_TIMEOUT_S, ParallelConfig
 
     assert ParallelConfig().step_timeout_s == DEFAULT_STEP_TIMEOUT_S
     parser = argparse.ArgumentParser()

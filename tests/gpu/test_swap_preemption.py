@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu.kv_swap import HostSwapPool
-from gpu.messages import StepInput, pack_pairs
+from contracts.messages import StepInput, pack_pairs
 from tests.gpu.test_mp_equivalence import GREEDY, UNTIED, prompts, shutdown_clean, token_ids
 from tests.tiny import tiny_llm
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
-    from gpu.config import ConfigError, default_model_path
+    from contracts.config import ConfigError, default_model_path
 
     try:
         path = default_model_path()

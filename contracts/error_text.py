@@ -2,7 +2,7 @@
 
 A worker reports a failed step with its traceback (``StepOutput.error``), and executor errors
 quote it. A traceback names the server's files and code: it belongs in the server log, never
-in a 500 body or an SSE error event. Lives on the gpu side so executors can use it too.
+in a 500 body or an SSE error event. Lives in contracts so executors and the HTTP layer share it.
 """
 from __future__ import annotations
 

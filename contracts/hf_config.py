@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 
 # GGUF general.architecture -> HF architectures name. These use llama.cpp's "<arch>.*" keys.
 GGUF_ARCHITECTURES = {
@@ -21,7 +21,7 @@ GGUF_ARCHITECTURES = {
 def load_hf_config(path: str) -> dict:
     """config.json of a model directory, or the GGUF file's metadata mapped to the same keys."""
     if path is None:
-        from gpu.config import default_model_path
+        from contracts.config import default_model_path
 
         path = default_model_path()
     if os.path.isdir(path):
@@ -75,15 +75,15 @@ def normalize_config(cfg: dict) -> dict:
 
 
 def open_gguf(path: str):
-    """The parsed GGUF file (gpu.models.gguf_file: metadata and a memory map of the tensors)."""
-    from gpu.models.gguf_file import read_gguf
+    """The parsed GGUF file (contracts.gguf_file: metadata and a memory map of the tensors)."""
+    from contracts.gguf_file import read_gguf
 
     return read_gguf(path)
 
 
 def read_gguf_metadata(path: str, reader=None) -> tuple[dict, list[str]]:
     """(scalar and string metadata, tensor names). Large arrays (vocab, merges) are skipped."""
-    from gpu.models.gguf_file import array_length, tensor_names
+    from contracts.gguf_file import array_length, tensor_names
 
     if reader is None:
         reader = open_gguf(path)
@@ -100,7 +100,7 @@ def gguf_to_hf_config(path: str, reader=None) -> dict:
     meta, tensor_names = read_gguf_metadata(path, reader)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        from gpu.models.errors import UnsupportedArchitectureError
+        from contracts.errors import UnsupportedArchitectureError
 
         raise UnsupportedArchitectureError(f"gguf:{arch}", [f"gguf:{a}" for a in GGUF_ARCHITECTURES])
 
@@ -112,7 +112,7 @@ def gguf_to_hf_config(path: str, reader=None) -> dict:
     kv_heads = int(get("attention.head_count_kv", heads))
     vocab = get("vocab_size")
     if vocab is None:  # not always written: count the vocabulary tokens instead
-        from gpu.models.gguf_file import array_length
+        from contracts.gguf_file import array_length
 
         vocab = array_length((reader or open_gguf(path)).fields["tokenizer.ggml.tokens"])
     cfg = {

@@ -1,6 +1,7 @@
 """Configs a worker needs (model, cache, parallel) plus the scheduler's, and the default model.
 
-Kept on the gpu side so a worker process never imports the scheduler. No torch import here:
+In contracts, which every room imports, so a worker process never imports the scheduler and the
+HTTP layer never imports the device room. No torch import here:
 the engine reads these without loading a model.
 """
 from __future__ import annotations

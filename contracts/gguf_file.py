@@ -20,7 +20,7 @@ import mmap
 import struct
 from typing import Any
 
-from gpu.models.errors import ModelLoadError
+from contracts.errors import ModelLoadError
 
 # GGUF value type codes (gguf.GGUFValueType) -> struct code of one scalar.
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}

@@ -1,4 +1,7 @@
-"""Typed errors of model building and weight loading (no torch import: the engine catches them)."""
+"""Typed errors that cross rooms: model building and weight loading, and failed workers.
+
+No torch import: the engine and the HTTP layer catch them without loading a model.
+"""
 from __future__ import annotations
 
 
@@ -16,3 +19,7 @@ class UnsupportedArchitectureError(ModelLoadError):
             f"unsupported model architecture {architectures!r}; supported architectures: "
             f"{', '.join(self.supported)}"
         )
+
+
+class ExecutorError(RuntimeError):
+    """The workers failed (died, or a step raised); in-flight requests cannot finish."""
