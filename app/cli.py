@@ -14,12 +14,12 @@ COMMANDS = {
     "chat": ("app.chat_cmd", "Interactive chat through the model's chat template"),
 }
 BENCH_COMMANDS = {
-    "throughput": ("app.bench_offline", "Offline throughput on a workload file (default W1)"),
-    "latency": ("app.bench_latency", "One request's prefill time and decode speed"),
+    "throughput": ("loadtest.micro.bench_throughput", "Offline throughput on a workload file (default W1)"),
+    "latency": ("loadtest.micro.bench_latency", "One request's prefill time and decode speed"),
     "serve": ("loadtest.bench", "Serving benchmark against any OpenAI-compatible server"),
-    "ipc": ("gpu.bench_ipc", "Round trip of step messages: shm ring vs multiprocessing.Queue"),
+    "ipc": ("loadtest.micro.bench_ipc", "Round trip of step messages: shm ring vs multiprocessing.Queue"),
     "soak": ("loadtest.soak", "Thousands of mixed requests, then proof nothing leaked (RSS, fds, KV)"),
-    "startup": ("app.bench_startup", "Cold start: `serve` process start to /health 200 (median of N)"),
+    "startup": ("loadtest.bench_startup", "Cold start: `serve` process start to /health 200 (median of N)"),
 }
 
 

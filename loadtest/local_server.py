@@ -17,23 +17,11 @@ from pathlib import Path
 import httpx
 
 from loadtest import proctree
+from loadtest.tiny_model import TINY_CONFIG
 
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# A tiny random-weight Llama (starts in seconds, a step takes milliseconds) over the default
-# model's tokenizer, so requests carry real text. The one definition: tests/tiny.py re-exports it.
-# Embeddings are untied: a tied random model mostly repeats its last input token, which would let
-# greedy-equality tests pass even with broken attention.
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-}
-
 
 class ServerStartError(RuntimeError):
     """The server exited or did not answer /health in time; the message carries its log."""

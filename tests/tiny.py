@@ -1,10 +1,11 @@
 """A tiny random Llama with the default model's tokenizer: fast engine tests with real text.
 
-The config lives in loadtest.local_server (the package cannot import tests/); see the comment
-there on why its embeddings are untied."""
+The config is loadtest/tiny_model.py's (data only, in the package because `bench soak
+--start-server` serves it and the package cannot import tests/); see there why its embeddings
+are untied."""
 from __future__ import annotations
 
-from loadtest.local_server import TINY_CONFIG  # noqa: F401  (one definition, in the package)
+from loadtest.tiny_model import TINY_CONFIG  # noqa: F401  (one definition, in the package)
 
 
 def tiny_llm(**options):

@@ -23,8 +23,9 @@ import pytest
 
 from gpu.transport import pick_transport
 from loadtest import proctree
-from loadtest.local_server import TINY_CONFIG, LocalServer, tiny_args
+from loadtest.local_server import LocalServer, tiny_args
 from loadtest.soak import wait_idle
+from loadtest.tiny_model import TINY_CONFIG
 from tests.e2e.chaos_load import Load
 
 MODEL = "tiny"

@@ -132,7 +132,7 @@ BF16_MARGIN = 0.15  # bf16: at most this far below plain bf16's own agreement wi
 
 def _greedy(mode: str, dtype: str):
     from engine.llm import LLM
-    from loadtest.quant_accuracy import PROMPTS, greedy_tokens
+    from loadtest.micro.quant_accuracy import PROMPTS, greedy_tokens
 
     llm = LLM(dtype=dtype, quantization=mode, kv_cache_memory_gib=1 / 16)
     try:
@@ -144,7 +144,7 @@ def _greedy(mode: str, dtype: str):
 def test_default_model_as_the_file_says_decodes_like_the_dequantized_model():
     """Same weights bit for bit; only the kernel's 15-bit activation rounding differs, so greedy
     tokens must nearly all agree (full figures: loadtest/PERF.md)."""
-    from loadtest.quant_accuracy import agreement
+    from loadtest.micro.quant_accuracy import agreement
 
     same, _ = agreement(_greedy("none", "float32"), _greedy("auto", "float32"))
     assert same >= AUTO_FLOOR, f"auto/fp32: greedy agreement {same:.3f} < {AUTO_FLOOR}"
@@ -153,7 +153,7 @@ def test_default_model_as_the_file_says_decodes_like_the_dequantized_model():
 def test_default_model_as_the_file_says_in_bf16_is_as_close_to_fp32_as_plain_bf16():
     """bf16 rounding alone moves greedy tokens (plain bf16 agrees ~0.7 with fp32 over 16x32), so
     the packed model in bf16 is held to plain bf16's agreement, less a margin."""
-    from loadtest.quant_accuracy import agreement
+    from loadtest.micro.quant_accuracy import agreement
 
     reference = _greedy("none", "float32")
     plain, _ = agreement(reference, _greedy("none", "bfloat16"))

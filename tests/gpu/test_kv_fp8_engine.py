@@ -57,7 +57,7 @@ def test_default_model_greedy_agreement_with_the_bf16_cache():
     (the bf16 model against fp32 agrees 0.697; PERF.md); below 0.5 fails. A cache read wrongly
     agrees near 0."""
     from engine.llm import LLM
-    from loadtest.quant_accuracy import PROMPTS, agreement, greedy_tokens
+    from loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
 
     out = {}
     for kv in ("auto", "fp8"):

@@ -39,7 +39,7 @@ def test_milestones_are_stamped_with_the_server_logs_own_time():
     the line, which can be after /health already answered (CI once saw ready line 2.960 > 2.959)."""
     import time
 
-    from app.bench_startup import _logged_at
+    from loadtest.bench_startup import _logged_at
 
     wall0 = 1_700_000_000.25
     when = wall0 + 1.5

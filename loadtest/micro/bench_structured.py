@@ -7,7 +7,7 @@ default): on a machine shared with other work, wall time mostly measures the oth
 apply (TokenMask.apply) are timed on their own too. Runs alternate (free, constrained, ...)
 so the machine's load hits both alike.
 
-    python -m loadtest.bench_structured [--batch 16] [--rounds 3] [--tokens 24]
+    python -m loadtest.micro.bench_structured [--batch 16] [--rounds 3] [--tokens 24]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 
-from loadtest.grammar_schemas import SCHEMAS
+from loadtest.micro.grammar_schemas import SCHEMAS
 
 _timers: dict[str, float] = {}
 

@@ -4,7 +4,7 @@ Runs the engine with the tiny random model (block accounting does not depend on 
 one 1,000-token prompt: beam search at width k, then k independent greedy requests with and
 without prefix caching; prints the peak number of blocks held during each run.
 
-    python -m loadtest.beam_blocks [--k 4] [--prompt-tokens 1000] [--max-tokens 16]
+    python -m loadtest.micro.beam_blocks [--k 4] [--prompt-tokens 1000] [--max-tokens 16]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main() -> None:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
     from contracts.config import default_model_path
-    from loadtest.local_server import TINY_CONFIG
+    from loadtest.tiny_model import TINY_CONFIG
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--k", type=int, default=4)

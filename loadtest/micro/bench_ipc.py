@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--ray", action="store_true",
                         help="add the Ray executor's transports (ring, actor call, compiled graph) on a "
-                             "local Ray instance (gpu/bench_ipc_ray.py; needs the ray extra)")
+                             "local Ray instance (loadtest/micro/bench_ipc_ray.py; needs the ray extra)")
 
 
 def decode_step_input(n: int, step_id: int = 0) -> StepInput:
@@ -219,7 +219,7 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
             from gpu.mp_executor import MultiprocExecutor
 
             executor = MultiprocExecutor(EngineConfig.from_options(executor="mp"),
-                                         runner_factory="gpu.bench_ipc:EchoRunner", startup_timeout=120)
+                                         runner_factory="loadtest.micro.bench_ipc:EchoRunner", startup_timeout=120)
             echoes["executor"] = _ExecutorEcho(executor, use_async=False)
             echoes["async"] = _ExecutorEcho(executor, use_async=True)
         if with_raw:
@@ -228,7 +228,7 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
             echoes["pipe-bytes"] = _RingEcho(ctx, raw=True, kind="pipe")
             echoes["queue-bytes"] = _QueueEcho(ctx, raw=True)
         if with_ray:
-            from gpu.bench_ipc_ray import ray_echoes as start_ray_echoes
+            from loadtest.micro.bench_ipc_ray import ray_echoes as start_ray_echoes
 
             ray_echoes = start_ray_echoes()
             echoes.update(ray_echoes)
@@ -257,7 +257,7 @@ def bench(sizes: list[int], iters: int, warmup: int, with_executor: bool, with_r
         if executor is not None:
             executor.shutdown()
         if ray_echoes:
-            from gpu.bench_ipc_ray import close_ray
+            from loadtest.micro.bench_ipc_ray import close_ray
 
             close_ray(ray_echoes)
 

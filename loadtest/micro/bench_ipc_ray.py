@@ -1,6 +1,6 @@
 """`pagedserve bench ipc --ray`: the Ray executor's step transports next to the ring and the Queue.
 
-Rows added to gpu/bench_ipc.py's table, each a one-rank Ray actor running the echo runner:
+Rows added to loadtest/micro/bench_ipc.py's table, each a one-rank Ray actor running the echo runner:
 
   ray-ring     RayRingExecutor.execute: the actor on this node, steps over the shared-memory ring
   ray-call     RayCallExecutor.execute: one Ray actor call per step (the transport across nodes)
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 
-from gpu.bench_ipc import _Echo
+from loadtest.micro.bench_ipc import _Echo
 from contracts.messages import STEP_OUTPUT_DECODER, StepInput
 from gpu.worker import encode_step
 
-ECHO_RUNNER = "gpu.bench_ipc:EchoRunner"
+ECHO_RUNNER = "loadtest.micro.bench_ipc:EchoRunner"
 
 
 class _ExecutorEcho(_Echo):

@@ -5,7 +5,7 @@ cache) and the per-step cost of the token masks of a batch of 16 constrained row
 benchmark walks 16 matchers through valid documents (the schemas' instances, tokenized by the
 model's tokenizer), filling every row's bitmask each step (timed), then accepting the next token.
 
-    python -m loadtest.bench_grammar [--rounds 5] [--batch 16]
+    python -m loadtest.micro.bench_grammar [--rounds 5] [--batch 16]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from loadtest.grammar_schemas import SCHEMAS
+from loadtest.micro.grammar_schemas import SCHEMAS
 
 
 def _tokenizer():

@@ -1,5 +1,5 @@
 """A set of typical JSON schemas (what agents and extraction apps send), each with one valid
-instance, shared by the grammar-engine benchmark (loadtest/bench_grammar.py) and the tests."""
+instance, shared by the grammar-engine benchmark (loadtest/micro/bench_grammar.py) and the tests."""
 from __future__ import annotations
 
 SCHEMAS: list[tuple[str, dict, object]] = [

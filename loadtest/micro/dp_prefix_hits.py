@@ -5,7 +5,7 @@ Real engines end to end except HTTP: ReplicatedEngine over AsyncEngines running 
 random-weight model (loadtest/local_server.TINY_CONFIG) in worker processes, so the figure is the engine's
 own prefix_cache_hits / prefix_cache_queries, not a model of it. Hit rates do not depend on speed.
 
-    python -m loadtest.dp_prefix_hits --replicas 2 --prefixes 4 --requests 64
+    python -m loadtest.micro.dp_prefix_hits --replicas 2 --prefixes 4 --requests 64
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import random
 from engine.replicas import ReplicatedEngine
 from engine.sampling_params import SamplingParams
 from contracts.config import EngineConfig, default_model_path
-from loadtest.local_server import TINY_CONFIG
+from loadtest.tiny_model import TINY_CONFIG
 
 
 def _config(num_blocks: int) -> EngineConfig:

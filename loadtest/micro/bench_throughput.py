@@ -14,7 +14,7 @@ from pathlib import Path
 from app.engine_args import add_engine_args, engine_config_from_args
 from app.offline_cmd import _flat
 
-DEFAULT_WORKLOAD = Path(__file__).resolve().parent.parent / "loadtest" / "workloads" / "w1.json"
+DEFAULT_WORKLOAD = Path(__file__).resolve().parents[1] / "workloads" / "w1.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
