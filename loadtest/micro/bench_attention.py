@@ -19,7 +19,7 @@ import torch
 
 from kernels import cpu_attention
 from kernels.attention import paged_attention, write_kv_cache
-from tests.kernels.paged_batch import make_batch
+from loadtest.micro.paged_batch import make_batch
 
 IMPLS = ("torch", "c")
 

@@ -24,7 +24,7 @@ import torch
 
 from kernels import attn_amx, cpu_attention
 from kernels.kv_cache_dtype import FP8
-from tests.kernels.paged_batch import make_batch
+from loadtest.micro.paged_batch import make_batch
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
