@@ -41,9 +41,10 @@ _local_users = [0]
 _users_lock = threading.Lock()
 
 
-def connect(address: str | None) -> bool:
+def connect(address: str | None, world_size: int = 1) -> bool:
     """Make sure this process is connected to Ray; True when it uses a local instance started here
-    (then ``leave_local_ray`` must be called once, at shutdown)."""
+    (then ``leave_local_ray`` must be called once, at shutdown). A local instance started here is
+    sized to place ``world_size`` ranks (``local_num_cpus``)."""
     ray = import_ray()
     with _users_lock:
         if ray.is_initialized():
@@ -51,7 +52,7 @@ def connect(address: str | None) -> bool:
                 _local_users[0] += 1
                 return True
             return False
-        started = _connect(ray, address)
+        started = _connect(ray, address, world_size)
         if started:
             _local_users[0] = 1
         return started
@@ -65,7 +66,21 @@ def leave_local_ray() -> None:
             import_ray().shutdown()
 
 
-def _connect(ray, address: str | None) -> bool:
+def local_num_cpus(world_size: int) -> int:
+    """Logical CPUs of a Ray instance started here: Ray's own count, or the world size when that
+    is larger. Each rank asks for a bundle of one CPU; the instance hosts only this process's
+    actors, so, as the mp executor does, more ranks than cores may share them (tp=3 on 2 cores)
+    instead of waiting for CPUs that never come."""
+    try:
+        from ray._private.utils import get_num_cpus  # what ray.init would count (cgroup quotas too)
+
+        cpus = int(get_num_cpus())
+    except Exception:  # a Ray without it: the machine's count
+        cpus = os.cpu_count() or 1
+    return max(cpus, world_size)
+
+
+def _connect(ray, address: str | None, world_size: int = 1) -> bool:
     kwargs = {"include_dashboard": False, "log_to_driver": True, "logging_level": logging.WARNING}
     started = False
     try:
@@ -75,7 +90,8 @@ def _connect(ray, address: str | None) -> bool:
             try:  # RAY_ADDRESS, else a cluster started with `ray start` on this machine
                 ray.init(address="auto", **kwargs)
             except ConnectionError:  # none: a local instance of our own, its object store bounded
-                ray.init(address="local", object_store_memory=LOCAL_OBJECT_STORE_BYTES, **kwargs)
+                ray.init(address="local", object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                         num_cpus=local_num_cpus(world_size), **kwargs)
                 started = True
     except Exception as e:
         raise ExecutorError(f"cannot connect to Ray{f' at {address}' if address else ''}: {e}") from e
@@ -162,7 +178,7 @@ def place_workers(config: EngineConfig, world_size: int) -> PlacedWorkers:
     if strategy not in PLACEMENT_STRATEGIES:
         raise ExecutorError(f"unknown Ray placement strategy {strategy!r}: use one of "
                             f"{', '.join(PLACEMENT_STRATEGIES)}")
-    started = connect(config.parallel.ray_address)
+    started = connect(config.parallel.ray_address, world_size)
     ray = import_ray()
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

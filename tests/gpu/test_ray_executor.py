@@ -250,3 +250,42 @@ def test_default_model_tensor_parallel_3_on_ray_equals_single_process():
         tp.shutdown()
     assert_released(executor)
     assert token_ids(out) == token_ids(ref)
+
+
+def test_three_ranks_on_a_two_core_box_start_their_own_sized_ray():
+    """tp=3 with no Ray running: the local instance the executor starts is sized for 3 one-CPU
+    bundles although Ray counts 2 CPUs (pinned to 2 here, this project's box), serves a step
+    on all 3 ranks and is stopped again on shutdown. In a fresh process that finds no running Ray
+    (not this module's instance, nor another process's)."""
+    code = textwrap.dedent(f"""
+        import ray, ray._private.services, ray._private.utils
+        ray._private.utils.get_num_cpus = lambda *a, **k: 2  # a 2-core box, whatever runs this
+        # No Ray found on this machine (other test processes may run theirs): start our own.
+        def no_gcs():
+            return []
+        no_gcs.cache_clear = lambda: None
+        ray._private.services.find_gcs_addresses = no_gcs
+        ray._private.services.find_bootstrap_address = lambda temp_dir: None
+        from contracts.config import EngineConfig
+        from gpu.ray_executor import create_ray_executor
+        from tests.gpu.test_mp_executor import _step
+        config = EngineConfig.from_options(tensor_parallel_size=3, distributed_executor_backend="ray",
+                                           num_blocks=77)
+        ex = create_ray_executor(config, runner_factory={FAKE!r}, startup_timeout=120)
+        try:
+            print("cpus", ray.cluster_resources()["CPU"], "ranks", len(ex.worker_pids))
+            out = ex.execute(_step(1, [5, 6], new=[5, 6]))
+            print("tokens", out.token_ids.tolist())
+        finally:
+            ex.shutdown()
+        print("ray still running", ray.is_initialized())
+    """)
+    # No RAY_ADDRESS (ray.init set it for this module's instance); a failed placement says so
+    # within 30 s instead of the default 120.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=os.pathsep.join(sys.path), PAGEDSERVE_RAY_PLACEMENT_TIMEOUT="30")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cpus 3.0 ranks 3" in r.stdout
+    assert "tokens [5003, 6003]" in r.stdout
+    assert "ray still running False" in r.stdout
