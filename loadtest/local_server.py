@@ -23,6 +23,43 @@ logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# How long a `serve` may take to answer /health 200, by what it starts (seconds on an idle box):
+# the process with its imports and the model, each worker process (or Ray actor), Ray's own start.
+# A one-process server gets the 120 s this wait always had; the sum grows with the machine's load
+# per core (a correct build on a busy box is slow, not broken) up to a ceiling that still ends a
+# server that will never answer.
+READY_BASE_S = 105.0
+READY_PER_WORKER_S = 15.0
+READY_RAY_START_S = 60.0
+READY_CEILING_S = 480.0  # under pytest-timeout's 600 s, so the server's log is what a failure shows
+
+
+def _flag(args: list[str], names: tuple[str, ...], default: str | None) -> str | None:
+    """The last value given for any of ``names`` (``--flag value`` or ``--flag=value``)."""
+    value = default
+    for i, arg in enumerate(args):
+        name, eq, inline = arg.partition("=")
+        if name in names:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else value)
+    return value
+
+
+def readiness_timeout(serve_args: list[str]) -> float:
+    """Seconds to wait for /health of `pagedserve serve *serve_args`: READY_BASE_S, plus
+    READY_PER_WORKER_S per worker process of every replica (tp x pp x dp), plus READY_RAY_START_S
+    with the Ray executor, times the 1-minute load per CPU when above 1, at most READY_CEILING_S."""
+    tp = int(_flag(serve_args, ("--tensor-parallel-size", "-tp"), "1"))
+    pp = int(_flag(serve_args, ("--pipeline-parallel-size", "-pp"), "1"))
+    dp = int(_flag(serve_args, ("--data-parallel-size", "-dp"), "1"))
+    executor = _flag(serve_args, ("--executor", "--distributed-executor-backend"), None)
+    seconds = READY_BASE_S + READY_PER_WORKER_S * tp * pp * dp
+    if executor == "ray":
+        seconds += READY_RAY_START_S
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load_per_cpu = os.getloadavg()[0] / cpus
+    return min(READY_CEILING_S, seconds * max(1.0, load_per_cpu))
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not answer /health in time; the message carries its log."""
 
@@ -44,9 +81,10 @@ def tiny_args(max_model_len: int = 2048, num_blocks: int = 256, config: dict | N
 
 class LocalServer:
     """``pagedserve serve *args --port <free>``; its log goes to a temporary file named
-    ``<log_prefix><port>-*.log``. The e2e tests' ServerProcess extends it."""
+    ``<log_prefix><port>-*.log``. It waits ``ready_timeout`` seconds for /health 200, by default
+    ``readiness_timeout(args)``. The e2e tests' ServerProcess extends it."""
 
-    def __init__(self, args: list[str], *, ready_timeout: float = 120.0,
+    def __init__(self, args: list[str], *, ready_timeout: float | None = None,
                  log_prefix: str = "pagedserve-soak-") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -59,7 +97,7 @@ class LocalServer:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self.segments: set[str] = set()
-        self._wait_ready(ready_timeout)
+        self._wait_ready(readiness_timeout(args) if ready_timeout is None else ready_timeout)
         self.segments = proctree.mapped_shm(self.proc.pid)
 
     @property

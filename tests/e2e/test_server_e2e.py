@@ -31,12 +31,14 @@ def model_path() -> str:
 
 
 class ServerProcess(LocalServer):
-    """The tiny model served as "tiny" with ``--shutdown-timeout``; ``extra`` serve flags go last."""
+    """The tiny model served as "tiny" with ``--shutdown-timeout``; ``extra`` serve flags go last.
+    It waits for /health as long as loadtest.local_server.readiness_timeout allows for what
+    those flags start (workers, replicas, Ray) on this box's load."""
 
     def __init__(self, *extra: str, shutdown_timeout: float = 20.0) -> None:
         super().__init__([*tiny_args(MAX_MODEL_LEN), "--served-model-name", "tiny",
                           "--shutdown-timeout", str(shutdown_timeout), *extra],
-                         ready_timeout=60, log_prefix="pagedserve-e2e-")
+                         log_prefix="pagedserve-e2e-")
 
     def stop(self, timeout: float = 30.0) -> int:
         return super().stop(timeout)

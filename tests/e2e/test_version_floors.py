@@ -113,6 +113,7 @@ def test_server_runs_on_the_declared_minimum_versions(floor_site):
         assert path.startswith(str(target)), (dist, path)
 
     # 2. A real server on those versions starts, streams and answers.
+    from loadtest.local_server import readiness_timeout
     from tests.e2e.test_server_e2e import free_port, model_path
 
     port = free_port()
@@ -125,7 +126,8 @@ def test_server_runs_on_the_declared_minimum_versions(floor_site):
         server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 90
+            ready_s = readiness_timeout(cmd)
+            deadline = time.monotonic() + ready_s
             while True:
                 assert server.poll() is None, f"server exited {server.returncode}:\n{log_path.read_text()}"
                 try:
@@ -133,7 +135,7 @@ def test_server_runs_on_the_declared_minimum_versions(floor_site):
                         break
                 except httpx.HTTPError:
                     pass
-                assert time.monotonic() < deadline, f"not ready in 90 s:\n{log_path.read_text()}"
+                assert time.monotonic() < deadline, f"not ready in {ready_s:.0f} s:\n{log_path.read_text()}"
                 time.sleep(0.2)
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
             r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
