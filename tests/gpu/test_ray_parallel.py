@@ -35,7 +35,7 @@ HANG_GUARD_S = 120
 
 @pytest.fixture(scope="module")
 def options(tiny_checkpoint) -> dict:
-    return {"model": tiny_checkpoint, "kv_cache_memory_gib": 1 / 16, **CHUNKED}
+    return {"model": tiny_checkpoint, "kv_cache_memory": 1 / 16, **CHUNKED}
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def test_pp2_on_ray_equals_single_process_with_preemption(transport, options, re
     preempted and recomputed; two steps are in flight at once, never more."""
     from engine.llm import LLM
 
-    small_cache = {**{k: v for k, v in options.items() if k != "kv_cache_memory_gib"},
-                   "num_blocks": 14, "block_size": 16}
+    small_cache = {**{k: v for k, v in options.items() if k != "kv_cache_memory"},
+                   "num_gpu_blocks_override": 14, "block_size": 16}
     llm = LLM(pipeline_parallel_size=2, distributed_executor_backend="ray", **small_cache)
     ex = llm.parts.executor
     try:

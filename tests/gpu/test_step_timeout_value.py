@@ -19,7 +19,7 @@ RUNNER = "tests.gpu.test_mp_executor:FakeRunner"
 def test_a_step_timeout_that_is_no_limit_is_refused_at_start(bad):
     from gpu.mp_executor import MultiprocExecutor
 
-    config = EngineConfig.from_options(executor="mp", num_blocks=9, step_timeout_s=bad)
+    config = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_timeout=bad)
     with pytest.raises(ExecutorError, match=r"--step-timeout must be >= 0"):
         ex = MultiprocExecutor(config, runner_factory=RUNNER, startup_timeout=60)
         ex.shutdown()  # reached only when the value was accepted
