@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from contracts.config import (PREEMPTION_MODES, SCHEDULING_POLICIES, ConfigError, EngineConfig,
-                              option_default, option_field)
+from contracts.config import (PREEMPTION_MODES, SCHEDULING_POLICIES, STEP_TRANSPORTS, ConfigError,
+                              EngineConfig, option_default, option_field)
 
 
 def flag(group, *names: str, dest: str | None = None, **kwargs) -> None:
@@ -72,6 +72,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag(g, "--ray-address",
          help="executor ray: the cluster to join (default: $RAY_ADDRESS, else a cluster "
               "started with `ray start` here, else a local Ray instance)")
+    flag(g, "--worker-threads", type=int,
+         help="torch threads per worker process (default: $PAGEDSERVE_WORKER_THREADS, else the "
+              "CPUs this process may use divided among the workers)")
+    flag(g, "--step-transport", choices=STEP_TRANSPORTS,
+         help="executor mp / ray on one node: how steps reach the workers, the shared-memory ring "
+              "(x86 only) or pipes (default: $PAGEDSERVE_STEP_TRANSPORT, else the ring on x86)")
     flag(g, "--enforce-eager", action="store_true",
          help="no CUDA-graph decode runner (the default on CPU)")
     flag(g, "--model-seed", type=int, help="seed of dummy (random) weights")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 
@@ -23,6 +22,7 @@ from app.admission import AdmissionLimits
 from app.engine_args import add_engine_args, engine_config_from_args, flag
 from app.listen import ListenError, bind_socket
 from app.tools.parsers import AUTO_PARSERS
+from contracts import env
 from contracts.config import ConfigError
 from contracts.error_text import error_summary
 from contracts.errors import ExecutorError
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          help="model name the API answers to (default: the model file or directory name)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+    g.add_argument("--api-key", default=env.API_KEY.get(),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDSERVE_API_KEY)")
     flag(g, "--max-waiting-requests", type=int,
          help="past this many waiting requests, new ones get 503 + Retry-After")

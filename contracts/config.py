@@ -84,6 +84,7 @@ class CacheConfig:
 # first steps after start get the (longer) worker startup timeout. The one copy of the default:
 # --step-timeout (app/engine_args.py) takes it from here.
 DEFAULT_STEP_TIMEOUT_S = 300.0
+STEP_TRANSPORTS = ("shm", "pipe")
 
 
 @dataclass(slots=True)
@@ -107,6 +108,19 @@ class ParallelConfig:
     # with `ray start` on this machine, else a local instance started on demand).
     ray_placement_strategy: str = "PACK"
     ray_address: str | None = None
+    # torch/OpenMP threads per worker; None = $PAGEDSERVE_WORKER_THREADS, else the CPUs this
+    # process may use / world size (data-parallel replicas split them: engine/replicas.py).
+    worker_threads: int | None = None
+    # How steps reach the workers and replies come back (gpu/transport.py): shm (the ring, x86
+    # only) | pipe; None = $PAGEDSERVE_STEP_TRANSPORT, else the ring where it is correct.
+    step_transport: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.worker_threads is not None and not self.worker_threads >= 1:
+            raise ConfigError(f"--worker-threads must be at least 1, got {self.worker_threads}")
+        if self.step_transport is not None and self.step_transport not in STEP_TRANSPORTS:
+            raise ConfigError(f"--step-transport {self.step_transport!r}: choose "
+                              f"{' or '.join(STEP_TRANSPORTS)}")
 
     def resolved_executor(self) -> str:
         """The executor to start: the user's choice, else mp for tensor parallelism, else inproc."""

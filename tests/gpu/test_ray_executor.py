@@ -158,9 +158,9 @@ def test_startup_error_is_reported_and_the_placement_group_released():
 
 
 def test_unplaceable_group_is_a_clear_error(monkeypatch):
-    import gpu.ray_cluster
+    from contracts import env
 
-    monkeypatch.setattr(gpu.ray_cluster, "PLACEMENT_TIMEOUT_S", 1.0)
+    monkeypatch.setenv(env.RAY_PLACEMENT_TIMEOUT.name, "1")  # read when placing, not at import
     with pytest.raises(ExecutorError, match="could not place 9 worker"):
         start(tp=9)  # 9 bundles of 1 CPU on a 4-CPU instance
     assert set(placement_states().values()) <= {"REMOVED"}

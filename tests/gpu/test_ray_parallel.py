@@ -133,14 +133,13 @@ def test_pp2_engine_loop_on_ray_serves_then_a_killed_stage_fails_in_flight(trans
     assert_released(ex)
 
 
-def test_two_replicas_on_ray_each_get_their_own_placement_group(monkeypatch, options, reference):
-    from engine.replicas import THREADS_ENV, ReplicatedEngine
+def test_two_replicas_on_ray_each_get_their_own_placement_group(options, reference):
+    from engine.replicas import ReplicatedEngine
 
-    monkeypatch.setenv(THREADS_ENV, "1")  # as ReplicatedEngine would set it, but undone after
     before = {pg for pg, state in placement_states().items() if state != "REMOVED"}
 
     async def run():
-        config = EngineConfig.from_options(distributed_executor_backend="ray", **options)
+        config = EngineConfig.from_options(distributed_executor_backend="ray", worker_threads=1, **options)
         engine = ReplicatedEngine(config, 2)
         await engine.start()
         executors = [r.parts.executor for r in engine.replicas]
