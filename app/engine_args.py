@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from contracts.config import (PREEMPTION_MODES, SCHEDULING_POLICIES, STEP_TRANSPORTS, ConfigError,
-                              EngineConfig, option_default, option_field)
+from contracts.config import (PREEMPTION_MODES, RAY_PLACEMENT_STRATEGIES, SCHEDULING_POLICIES,
+                              STEP_TRANSPORTS, ConfigError, EngineConfig, option_default, option_field)
 
 
 def flag(group, *names: str, dest: str | None = None, **kwargs) -> None:
@@ -67,7 +67,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
          help="inproc (same process), mp (worker processes over shared memory) or ray "
               "(Ray actors, one node or many; needs pip install 'pagedserve[ray]')")
     flag(g, "--ray-placement-strategy",
-         choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+         choices=RAY_PLACEMENT_STRATEGIES,
          help="executor ray: how the placement group spreads the ranks over nodes")
     flag(g, "--ray-address",
          help="executor ray: the cluster to join (default: $RAY_ADDRESS, else a cluster "

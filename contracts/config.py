@@ -85,6 +85,7 @@ class CacheConfig:
 # --step-timeout (app/engine_args.py) takes it from here.
 DEFAULT_STEP_TIMEOUT_S = 300.0
 STEP_TRANSPORTS = ("shm", "pipe")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass(slots=True)

@@ -47,8 +47,7 @@ def check_data_parallel(config: EngineConfig, num_replicas: int) -> None:
 
 
 def ranks_per_replica(config: EngineConfig) -> int:
-    p = config.parallel
-    return p.tensor_parallel_size * int(getattr(p, "pipeline_parallel_size", 1) or 1)
+    return config.parallel.world_size
 
 
 def _engine_factory(config: EngineConfig, restart_policy):

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass, field
 
 from contracts import env
-from contracts.config import EngineConfig
+from contracts.config import RAY_PLACEMENT_STRATEGIES, EngineConfig
 from contracts.errors import ExecutorError
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PLACEMENT_STRATEGIES = RAY_PLACEMENT_STRATEGIES
 # Object store of a local instance started on demand: steps are a few KiB, Ray's floor is 75 MiB.
 
 
