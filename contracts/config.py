@@ -117,6 +117,10 @@ class ParallelConfig:
     step_transport: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size must be at least 1")
+        if self.step_timeout_s is not None and not self.step_timeout_s >= 0:  # also NaN
+            raise ConfigError(f"--step-timeout must be >= 0 seconds (0 = no limit), got {self.step_timeout_s}")
         if self.worker_threads is not None and not self.worker_threads >= 1:
             raise ConfigError(f"--worker-threads must be at least 1, got {self.worker_threads}")
         if self.step_transport is not None and self.step_transport not in STEP_TRANSPORTS:

@@ -82,8 +82,6 @@ class MultiprocExecutor(Executor):
         are killed mid-load and ExecutorError is raised."""
         self.config = config
         p = config.parallel
-        if p.tensor_parallel_size < 1 or p.pipeline_parallel_size < 1:
-            raise ExecutorError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         self.world_size = p.world_size
         self._pipelined = p.pipeline_parallel_size > 1
         # Sampled tokens of replies the stages before the last have not been sent yet; they go
@@ -99,10 +97,7 @@ class MultiprocExecutor(Executor):
         self._lock_loop = None
         self._sentinels: list[int] = []
         self._startup_timeout = startup_timeout or env.WORKER_STARTUP_TIMEOUT.get()
-        step_timeout = config.parallel.step_timeout_s
-        if step_timeout is not None and not step_timeout >= 0:  # also NaN
-            raise ExecutorError(f"--step-timeout must be >= 0 seconds (0 = no limit), got {step_timeout}")
-        self._step_timeout = step_timeout or None
+        self._step_timeout = config.parallel.step_timeout_s or None  # checked by ParallelConfig
         self._steps_sent = 0
         self._cancel = cancel
         try:

@@ -73,10 +73,7 @@ class RayCallExecutor(Executor):
         self._lock_loop = None
         self._reaper: threading.Thread | None = None
         self._startup_timeout = startup_timeout or env.WORKER_STARTUP_TIMEOUT.get()
-        step_timeout = config.parallel.step_timeout_s
-        if step_timeout is not None and not step_timeout >= 0:
-            raise ExecutorError(f"--step-timeout must be >= 0 seconds (0 = no limit), got {step_timeout}")
-        self._step_timeout = step_timeout or None
+        self._step_timeout = config.parallel.step_timeout_s or None  # checked by ParallelConfig
         self._steps_sent = 0
         self.num_blocks = start_ranks(placed, config, runner_factory, num_threads, self._startup_timeout)
 

@@ -52,8 +52,6 @@ def create_ray_executor(config: EngineConfig, *, runner_factory: str | None = No
     """Place the actors, then run steps over the ring (all on this node) or over Ray calls.
     ``transport`` (shm | ray) forces one; None = $PAGEDSERVE_RAY_TRANSPORT, else by placement."""
     p = config.parallel
-    if p.tensor_parallel_size < 1 or p.pipeline_parallel_size < 1:
-        raise ExecutorError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
     world = p.world_size  # rank = stage * tp + tp rank, one actor (and bundle) each
     wanted = transport or env.RAY_TRANSPORT.get()  # None = the ring on one node, Ray calls across
     if wanted not in (None, "shm", "ray"):

@@ -10,7 +10,7 @@ import pytest
 
 from app.engine_args import add_engine_args, engine_config_from_args
 from contracts.config import (OPTION_FIELDS, PARTS, RENAMED_OPTIONS, CacheConfig, ConfigError,
-                              EngineConfig, SchedulerConfig, option_default, option_field)
+                              EngineConfig, ParallelConfig, SchedulerConfig, option_default, option_field)
 
 
 def engine_parser(serve: bool = False) -> argparse.ArgumentParser:
@@ -95,6 +95,11 @@ def test_option_names_map_onto_fields():
     (lambda: SchedulerConfig(max_num_seqs=0), "--max-num-seqs"),
     (lambda: SchedulerConfig(max_num_batched_tokens=0), "--max-num-batched-tokens"),
     (lambda: CacheConfig(swap_space=-1.0), "--swap-space"),
+    (lambda: ParallelConfig(step_timeout_s=-1.0), "--step-timeout"),
+    (lambda: ParallelConfig(tensor_parallel_size=0), "--tensor-parallel-size"),
+    (lambda: ParallelConfig(pipeline_parallel_size=0), "--pipeline-parallel-size"),
+    (lambda: ParallelConfig(worker_threads=0), "--worker-threads"),
+    (lambda: ParallelConfig(step_transport="carrier-pigeon"), "--step-transport"),
     (lambda: CacheConfig(swap_space=float("nan")), "--swap-space"),
 ])
 def test_each_config_checks_its_values_when_built(make, flag):
