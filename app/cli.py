@@ -12,6 +12,7 @@ COMMANDS = {
     "serve": ("app.serve_cmd", "Serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("app.offline_cmd", "Generate text for one prompt, streamed to the terminal"),
     "chat": ("app.chat_cmd", "Interactive chat through the model's chat template"),
+    "env": ("app.env_cmd", "The PAGEDSERVE_* environment switches: values, defaults, what each does"),
 }
 BENCH_COMMANDS = {
     "throughput": ("loadtest.micro.bench_throughput", "Offline throughput on a workload file (default W1)"),

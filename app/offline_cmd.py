@@ -37,9 +37,4 @@ def run(args: argparse.Namespace) -> int:
 
 def _flat(config) -> dict:
     """EngineConfig back to the flat options LLM(...) takes."""
-    import dataclasses
-
-    flat: dict = {}
-    for part in (config.model, config.cache, config.parallel, config.scheduler):
-        flat.update({f.name: getattr(part, f.name) for f in dataclasses.fields(part)})
-    return flat
+    return config.options()

@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import socket
 
 from app.admission import AdmissionLimits
-from app.engine_args import add_engine_args, engine_config_from_args
+from app.engine_args import add_engine_args, engine_config_from_args, flag
 from app.listen import ListenError, bind_socket
 from app.tools.parsers import AUTO_PARSERS
+from contracts import env
 from contracts.config import ConfigError
 from contracts.error_text import error_summary
 from contracts.errors import ExecutorError
@@ -41,21 +41,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     parser.set_defaults(prompt_admit_tokens=SERVE_PROMPT_ADMIT_TOKENS)
     g = parser.add_argument_group("server")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name the API answers to (default: the model file or directory name)")
+    flag(g, "--served-model-name",
+         help="model name the API answers to (default: the model file or directory name)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+    g.add_argument("--api-key", default=env.API_KEY.get(),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDSERVE_API_KEY)")
-    g.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="past this many waiting requests, new ones get 503 + Retry-After")
+    flag(g, "--max-waiting-requests", type=int,
+         help="past this many waiting requests, new ones get 503 + Retry-After")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas (each its own workers and KV cache, the CPUs split between "
                         "them) behind this one server; a router sends each request to the least "
                         "loaded replica, or to one holding its prompt prefix in cache")
-    g.add_argument("--restart-workers", action="store_true",
-                   help="after a worker dies or hangs, fail the in-flight requests and start a fresh "
-                        "worker pool (503 + Retry-After meanwhile) instead of staying dead")
+    flag(g, "--restart-workers", action="store_true",
+         help="after a worker dies or hangs, fail the in-flight requests and start a fresh "
+              "worker pool (503 + Retry-After meanwhile) instead of staying dead")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
     g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
@@ -93,7 +93,11 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 1
     with sock:
-        config = engine_config_from_args(args, default_executor=DEFAULT_EXECUTOR)
+        try:
+            config = engine_config_from_args(args, default_executor=DEFAULT_EXECUTOR)
+        except ConfigError as e:
+            logger.error("cannot start: %s", e)
+            return 1
         try:
             limits = AdmissionLimits.from_args(args)
         except ValueError as e:

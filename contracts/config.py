@@ -63,15 +63,20 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gib: float = 4.0  # CPU: KV budget in GiB
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory
-    num_blocks: int | None = None  # fixed block count (tests); overrides the memory budget
+    # Fixed block count (vLLM's name; tests); overrides the memory budget.
+    num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     # Host swap pool for --preemption-mode swap, in GiB per worker (vLLM's --swap-space); pinned
     # memory on CUDA. Allocated only in swap mode.
-    swap_space_gib: float = 4.0
-    num_swap_blocks: int | None = None  # fixed host block count (tests); overrides swap_space_gib
+    swap_space: float = 4.0
+    num_swap_blocks: int | None = None  # fixed host block count (tests); overrides swap_space
     # The cache's element type (vLLM's --kv-cache-dtype): auto = the model's dtype, fp8 = e4m3 (CPU;
     # kernels/kv_cache_dtype.py says why and how).
     cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.swap_space >= 0:  # also NaN
+            raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
 
 
 # Seconds a step may take before its workers count as hung and the executor fails as for a dead
@@ -79,6 +84,8 @@ class CacheConfig:
 # first steps after start get the (longer) worker startup timeout. The one copy of the default:
 # --step-timeout (app/engine_args.py) takes it from here.
 DEFAULT_STEP_TIMEOUT_S = 300.0
+STEP_TRANSPORTS = ("shm", "pipe")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass(slots=True)
@@ -102,6 +109,23 @@ class ParallelConfig:
     # with `ray start` on this machine, else a local instance started on demand).
     ray_placement_strategy: str = "PACK"
     ray_address: str | None = None
+    # torch/OpenMP threads per worker; None = $PAGEDSERVE_WORKER_THREADS, else the CPUs this
+    # process may use / world size (data-parallel replicas split them: engine/replicas.py).
+    worker_threads: int | None = None
+    # How steps reach the workers and replies come back (gpu/transport.py): shm (the ring, x86
+    # only) | pipe; None = $PAGEDSERVE_STEP_TRANSPORT, else the ring where it is correct.
+    step_transport: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size must be at least 1")
+        if self.step_timeout_s is not None and not self.step_timeout_s >= 0:  # also NaN
+            raise ConfigError(f"--step-timeout must be >= 0 seconds (0 = no limit), got {self.step_timeout_s}")
+        if self.worker_threads is not None and not self.worker_threads >= 1:
+            raise ConfigError(f"--worker-threads must be at least 1, got {self.worker_threads}")
+        if self.step_transport is not None and self.step_transport not in STEP_TRANSPORTS:
+            raise ConfigError(f"--step-transport {self.step_transport!r}: choose "
+                              f"{' or '.join(STEP_TRANSPORTS)}")
 
     def resolved_executor(self) -> str:
         """The executor to start: the user's choice, else mp for tensor parallelism, else inproc."""
@@ -112,6 +136,10 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(slots=True)
@@ -130,6 +158,15 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     max_waiting_requests: int = 1024
 
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"--scheduling-policy {self.policy!r}: choose {' or '.join(SCHEDULING_POLICIES)}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"--preemption-mode {self.preemption_mode!r}: choose "
+                              f"{' or '.join(PREEMPTION_MODES)}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ConfigError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
+
 
 @dataclass(slots=True)
 class PrepConfig:
@@ -141,8 +178,28 @@ class PrepConfig:
     tokenize_timeout: float = 30.0  # tokenizing (or detokenizing) one prompt
 
 
-# vLLM's names for options that have another name here.
-OPTION_ALIASES = {"distributed_executor_backend": "executor", "kv_cache_dtype": "cache_dtype"}
+# Options are named as the CLI flags are (the flag's dest; vLLM's EngineArgs name where one exists):
+# ``LLM(**options)``, ``EngineConfig.from_options`` and the flags all take the same names. These
+# options set a config field named otherwise (vLLM's config objects name them the same way).
+OPTION_FIELDS = {
+    "kv_cache_dtype": "cache_dtype",
+    "kv_cache_memory": "kv_cache_memory_gib",
+    "scheduling_policy": "policy",
+    "model_seed": "seed",
+    "step_timeout": "step_timeout_s",
+    "distributed_executor_backend": "executor",  # --executor's vLLM spelling; both flags exist
+}
+# Names an option had before (or a field's own name where the option is named otherwise), refused
+# with the name to use.
+RENAMED_OPTIONS = {
+    "num_blocks": "num_gpu_blocks_override",
+    "swap_space_gib": "swap_space",
+    "kv_cache_memory_gib": "kv_cache_memory",
+    "cache_dtype": "kv_cache_dtype",
+    "policy": "scheduling_policy",
+    "seed": "model_seed",
+    "step_timeout_s": "step_timeout",
+}
 
 
 @dataclass(slots=True)
@@ -155,15 +212,39 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
-        """Build from flat keyword options (``LLM(**options)``, CLI flags) by field name."""
-        parts = {"model": ModelConfig(), "cache": CacheConfig(), "parallel": ParallelConfig(),
-                 "scheduler": SchedulerConfig(), "prep": PrepConfig()}
-        for key, value in options.items():
-            key = OPTION_ALIASES.get(key, key)
-            for part in parts.values():
-                if key in {f.name for f in dataclasses.fields(part)}:
-                    setattr(part, key, value)
-                    break
-            else:
-                raise ConfigError(f"unknown engine option {key!r}")
-        return cls(**parts)
+        """Build from flat keyword options (``LLM(**options)``, CLI flags) by option name; each
+        part is built once, so its ``__post_init__`` checks what the user gave."""
+        values: dict[type, dict] = {part: {} for part in PARTS}
+        for name, value in options.items():
+            part, field_name = option_field(name)
+            values[part][field_name] = value
+        return cls(*(part(**values[part]) for part in PARTS))
+
+    def options(self) -> dict:
+        """The flat options this config was built from (``LLM(**config.options())``)."""
+        fields_to_options = {f: o for o, f in OPTION_FIELDS.items() if o != "distributed_executor_backend"}
+        return {fields_to_options.get(f.name, f.name): getattr(part, f.name)
+                for part in (self.model, self.cache, self.parallel, self.scheduler, self.prep)
+                for f in dataclasses.fields(part)}
+
+
+PARTS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, PrepConfig)
+
+
+def option_field(name: str) -> tuple[type, str]:
+    """The config part and field an option sets; a renamed or unknown option is a ConfigError."""
+    if name in RENAMED_OPTIONS:
+        raise ConfigError(f"engine option {name!r} is now {RENAMED_OPTIONS[name]!r} "
+                          f"(the name of its CLI flag, as in vLLM)")
+    field_name = OPTION_FIELDS.get(name, name)
+    for part in PARTS:
+        if field_name in {f.name for f in dataclasses.fields(part)}:
+            return part, field_name
+    raise ConfigError(f"unknown engine option {name!r}")
+
+
+def option_default(name: str):
+    """The default of an option: its config field's (CLI flags take theirs from here)."""
+    part, field_name = option_field(name)
+    f = next(f for f in dataclasses.fields(part) if f.name == field_name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default

@@ -1,6 +1,6 @@
 """Every ``PAGEDSERVE_*`` environment switch, declared once: name, type, default, one line of doc.
 
-This module is the only reader of those variables (tests/test_layering.py holds it). A switch is
+This module is the only reader of those variables (tests/contracts/test_env.py holds it). A switch is
 read when asked, never frozen at import, so a test or a worker sees the environment it runs in.
 One spelling rule for on/off switches everywhere; a value that does not parse is a ConfigError
 naming the variable, not a silent default. ``pagedserve env`` prints this table.
@@ -30,6 +30,20 @@ def flag(raw: str) -> bool:
     if value in _OFF:
         return False
     raise ValueError(f"use one of {', '.join(_ON + _OFF)}")
+
+
+def flag_or(*words: str) -> Callable[[str], str]:
+    """A tri-state: "on" / "off" in flag()'s spellings, or one of ``words`` as given."""
+    def parse(raw: str) -> str:
+        value = raw.lower()
+        if value in words:
+            return value
+        try:
+            return "on" if flag(value) else "off"
+        except ValueError:
+            raise ValueError(f"use one of {', '.join(_ON + _OFF + words)}") from None
+    parse.options = ("0", "1") + words  # type: ignore[attr-defined]
+    return parse
 
 
 def choice(*options: str) -> Callable[[str], str]:
@@ -103,7 +117,7 @@ API_KEY = _declare("API_KEY", text, None, "default of --api-key: the bearer toke
 KERNEL_CACHE = _declare("KERNEL_CACHE", text, None,
                         "where built C kernels are cached (default ~/.cache/pagedserve/kernels)")
 FUSED = _declare("FUSED", flag, True, "0: no fused C CPU ops (RMSNorm, rotary, SiLU-mul, decode layer)")
-FAST_DECODE = _declare("FAST_DECODE", choice("on", "off", "layer", "1", "0"), "on",
+FAST_DECODE = _declare("FAST_DECODE", flag_or("layer"), "on",
                        "off/0: no C decode layers; layer: one C call per layer half, not per stack")
 SAMPLE_C = _declare("SAMPLE_C", flag, True, "0: every row samples on the torch path, not the C pass")
 CPU_ATTENTION = _declare("CPU_ATTENTION", choice("c", "torch"), "c",
@@ -116,7 +130,7 @@ QGEMM_ISA = _declare("QGEMM_ISA", text, None, "force the quantized-GEMM build (e
 ATTN_ISA = _declare("ATTN_ISA", text, None, "force the decode-attention build (e.g. avx2, scalar)")
 FUSED_ISA = _declare("FUSED_ISA", text, None, "force the fused-ops build (e.g. avx2)")
 STEP_TRANSPORT = _declare("STEP_TRANSPORT", choice("shm", "pipe"), None,
-                          "engine-worker step transport; default: the shm ring where it is safe (x86)")
+                          "default of --step-transport; unset: the shm ring where it is safe (x86)")
 RAY_TRANSPORT = _declare("RAY_TRANSPORT", choice("shm", "ray"), None,
                          "Ray executor step transport; default: the ring on one node, Ray calls across")
 RAY_OBJECT_STORE_BYTES = _declare("RAY_OBJECT_STORE_BYTES", positive_int, 128 << 20,
@@ -126,7 +140,7 @@ RAY_PLACEMENT_TIMEOUT = _declare("RAY_PLACEMENT_TIMEOUT", positive_float, 120.0,
 WORKER_STARTUP_TIMEOUT = _declare("WORKER_STARTUP_TIMEOUT", positive_float, 600.0,
                                   "seconds a worker may take to load the model and report ready")
 WORKER_THREADS = _declare("WORKER_THREADS", positive_int, None,
-                          "torch/OpenMP threads per worker (default: the CPUs this process may use / world)")
+                          "default of --worker-threads; unset: the CPUs this process may use / world")
 
 
 def forwarded() -> dict[str, str]:
@@ -136,5 +150,12 @@ def forwarded() -> dict[str, str]:
 
 def table() -> list[tuple[str, str, str, str]]:
     """(name, values, default, doc) rows, for ``pagedserve env`` and the docs."""
-    return [(s.name, s.values, "" if s.default is None else str(s.default), s.doc)
-            for s in SWITCHES.values()]
+    return [(s.name, s.values, _shown(s.default), s.doc) for s in SWITCHES.values()]
+
+
+def _shown(default: Any) -> str:
+    if default is None:
+        return ""
+    if isinstance(default, bool):  # as the variable is written: 0 | 1
+        return str(int(default))
+    return str(default)

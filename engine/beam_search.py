@@ -1,4 +1,5 @@
-"""Beam search: its parameters, its outputs and the choice of the next beams (pure, no engine).
+"""Beam search: its outputs and the choice of the next beams (pure, no engine); its parameters,
+BeamSearchParams, are in engine/sampling_params.py.
 
 The beams of a request are ordinary sequences of the scheduler that share blocks
 (engine/beam_engine.py drives them); this module only decides, once every live beam has
@@ -22,68 +23,11 @@ Logprobs are the model's raw log-softmax (as vLLM's beam search with its default
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.errors import SamplingParamsError
-
-MAX_BEAM_WIDTH = 64
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-@dataclass(slots=True)
-class BeamSearchParams:
-    """vLLM's BeamSearchParams. ``n``: how many beams to return (best first); None = all
-    ``beam_width``. ``stop_token_ids`` end a beam like EOS does."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    n: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
-            raise SamplingParamsError("beam_width", f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], "
-                                      f"got {self.beam_width!r}")
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens < 2**63:
-            raise SamplingParamsError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        for name in ("temperature", "length_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise SamplingParamsError(name, f"{name} must be a finite number, got {v!r}")
-        if self.temperature < 0:
-            raise SamplingParamsError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
-        if self.n is not None and (not _is_int(self.n) or not 1 <= self.n <= self.beam_width):
-            raise SamplingParamsError("n", f"n (beams returned) must be an integer in [1, beam_width = "
-                                      f"{self.beam_width}], got {self.n!r}")
-        ids = self.stop_token_ids or []
-        if isinstance(ids, (str, bytes)) or not all(_is_int(t) and 0 <= t < 2**63 for t in ids):
-            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of token ids")
-        self.stop_token_ids = list(dict.fromkeys(ids))
-
-    @property
-    def num_returned(self) -> int:
-        return self.n if self.n is not None else self.beam_width
-
-    @property
-    def has_token_constraint(self) -> bool:  # read by the callers of SamplingParams
-        return False
-
-    def candidates_per_beam(self, num_stop_ids: int, vocab_size: int | None = None) -> int:
-        """K: enough candidates that k live beams remain after the ones that end are removed.
-        ``num_stop_ids`` counts only ids that can occur (in the vocabulary); K never exceeds
-        ``vocab_size`` (there are no more candidates than tokens)."""
-        k = max(2, 1 + num_stop_ids) * self.beam_width
-        return min(k, vocab_size) if vocab_size else k
+# The parameters live with SamplingParams (as vLLM keeps them in vllm.sampling_params).
+from engine.sampling_params import MAX_BEAM_WIDTH, BeamSearchParams  # noqa: F401
 
 
 @dataclass(slots=True)

@@ -42,13 +42,6 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
         raise ConfigError(f"--max-model-len {m.max_model_len} is over the model's context of {model_max} tokens")
     if m.served_model_name is None:
         m.served_model_name = os.path.basename(os.path.normpath(m.model)) if m.model else "dummy"
-    s = config.scheduler
-    if s.max_num_batched_tokens < 1 or s.max_num_seqs < 1:
-        raise ConfigError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
-    if getattr(s, "preemption_mode", "recompute") not in ("recompute", "swap"):
-        raise ConfigError(f"--preemption-mode {s.preemption_mode!r}: choose recompute or swap")
-    if not config.cache.swap_space_gib >= 0:  # also NaN
-        raise ConfigError(f"--swap-space must be >= 0 GiB, got {config.cache.swap_space_gib}")
     config.parallel.executor = config.parallel.resolved_executor()
     bs = config.cache.block_size
     if bs < 8 or bs & (bs - 1):

@@ -67,7 +67,7 @@ class EngineStats:
 
 def _swap_blocks(config: EngineConfig, executor) -> int:
     """Host swap-pool blocks the workers allocated (0 unless --preemption-mode swap)."""
-    if getattr(config.scheduler, "preemption_mode", "recompute") != "swap":
+    if config.scheduler.preemption_mode != "swap":
         return 0
     return int(getattr(executor, "num_swap_blocks", 0) or 0)
 

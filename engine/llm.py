@@ -8,21 +8,24 @@ from typing import TYPE_CHECKING
 
 from engine.llm_pooling import PoolingLLM
 from engine.outputs import RequestOutput, merge_delta
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import BeamSearchParams, SamplingParams
 from contracts.config import EngineConfig
 
 # Show a progress bar only when a run is long enough to want one.
 TQDM_MIN_REQUESTS = 16
 
 if TYPE_CHECKING:
-    from engine.beam_search import BeamSearchOutput, BeamSearchParams
+    from engine.beam_search import BeamSearchOutput
 
 Prompt = str | list[int] | dict
 
 
 class LLM(PoolingLLM):
     """Offline engine. ``model=None`` is the bundled default model (SmolLM2-135M-Instruct).
-    ``encode`` / ``embed`` / ``score`` (engine/llm_pooling.py) serve embeddings from the same model."""
+    ``engine_options`` are named as the CLI flags are (``num_gpu_blocks_override``, ``swap_space``,
+    ...; contracts/config.py OPTION_FIELDS) and default to the config fields'; an old name is
+    refused with the new one. ``encode`` / ``embed`` / ``score`` (engine/llm_pooling.py) serve
+    embeddings from the same model."""
 
     def __init__(self, model: str | None = None, **engine_options):
         from engine.bootstrap import build_engine
@@ -57,7 +60,7 @@ class LLM(PoolingLLM):
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: "BeamSearchParams",
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool | None = None) -> list["BeamSearchOutput"]:
         """Beam search per prompt (engine/beam_search.py for the rule); each result holds the
         returned beams best first. As vLLM's: a beam's ``tokens`` are prompt + generated, its

@@ -11,8 +11,9 @@ Health: ``health_status()`` is "ok" while any replica is ok (the server can stil
 "restarting" when none is ok but one is rebuilding its workers; "dead" when all are dead.
 ``replica_states()`` lists each replica's own status for /health and /metrics.
 
-Cores: each replica's workers get ``cpus // (N x ranks per replica)`` torch threads (through
-PAGEDSERVE_WORKER_THREADS, unless the user set it), so N replicas use the same cores as one.
+Cores: each replica's workers get ``cpus // (N x ranks per replica)`` torch threads (its
+config's ``worker_threads``, unless the user chose a count: --worker-threads or
+$PAGEDSERVE_WORKER_THREADS), so N replicas use the same cores as one.
 --kv-cache-memory is per replica.
 """
 from __future__ import annotations
@@ -28,11 +29,11 @@ from dataclasses import fields
 from engine.dp_policy import PrefixIndex, ReplicaView, choose_replica
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
 from engine.sampling_params import SamplingParams
+from contracts import env
 from contracts.config import ConfigError, EngineConfig
 
 logger = logging.getLogger(__name__)
 
-THREADS_ENV = "PAGEDSERVE_WORKER_THREADS"
 _LIVE_GAUGES = ("num_running", "num_waiting", "num_running_seqs", "num_waiting_seqs")
 
 
@@ -46,8 +47,7 @@ def check_data_parallel(config: EngineConfig, num_replicas: int) -> None:
 
 
 def ranks_per_replica(config: EngineConfig) -> int:
-    p = config.parallel
-    return p.tensor_parallel_size * int(getattr(p, "pipeline_parallel_size", 1) or 1)
+    return config.parallel.world_size
 
 
 def _engine_factory(config: EngineConfig, restart_policy):
@@ -80,14 +80,15 @@ class ReplicatedEngine:
     # ---- life cycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        if (self.num_replicas > 1 and THREADS_ENV not in os.environ
-                and self.config.parallel.resolved_executor() != "inproc"):
+        if (self.num_replicas > 1 and self.config.parallel.worker_threads is None
+                and not env.WORKER_THREADS.is_set() and self.config.parallel.resolved_executor() != "inproc"):
             try:
                 cpus = len(os.sched_getaffinity(0))
             except AttributeError:
                 cpus = os.cpu_count() or 1
             threads = max(1, cpus // (self.num_replicas * ranks_per_replica(self.config)))
-            os.environ[THREADS_ENV] = str(threads)  # read by the workers these replicas spawn
+            for replica in self.replicas:  # each builds its workers from its own config
+                replica.config.parallel.worker_threads = threads
             logger.info("%d replicas on %d CPUs: %d torch thread(s) per worker", self.num_replicas,
                         cpus, threads)
         results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)

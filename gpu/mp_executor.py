@@ -27,7 +27,6 @@ import asyncio
 import collections
 import logging
 import multiprocessing
-import os
 import socket
 import threading
 import time
@@ -37,6 +36,7 @@ from multiprocessing.connection import wait
 
 import msgspec
 
+from contracts import env
 from contracts.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
 from contracts.messages import STEP_OUTPUT_DECODER, StepEncodeError, StepInput, StepOutput
@@ -48,7 +48,6 @@ from gpu.worker_group import WorkerGroup, describe_exit
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_WORKER_STARTUP_TIMEOUT", "600"))
 # The first steps after start may compile kernels or touch fresh memory: they get the startup
 # timeout instead of the step timeout.
 WARMUP_STEPS = 3
@@ -83,8 +82,6 @@ class MultiprocExecutor(Executor):
         are killed mid-load and ExecutorError is raised."""
         self.config = config
         p = config.parallel
-        if p.tensor_parallel_size < 1 or p.pipeline_parallel_size < 1:
-            raise ExecutorError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         self.world_size = p.world_size
         self._pipelined = p.pipeline_parallel_size > 1
         # Sampled tokens of replies the stages before the last have not been sent yet; they go
@@ -99,11 +96,8 @@ class MultiprocExecutor(Executor):
         self._reaper: threading.Thread | None = None
         self._lock_loop = None
         self._sentinels: list[int] = []
-        self._startup_timeout = startup_timeout or DEFAULT_STARTUP_TIMEOUT_S
-        step_timeout = config.parallel.step_timeout_s
-        if step_timeout is not None and not step_timeout >= 0:  # also NaN
-            raise ExecutorError(f"--step-timeout must be >= 0 seconds (0 = no limit), got {step_timeout}")
-        self._step_timeout = step_timeout or None
+        self._startup_timeout = startup_timeout or env.WORKER_STARTUP_TIMEOUT.get()
+        self._step_timeout = config.parallel.step_timeout_s or None  # checked by ParallelConfig
         self._steps_sent = 0
         self._cancel = cancel
         try:
@@ -117,8 +111,9 @@ class MultiprocExecutor(Executor):
         ctx = multiprocessing.get_context("spawn")
         res = self._res
         # The shm ring on x86, pipes elsewhere (gpu/transport.py says why).
-        res.step_ring = create_channel(self.world_size, RING_SLOTS, RING_SLOT_SIZE, role="writer")
-        res.reply_ring = create_channel(1, RING_SLOTS, RING_SLOT_SIZE, role=0)
+        kind = self.config.parallel.step_transport
+        res.step_ring = create_channel(self.world_size, RING_SLOTS, RING_SLOT_SIZE, role="writer", kind=kind)
+        res.reply_ring = create_channel(1, RING_SLOTS, RING_SLOT_SIZE, role=0, kind=kind)
         # Created after the rings: at interpreter exit finalizers run newest first, so the
         # workers get their stop message before the rings are unlinked.
         self._finalizer = weakref.finalize(self, res.close)

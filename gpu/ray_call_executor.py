@@ -32,7 +32,8 @@ import msgspec
 from contracts.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
 from contracts.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
-from gpu.mp_executor import DEFAULT_STARTUP_TIMEOUT_S, next_step_timeout
+from contracts import env
+from gpu.mp_executor import next_step_timeout
 from gpu.pipeline_tokens import SampledTokenRelay
 from gpu.ray_cluster import PlacedWorkers, import_ray
 from gpu.worker import encode_step, output_rank
@@ -71,11 +72,8 @@ class RayCallExecutor(Executor):
         self._lock: asyncio.Lock | None = None
         self._lock_loop = None
         self._reaper: threading.Thread | None = None
-        self._startup_timeout = startup_timeout or DEFAULT_STARTUP_TIMEOUT_S
-        step_timeout = config.parallel.step_timeout_s
-        if step_timeout is not None and not step_timeout >= 0:
-            raise ExecutorError(f"--step-timeout must be >= 0 seconds (0 = no limit), got {step_timeout}")
-        self._step_timeout = step_timeout or None
+        self._startup_timeout = startup_timeout or env.WORKER_STARTUP_TIMEOUT.get()
+        self._step_timeout = config.parallel.step_timeout_s or None  # checked by ParallelConfig
         self._steps_sent = 0
         self.num_blocks = start_ranks(placed, config, runner_factory, num_threads, self._startup_timeout)
 

@@ -16,15 +16,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from contracts.config import EngineConfig
+from contracts import env
+from contracts.config import RAY_PLACEMENT_STRATEGIES, EngineConfig
 from contracts.errors import ExecutorError
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PLACEMENT_STRATEGIES = RAY_PLACEMENT_STRATEGIES
 # Object store of a local instance started on demand: steps are a few KiB, Ray's floor is 75 MiB.
-LOCAL_OBJECT_STORE_BYTES = int(os.environ.get("PAGEDSERVE_RAY_OBJECT_STORE_BYTES", str(128 << 20)))
-PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_RAY_PLACEMENT_TIMEOUT", "120"))
 
 
 def import_ray():
@@ -90,7 +89,7 @@ def _connect(ray, address: str | None, world_size: int = 1) -> bool:
             try:  # RAY_ADDRESS, else a cluster started with `ray start` on this machine
                 ray.init(address="auto", **kwargs)
             except ConnectionError:  # none: a local instance of our own, its object store bounded
-                ray.init(address="local", object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                ray.init(address="local", object_store_memory=env.RAY_OBJECT_STORE_BYTES.get(),
                          num_cpus=local_num_cpus(world_size), **kwargs)
                 started = True
     except Exception as e:
@@ -189,22 +188,23 @@ def place_workers(config: EngineConfig, world_size: int) -> PlacedWorkers:
     pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy,
                          name=f"pagedserve-{os.getpid()}-{time.monotonic_ns()}")
     placed = PlacedWorkers(pg, [], [], [], ray.get_runtime_context().get_node_id(), started)
+    placement_timeout = env.RAY_PLACEMENT_TIMEOUT.get()
     try:
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        ready, _ = ray.wait([pg.ready()], timeout=placement_timeout)
         if not ready:
             raise ExecutorError(
                 f"Ray could not place {world_size} worker(s) of {bundle} ({strategy}) within "
-                f"{PLACEMENT_TIMEOUT_S:g} s; the cluster has {ray.available_resources()} free "
-                "(PAGEDSERVE_RAY_PLACEMENT_TIMEOUT sets the wait)")
+                f"{placement_timeout:g} s; the cluster has {ray.available_resources()} free "
+                f"({env.RAY_PLACEMENT_TIMEOUT.name} sets the wait)")
         actor_cls = ray.remote(RayWorker)
-        env = {k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_")}
+        switches = env.forwarded()  # the actors see the switches set here
         for rank in range(world_size):
             placed.actors.append(actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
-                name=None, runtime_env={"env_vars": env} if env else None,
+                name=None, runtime_env={"env_vars": switches} if switches else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank)).remote())
-        where = ray.get([a.where.remote() for a in placed.actors], timeout=PLACEMENT_TIMEOUT_S)
+        where = ray.get([a.where.remote() for a in placed.actors], timeout=placement_timeout)
         placed.nodes = [w[0] for w in where]
         placed.pids = [w[1] for w in where]
     except BaseException as e:

@@ -31,6 +31,7 @@ import select
 import time
 import weakref
 
+from contracts import env
 from contracts.config import EngineConfig
 from gpu.executor import Executor, ExecutorError
 from gpu.mp_executor import RING_SLOT_SIZE, RING_SLOTS, MultiprocExecutor
@@ -42,20 +43,19 @@ from gpu.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
-ENV_RAY_TRANSPORT = "PAGEDSERVE_RAY_TRANSPORT"
-RAY_TRANSPORTS = ("shm", "ray")
+ENV_RAY_TRANSPORT = env.RAY_TRANSPORT.name
 
 
 def create_ray_executor(config: EngineConfig, *, runner_factory: str | None = None,
-                        startup_timeout: float | None = None, num_threads: int | None = None) -> Executor:
-    """Place the actors, then run steps over the ring (all on this node) or over Ray calls."""
+                        startup_timeout: float | None = None, num_threads: int | None = None,
+                        transport: str | None = None) -> Executor:
+    """Place the actors, then run steps over the ring (all on this node) or over Ray calls.
+    ``transport`` (shm | ray) forces one; None = $PAGEDSERVE_RAY_TRANSPORT, else by placement."""
     p = config.parallel
-    if p.tensor_parallel_size < 1 or p.pipeline_parallel_size < 1:
-        raise ExecutorError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
     world = p.world_size  # rank = stage * tp + tp rank, one actor (and bundle) each
-    wanted = os.environ.get(ENV_RAY_TRANSPORT, "").strip().lower() or None
-    if wanted is not None and wanted not in RAY_TRANSPORTS:
-        raise ExecutorError(f"{ENV_RAY_TRANSPORT}={wanted!r}: use one of {', '.join(RAY_TRANSPORTS)}")
+    wanted = transport or env.RAY_TRANSPORT.get()  # None = the ring on one node, Ray calls across
+    if wanted not in (None, "shm", "ray"):
+        raise ExecutorError(f"unknown Ray executor transport {wanted!r}: use shm or ray")
     placed = place_workers(config, world)
     try:
         transport = wanted or ("shm" if placed.all_local else "ray")
@@ -180,8 +180,9 @@ class RayRingExecutor(MultiprocExecutor):
         placed = self._placed
         res = self._res = RayRingGroup(placed)
         res.procs = [ActorProcess(pid) for pid in placed.pids]
-        res.step_ring = create_channel(self.world_size, RING_SLOTS, RING_SLOT_SIZE, role="writer")
-        res.reply_ring = create_channel(1, RING_SLOTS, RING_SLOT_SIZE, role=0)
+        kind = self.config.parallel.step_transport
+        res.step_ring = create_channel(self.world_size, RING_SLOTS, RING_SLOT_SIZE, role="writer", kind=kind)
+        res.reply_ring = create_channel(1, RING_SLOTS, RING_SLOT_SIZE, role=0, kind=kind)
         self._finalizer = weakref.finalize(self, res.close)
         self._sentinels = [p.sentinel for p in res.procs]
         res.step_ring.peer_fds = list(self._sentinels)

@@ -7,50 +7,53 @@
   correct on any CPU, at the cost of a few syscalls per message.
 
 The default is ``shm`` on x86 and ``pipe`` on every other CPU (aarch64: Grace, Graviton).
-``PAGEDSERVE_STEP_TRANSPORT=shm|pipe`` overrides it (the tests run the pipe on x86); asking for
+--step-transport (ParallelConfig.step_transport) or ``PAGEDSERVE_STEP_TRANSPORT=shm|pipe``
+overrides it (the tests run the pipe on x86); asking for
 the ring on a weakly ordered CPU is refused with ``RingUnsupported``. The attaching side needs
 no choice: the spec says what it is.
 """
 from __future__ import annotations
 
 import logging
-import os
 
+from contracts import env
+from contracts.config import ConfigError
 from gpu.pipe_channel import PipeChannel, PipeSpec
 from gpu.shm_ring import RingSpec, ShmRing, ring_is_safe_here
 
 logger = logging.getLogger(__name__)
 
-ENV_TRANSPORT = "PAGEDSERVE_STEP_TRANSPORT"
+ENV_TRANSPORT = env.STEP_TRANSPORT.name
 TRANSPORTS = ("shm", "pipe")
 
 Channel = ShmRing | PipeChannel
 
 
-class TransportError(ValueError):
-    """PAGEDSERVE_STEP_TRANSPORT names no transport."""
+class TransportError(ConfigError):
+    """PAGEDSERVE_STEP_TRANSPORT (or a caller) names no transport."""
 
 
-def pick_transport() -> str:
-    """``shm`` or ``pipe``: the environment's choice, else the ring where it is correct (x86)."""
-    chosen = os.environ.get(ENV_TRANSPORT, "").strip().lower()
+def pick_transport(chosen: str | None = None) -> str:
+    """``shm`` or ``pipe``: the config's choice (--step-transport), else the environment's, else
+    the ring where it is correct (x86)."""
+    if chosen is None:
+        try:
+            chosen = env.STEP_TRANSPORT.get()
+        except ConfigError as e:
+            raise TransportError(str(e)) from None
     if not chosen:
         return "shm" if ring_is_safe_here() else "pipe"
     if chosen not in TRANSPORTS:
-        raise TransportError(f"{ENV_TRANSPORT}={chosen!r} is not a transport: use one of "
-                             f"{', '.join(TRANSPORTS)} (or leave it unset)")
+        raise TransportError(f"unknown transport {chosen!r}: use one of {', '.join(TRANSPORTS)}")
     return chosen
 
 
 def create_channel(num_readers: int, num_slots: int, slot_size: int, *, role: int | str,
                    kind: str | None = None, **kwargs) -> Channel:
     """Create one channel end (the creator owns the channel); ``kind`` None = ``pick_transport()``."""
-    kind = kind or pick_transport()
-    if kind == "shm":
+    if pick_transport(kind) == "shm":
         return ShmRing.create(num_readers, num_slots, slot_size, role=role, **kwargs)
-    if kind == "pipe":
-        return PipeChannel.create(num_readers, num_slots, slot_size, role=role, **kwargs)
-    raise TransportError(f"unknown transport {kind!r}: use one of {', '.join(TRANSPORTS)}")
+    return PipeChannel.create(num_readers, num_slots, slot_size, role=role, **kwargs)
 
 
 def attach_channel(spec: RingSpec | PipeSpec, role: int | str, **kwargs) -> Channel:

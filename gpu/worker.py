@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
+from contracts import env
 from contracts.config import EngineConfig
 from contracts.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepEncodeError, StepInput, StepOutput
 from gpu.pipeline_tokens import TAG_SAMPLED, decode_sampled_tokens
@@ -98,11 +99,12 @@ def load_factory(spec: str):
 
 
 def _threads_for_rank(world_size: int, requested: int | None) -> int:
+    """The caller's count (--worker-threads), else $PAGEDSERVE_WORKER_THREADS, else a share of the CPUs."""
     if requested:
         return requested
-    env = os.environ.get("PAGEDSERVE_WORKER_THREADS")
-    if env:
-        return max(1, int(env))
+    override = env.WORKER_THREADS.get()
+    if override:
+        return override
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -113,7 +115,7 @@ def _threads_for_rank(world_size: int, requested: int | None) -> int:
 def _setup_torch(args: WorkerArgs) -> None:
     import torch
 
-    threads = _threads_for_rank(args.world_size, args.num_threads)
+    threads = _threads_for_rank(args.world_size, args.num_threads or args.config.parallel.worker_threads)
     torch.set_num_threads(threads)
     logger.debug("rank %d uses %d torch threads", args.rank, threads)
     if args.world_size > 1:

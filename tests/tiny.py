@@ -14,5 +14,5 @@ def tiny_llm(**options):
     from contracts.config import default_model_path
 
     options = {"load_format": "dummy", "hf_config": TINY_CONFIG, "dtype": "float32",
-               "kv_cache_memory_gib": 1 / 16, **options}
+               "kv_cache_memory": 1 / 16, **options}
     return LLM(model=default_model_path(), **options)

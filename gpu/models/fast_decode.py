@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 from torch import nn
 
+from contracts import env
 from gpu.forward_context import get_forward_context
 from kernels import cpu_attention, fused, qgemm_n16
 from kernels.attention import paged_attention
@@ -34,7 +34,7 @@ from kernels.kv_cache_dtype import FP8
 
 logger = logging.getLogger(__name__)
 
-ENV = "PAGEDSERVE_FAST_DECODE"
+ENV = env.FAST_DECODE.name
 FP32_LAYER_MAX_ROWS = 64  # fp32 activations with quantized weights: the most rows a fused layer takes
 
 
@@ -237,8 +237,8 @@ def _raise_for(rc: int):
 
 
 def _mode() -> str:
-    value = os.environ.get(ENV, "1").strip().lower()
-    return "off" if value in ("0", "false", "no", "off") else "layer" if value == "layer" else "on"
+    """on | off | layer ($PAGEDSERVE_FAST_DECODE), read at each use."""
+    return env.FAST_DECODE.get()
 
 
 def enabled() -> bool:

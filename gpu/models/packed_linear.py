@@ -34,12 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contracts import env
 from kernels import fused
 
 logger = logging.getLogger(__name__)
 
-ENV = "PAGEDSERVE_PACKED_LINEAR"
-SMALL_ROWS_ENV = "PAGEDSERVE_PACKED_SMALL_ROWS"
+ENV = env.PACKED_LINEAR.name
+SMALL_ROWS_ENV = env.PACKED_SMALL_ROWS.name
 
 # oneDNN picks its blocked layout for a batch-size hint; 16 measured as good as 1 or 128 for
 # every M from 1 to 300 on the default model's shapes.
@@ -54,7 +55,7 @@ def enabled() -> bool:
     primitive per distinct (weight shape, batch rows), ~0.6-1.8 MB each: left alone a server's RSS
     grows with every new step size (the bounded soak caught +25 %), so rows are padded to a few
     buckets (``row_bucket``) and every bucket is built at start-up (``warm_row_buckets``)."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env.PACKED_LINEAR.get()
 
 
 def row_bucket(rows: int) -> int:
@@ -80,7 +81,7 @@ def buckets_upto(rows: int) -> list[int]:
 
 def small_rows(dtype: torch.dtype) -> int:
     """How many rows still run on the plain weight for this dtype (0: none, one packed copy)."""
-    if os.environ.get(SMALL_ROWS_ENV, "").strip() == "0":
+    if not env.PACKED_SMALL_ROWS.get():
         return 0
     if dtype is torch.bfloat16 and not fused.has_bf16_gemv():
         return 0  # F.linear on plain bf16 is slower than packed at every size

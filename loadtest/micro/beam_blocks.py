@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     prompt = [1000 + (i * 7919) % 30000 for i in range(args.prompt_tokens)]
     opts = {"model": default_model_path(), "load_format": "dummy", "hf_config": TINY_CONFIG, "dtype": "float32",
-            "kv_cache_memory_gib": 1 / 8, "max_num_batched_tokens": 2048}
+            "kv_cache_memory": 1 / 8, "max_num_batched_tokens": 2048}
     runs = {
         f"beam search k={args.k}": (True, lambda core: core.add_request(
             "b", None, prompt, BeamSearchParams(beam_width=args.k, max_tokens=args.max_tokens, ignore_eos=True))),

@@ -44,7 +44,7 @@ def main() -> None:
     cpu_attention.decode_attention_c = timed
     cpu_attention._decode_with.cache_clear()
     amx_fn = attn_amx.decode_fn
-    llm = LLM(kv_cache_memory_gib=1.0)
+    llm = LLM(kv_cache_memory=1.0)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]}
                for _ in range(args.requests)]

@@ -11,8 +11,6 @@ stopped after it. Ray is imported here only, and this module only with ``--ray``
 """
 from __future__ import annotations
 
-import os
-
 from loadtest.micro.bench_ipc import _Echo
 from contracts.messages import STEP_OUTPUT_DECODER, StepInput
 from gpu.worker import encode_step
@@ -63,26 +61,19 @@ def ray_echoes() -> dict[str, _Echo]:
     import ray
 
     from contracts.config import EngineConfig
-    from gpu.ray_executor import ENV_RAY_TRANSPORT, create_ray_executor
+    from gpu.ray_executor import create_ray_executor
 
     ray.init(address="local", num_cpus=4, object_store_memory=128 << 20, include_dashboard=False)
     config = EngineConfig.from_options(executor="ray")
     echoes: dict[str, _Echo] = {}
-    saved = os.environ.get(ENV_RAY_TRANSPORT)
     try:
         for name, transport in (("ray-ring", "shm"), ("ray-call", "ray")):
-            os.environ[ENV_RAY_TRANSPORT] = transport
             echoes[name] = _ExecutorEcho(create_ray_executor(config, runner_factory=ECHO_RUNNER,
-                                                             startup_timeout=120))
+                                                             startup_timeout=120, transport=transport))
         echoes["ray-cgraph"] = _CompiledGraphEcho()
     except BaseException:
         close_ray(echoes)
         raise
-    finally:
-        if saved is None:
-            os.environ.pop(ENV_RAY_TRANSPORT, None)
-        else:
-            os.environ[ENV_RAY_TRANSPORT] = saved
     return echoes
 
 

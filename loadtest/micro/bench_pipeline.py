@@ -6,7 +6,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 if __name__ == "__main__":
     pp = int(sys.argv[1])
-    llm = LLM(dtype="float32", executor="mp", pipeline_parallel_size=pp, kv_cache_memory_gib=0.5)
+    llm = LLM(dtype="float32", executor="mp", pipeline_parallel_size=pp, kv_cache_memory=0.5)
     ps = [f"Write a short story about the number {i} and a" for i in range(32)]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate(ps[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)

@@ -23,7 +23,7 @@ import time
 def build(mode: str, args):
     from engine.llm import LLM
 
-    return LLM(model=args.model, preemption_mode=mode, swap_space_gib=args.swap_space,
+    return LLM(model=args.model, preemption_mode=mode, swap_space=args.swap_space,
                enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.context + 64),
                dtype=args.dtype)
 

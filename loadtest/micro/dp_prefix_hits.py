@@ -22,7 +22,7 @@ from loadtest.tiny_model import TINY_CONFIG
 def _config(num_blocks: int) -> EngineConfig:
     return EngineConfig.from_options(
         model=default_model_path(), load_format="dummy", hf_config=dict(TINY_CONFIG), dtype="float32",
-        max_model_len=2048, num_blocks=num_blocks, executor="mp")
+        max_model_len=2048, num_gpu_blocks_override=num_blocks, executor="mp")
 
 
 async def _run(replicas: int, prefix_aware: bool, prompts: list[list[int]], concurrency: int,

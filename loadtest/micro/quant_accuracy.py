@@ -93,7 +93,7 @@ def main() -> None:
         t0 = time.perf_counter()
         first = "none" not in results
         dtype = "float32" if first else args.dtype
-        llm = LLM(model=args.model, dtype=dtype, quantization=mode, kv_cache_memory_gib=0.25,
+        llm = LLM(model=args.model, dtype=dtype, quantization=mode, kv_cache_memory=0.25,
                   kv_cache_dtype="auto" if first else args.kv_cache_dtype)
         try:
             toks = greedy_tokens(llm, PROMPTS, args.tokens)

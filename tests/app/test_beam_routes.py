@@ -18,7 +18,7 @@ def tiny_options() -> dict:
     from contracts.config import default_model_path
 
     return {"model": default_model_path(), "load_format": "dummy", "hf_config": TINY_CONFIG, "dtype": "float32",
-            "kv_cache_memory_gib": 1 / 16, "executor": "inproc"}
+            "kv_cache_memory": 1 / 16, "executor": "inproc"}
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def test_defaults_keep_recompute_and_a_4_gib_pool():
     config = engine_config_from_args(parse([]))
-    assert config.scheduler.preemption_mode == "recompute" and config.cache.swap_space_gib == 4.0
+    assert config.scheduler.preemption_mode == "recompute" and config.cache.swap_space == 4.0
 
 
 def test_flags_reach_the_config():
     config = engine_config_from_args(parse(["--scheduling-policy", "priority", "--preemption-mode", "swap",
                                             "--swap-space", "0.5"]))
     assert config.scheduler.policy == "priority"
-    assert config.scheduler.preemption_mode == "swap" and config.cache.swap_space_gib == 0.5
+    assert config.scheduler.preemption_mode == "swap" and config.cache.swap_space == 0.5
 
 
 def test_unknown_mode_is_refused_by_the_parser():
@@ -35,12 +35,11 @@ def test_unknown_mode_is_refused_by_the_parser():
 
 
 @pytest.mark.parametrize("options, flag", [({"preemption_mode": "discard"}, "--preemption-mode"),
-                                           ({"swap_space_gib": -1.0}, "--swap-space"),
-                                           ({"swap_space_gib": float("nan")}, "--swap-space")])
+                                           ({"swap_space": -1.0}, "--swap-space"),
+                                           ({"swap_space": float("nan")}, "--swap-space")])
 def test_bad_values_are_config_errors(options, flag):
     from contracts.config import EngineConfig
 
-    config = EngineConfig.from_options(model=default_model_path(), hf_config={"max_position_embeddings": 256},
-                                       **options)
-    with pytest.raises(ConfigError, match=flag):
-        resolve_config(config)
+    with pytest.raises(ConfigError, match=flag):  # SchedulerConfig / CacheConfig refuse it when built
+        resolve_config(EngineConfig.from_options(model=default_model_path(),
+                                                 hf_config={"max_position_embeddings": 256}, **options))

@@ -26,7 +26,7 @@ async def prefix_hits(c: httpx.AsyncClient) -> float:
 async def test_equal_prompts_hit_the_cache_only_with_equal_salts():
     config = EngineConfig.from_options(
         model=default_model_path(), load_format="dummy", hf_config=TINY_CONFIG, dtype="float32",
-        max_model_len=512, num_blocks=128, served_model_name="tiny", executor="inproc")
+        max_model_len=512, num_gpu_blocks_override=128, served_model_name="tiny", executor="inproc")
     engine = AsyncEngine(config)
     await engine.start()
     try:

@@ -150,7 +150,7 @@ def test_greedy_chat_equals_offline_llm(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
     served = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
     llm = LLM(model=model_path(), load_format="dummy", hf_config=TINY, dtype="float32",
-              max_model_len=MAX_MODEL_LEN, num_blocks=256)
+              max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=256)
     try:
         (offline,) = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=12))
     finally:

@@ -18,7 +18,7 @@ def patch_build_engine(monkeypatch) -> list:
 
     def build_engine(config):
         tok = FakeTokenizer()
-        executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size)
+        executor = FakeExecutor(config.cache.num_gpu_blocks_override, config.cache.block_size)
         parts = EngineParts(config, {}, tok, executor, EngineCore(config, executor, tok))
         built.append(parts)
         return parts

@@ -212,7 +212,7 @@ def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_token
                 num_swap_blocks: int | None = None) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(max_model_len=max_model_len),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+        cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching,
                           num_swap_blocks=num_swap_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   policy=policy, preemption_mode=preemption_mode),
@@ -223,7 +223,7 @@ def make_core(next_token=default_next_token, top_logprobs=None, **kw):
     from engine.core import EngineCore
 
     config = make_config(**kw)
-    executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size, next_token,
+    executor = FakeExecutor(config.cache.num_gpu_blocks_override, config.cache.block_size, next_token,
                             num_swap_blocks=config.cache.num_swap_blocks or 0, top_logprobs=top_logprobs)
     return EngineCore(config, executor, FakeTokenizer()), executor
 

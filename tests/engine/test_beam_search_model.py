@@ -29,7 +29,7 @@ def hf_model(default_model_path):
 def llm(default_model_path):
     from engine.llm import LLM
 
-    llm = LLM(default_model_path, dtype="float32", quantization="none", kv_cache_memory_gib=0.25,
+    llm = LLM(default_model_path, dtype="float32", quantization="none", kv_cache_memory=0.25,
               enforce_eager=True)
     yield llm
     llm.shutdown()

@@ -22,7 +22,7 @@ def _config():
 
 class _Executor(FakeExecutor):
     def __init__(self, config):
-        super().__init__(config.cache.num_blocks, config.cache.block_size)
+        super().__init__(config.cache.num_gpu_blocks_override, config.cache.block_size)
         self.shut = False
 
     def shutdown(self):

@@ -82,7 +82,7 @@ def test_tiny_kv_cache_preempts_and_vectors_stay(reference):
             [{"prompt_token_ids": p} for p in gen_prompts], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))]
     finally:
         alone.shutdown()
-    llm = tiny_llm(num_blocks=14, block_size=16, max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm = tiny_llm(num_gpu_blocks_override=14, block_size=16, max_num_batched_tokens=16, enable_prefix_caching=False)
     core = llm.core
     preempted: list[bool] = []  # whether each victim was a pooling sequence
     preempt = core.scheduler._preempt

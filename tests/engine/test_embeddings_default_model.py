@@ -49,7 +49,7 @@ def llm():
     from engine.llm import LLM
 
     # Weights dequantized to fp32 as transformers loads them; chunks of 32 tokens per step.
-    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.25, max_num_batched_tokens=32)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory=0.25, max_num_batched_tokens=32)
     yield llm
     llm.shutdown()
 

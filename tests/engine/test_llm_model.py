@@ -54,7 +54,7 @@ def test_chunked_prefill_at_several_chunk_sizes(reference, chunk):
 
 def test_tiny_kv_cache_preempts_and_outputs_stay_identical(reference):
     # 13 usable blocks of 16 tokens: the longest request alone fits, 32 at once cannot.
-    llm = tiny_llm(num_blocks=14, block_size=16, enable_prefix_caching=False)
+    llm = tiny_llm(num_gpu_blocks_override=14, block_size=16, enable_prefix_caching=False)
     try:
         assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == reference
         assert llm.core.stats().num_preemptions > 0
@@ -98,7 +98,7 @@ def test_n3_seeded_is_reproducible_and_independent_of_batch():
 def default_llm():
     from engine.llm import LLM
 
-    llm = LLM(dtype="float32", kv_cache_memory_gib=0.25)
+    llm = LLM(dtype="float32", kv_cache_memory=0.25)
     yield llm
     llm.shutdown()
 

@@ -19,7 +19,7 @@ def _core(max_logprobs: int | None = None):
     config = make_config()
     if max_logprobs is not None:
         config.model.max_logprobs = max_logprobs
-    executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size, lambda *a: 5)
+    executor = FakeExecutor(config.cache.num_gpu_blocks_override, config.cache.block_size, lambda *a: 5)
     return EngineCore(config, executor, FakeTokenizer())
 
 

@@ -174,7 +174,7 @@ async def grammar_engine(monkeypatch):
 
     config = EngineConfig.from_options(model=default_model_path(), load_format="dummy",
                                        hf_config=TINY_CONFIG, dtype="float32",
-                                       kv_cache_memory_gib=1 / 16, executor="inproc",
+                                       kv_cache_memory=1 / 16, executor="inproc",
                                        grammar_compile_timeout=1.0)
     eng = AsyncEngine(config)
     await eng.start()

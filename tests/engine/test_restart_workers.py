@@ -47,7 +47,7 @@ class Builds:
             if self.fail_next is not None:
                 raise self.fail_next
         tok = tokenizer or FakeTokenizer()
-        executor = FakeExecutor(config.cache.num_blocks, config.cache.block_size)
+        executor = FakeExecutor(config.cache.num_gpu_blocks_override, config.cache.block_size)
         executor.shutdown = lambda ex=executor: self.shut_down.append(ex)
         parts = EngineParts(config, {}, tok, executor, EngineCore(config, executor, tok))
         self.parts.append(parts)

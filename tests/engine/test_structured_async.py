@@ -24,7 +24,7 @@ async def test_compile_runs_beside_a_stream_and_wakes_the_loop(monkeypatch):
     monkeypatch.setattr(ae, "IDLE_HEALTH_CHECK_S", 3600.0)
     config = EngineConfig.from_options(model=default_model_path(), load_format="dummy",
                                        hf_config=TINY_CONFIG, dtype="float32",
-                                       kv_cache_memory_gib=1 / 16, executor="inproc",
+                                       kv_cache_memory=1 / 16, executor="inproc",
                                        grammar_compile_timeout=120)  # held on purpose; a busy box is slow
     engine = AsyncEngine(config)
     await engine.start()

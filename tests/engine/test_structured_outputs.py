@@ -107,7 +107,7 @@ def test_preemption_keeps_matchers_right():
         ref = [c.token_ids for c in big.generate([PROMPT], p, use_tqdm=False)[0].outputs]
     finally:
         big.shutdown()
-    small = tiny_llm(num_blocks=10, block_size=8, enable_prefix_caching=False)
+    small = tiny_llm(num_gpu_blocks_override=10, block_size=8, enable_prefix_caching=False)
     try:
         outs = small.generate([PROMPT], p, use_tqdm=False)
         assert small.core.stats().num_preemptions > 0

@@ -15,7 +15,7 @@ from kernels import qgemm
 def test_default_model_greedy_tokens_alone_equal_batched():
     from engine.llm import LLM
 
-    llm = LLM(dtype="float32", kv_cache_memory_gib=0.25, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", kv_cache_memory=0.25, enable_prefix_caching=False)
     try:
         sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
         prompts = [f"Fact number {i}: the" for i in range(16)]

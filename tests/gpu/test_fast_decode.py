@@ -91,7 +91,7 @@ def test_default_model_gguf_q4_1_greedy_tokens_match_eager(monkeypatch):
         pytest.skip("no AVX-512 VNNI quantized kernel on this CPU")
     from engine.llm import LLM
 
-    make = lambda: LLM(dtype="bfloat16", quantization="auto", kv_cache_memory_gib=0.25)  # noqa: E731
+    make = lambda: LLM(dtype="bfloat16", quantization="auto", kv_cache_memory=0.25)  # noqa: E731
     calls = _compare(make, PROMPTS, monkeypatch, max_tokens=32)
     assert {rows for rows, _ in calls} >= {4}
 
@@ -100,7 +100,7 @@ def test_default_model_gguf_q4_1_greedy_tokens_match_eager(monkeypatch):
 def test_default_model_greedy_tokens_match_eager(monkeypatch):
     from engine.llm import LLM
 
-    make = lambda: LLM(dtype="bfloat16", quantization="none", kv_cache_memory_gib=0.25)  # noqa: E731
+    make = lambda: LLM(dtype="bfloat16", quantization="none", kv_cache_memory=0.25)  # noqa: E731
     _compare(make, PROMPTS[:2], monkeypatch, max_tokens=32)
 
 
@@ -136,7 +136,7 @@ def test_default_model_decode_stack_matches_eager(monkeypatch):
     from engine.llm import LLM
 
     for quantization, prompts in (("none", PROMPTS[:1]), ("auto", PROMPTS)):
-        make = lambda: LLM(dtype="bfloat16", quantization=quantization, kv_cache_memory_gib=0.25)  # noqa: E731
+        make = lambda: LLM(dtype="bfloat16", quantization=quantization, kv_cache_memory=0.25)  # noqa: E731
         calls = _compare(make, prompts, monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack)
         assert len(prompts) in _stack_calls(calls)
 
@@ -196,7 +196,7 @@ def test_fp32_plain_tiny_model_layer_and_stack_match_eager(monkeypatch):
 def test_fp32_default_model_plain_weights_stack_greedy_tokens_match_eager(monkeypatch):
     from engine.llm import LLM
 
-    make = lambda: LLM(dtype="float32", quantization="none", kv_cache_memory_gib=0.25)  # noqa: E731
+    make = lambda: LLM(dtype="float32", quantization="none", kv_cache_memory=0.25)  # noqa: E731
     calls = _compare(make, PROMPTS[:1], monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack)
     assert 1 in _stack_calls(calls)
 
@@ -211,7 +211,7 @@ def test_fp32_default_model_gguf_q4_1_stack_greedy_tokens_match_eager(monkeypatc
     """The shipped Q4_1 GGUF in fp32 (what --dtype auto picks on AVX2 CPUs): same greedy tokens."""
     from engine.llm import LLM
 
-    make = lambda: LLM(dtype="float32", quantization="auto", kv_cache_memory_gib=0.25)  # noqa: E731
+    make = lambda: LLM(dtype="float32", quantization="auto", kv_cache_memory=0.25)  # noqa: E731
     calls = _compare(make, PROMPTS, monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack,
                      exact=True)
     assert 4 in _stack_calls(calls)

@@ -134,7 +134,7 @@ def _greedy(mode: str, dtype: str):
     from engine.llm import LLM
     from loadtest.micro.quant_accuracy import PROMPTS, greedy_tokens
 
-    llm = LLM(dtype=dtype, quantization=mode, kv_cache_memory_gib=1 / 16)
+    llm = LLM(dtype=dtype, quantization=mode, kv_cache_memory=1 / 16)
     try:
         return greedy_tokens(llm, PROMPTS[:4], 16)
     finally:

@@ -24,7 +24,7 @@ def make_runner(enforce_eager: bool, sizes: list[int] | None = None) -> ModelRun
     from engine.bootstrap import resolve_config
 
     options = {"model": default_model_path(), "load_format": "dummy", "hf_config": UNTIED,
-               "dtype": "float32", "num_blocks": 128, "block_size": BLOCK,
+               "dtype": "float32", "num_gpu_blocks_override": 128, "block_size": BLOCK,
                "max_model_len": MAX_MODEL_LEN, "enforce_eager": enforce_eager}
     if sizes is not None:
         options["cuda_graph_batch_sizes"] = sizes

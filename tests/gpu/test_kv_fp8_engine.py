@@ -32,7 +32,7 @@ def test_fp8_cache_holds_twice_the_blocks_and_swaps_exactly():
         auto.shutdown()
         fp8.shutdown()
     llm = tiny_llm(hf_config=UNTIED, kv_cache_dtype="fp8", preemption_mode="swap", num_swap_blocks=64,
-                   num_blocks=14, block_size=16)
+                   num_gpu_blocks_override=14, block_size=16)
     ref_llm = tiny_llm(hf_config=UNTIED, kv_cache_dtype="fp8")
     try:
         want = token_ids(ref_llm.generate(prompts(), GREEDY, use_tqdm=False))
@@ -61,7 +61,7 @@ def test_default_model_greedy_agreement_with_the_bf16_cache():
 
     out = {}
     for kv in ("auto", "fp8"):
-        llm = LLM(dtype="bfloat16", quantization="none", kv_cache_memory_gib=0.25, kv_cache_dtype=kv)
+        llm = LLM(dtype="bfloat16", quantization="none", kv_cache_memory=0.25, kv_cache_dtype=kv)
         try:
             out[kv] = greedy_tokens(llm, PROMPTS, 32)
         finally:

@@ -36,7 +36,7 @@ def runner(default_model_path):
     from engine.bootstrap import resolve_config
 
     config, _ = resolve_config(EngineConfig.from_options(
-        model=default_model_path, dtype="float32", quantization="none", num_blocks=64, block_size=BLOCK,
+        model=default_model_path, dtype="float32", quantization="none", num_gpu_blocks_override=64, block_size=BLOCK,
         enforce_eager=True))  # unpacked: the chunking checks compare exact fp32 arithmetic
     r = ModelRunner(config)
     r.initialize()

@@ -126,7 +126,7 @@ def test_tiny_kv_cache_preemption_mp_equals_inproc(reference):
     # 13 usable blocks of 16 tokens: one request fits, the batch of 16 cannot.
     outs, preemptions = {}, {}
     for kind in ("inproc", "mp"):
-        llm = tiny_llm(hf_config=UNTIED, executor=kind, num_blocks=14, block_size=16,
+        llm = tiny_llm(hf_config=UNTIED, executor=kind, num_gpu_blocks_override=14, block_size=16,
                        enable_prefix_caching=False)
         try:
             outs[kind] = token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False))
@@ -153,7 +153,7 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 def test_tensor_parallel_2_tiny_equals_single_rank(tiny_checkpoint):
     from engine.llm import LLM
 
-    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16}
+    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16}
     single = LLM(executor="inproc", **options)
     try:
         ref = token_ids(single.generate(prompts(), GREEDY, use_tqdm=False))
@@ -185,14 +185,14 @@ def test_default_model_tensor_parallel_equals_single_rank():
     from engine.llm import LLM
 
     with pytest.raises(ExecutorError, match="not divisible by the tensor-parallel size"):
-        LLM(dtype="float32", tensor_parallel_size=2, executor="mp", kv_cache_memory_gib=0.25)
-    single = LLM(dtype="float32", executor="inproc", kv_cache_memory_gib=0.25)
+        LLM(dtype="float32", tensor_parallel_size=2, executor="mp", kv_cache_memory=0.25)
+    single = LLM(dtype="float32", executor="inproc", kv_cache_memory=0.25)
     try:
         ref = single.generate(DEFAULT_PROMPTS, DEFAULT_GREEDY, use_tqdm=False)
     finally:
         single.shutdown()
     assert ref[0].outputs[0].text.startswith(" Paris.")
-    tp = LLM(dtype="float32", tensor_parallel_size=3, executor="mp", kv_cache_memory_gib=0.25)
+    tp = LLM(dtype="float32", tensor_parallel_size=3, executor="mp", kv_cache_memory=0.25)
     try:
         out = tp.generate(DEFAULT_PROMPTS, DEFAULT_GREEDY, use_tqdm=False)
     finally:

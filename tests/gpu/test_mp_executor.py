@@ -38,7 +38,7 @@ class FakeRunner:
         self.seqs: dict[int, list[int]] = {}
 
     def initialize(self) -> int:
-        return self.config.cache.num_blocks or 42
+        return self.config.cache.num_gpu_blocks_override or 42
 
     def execute(self, step: StepInput) -> StepOutput:
         if step.step_id == FAILING_STEP:
@@ -75,7 +75,7 @@ def exiting_runner(config, rank):
 
 
 def _config(tp: int = 1, num_blocks: int = 77) -> EngineConfig:
-    return EngineConfig.from_options(tensor_parallel_size=tp, executor="mp", num_blocks=num_blocks)
+    return EngineConfig.from_options(tensor_parallel_size=tp, executor="mp", num_gpu_blocks_override=num_blocks)
 
 
 def _step(step_id: int, seq_ids: list[int], new: list[int] = ()) -> StepInput:
@@ -246,7 +246,7 @@ def test_owner_gone_leaves_no_worker_and_no_segment(how):
         from contracts.config import EngineConfig
         from gpu.mp_executor import MultiprocExecutor
         if __name__ == "__main__":
-            cfg = EngineConfig.from_options(executor="mp", num_blocks=5)
+            cfg = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=5)
             ex = MultiprocExecutor(cfg, runner_factory="{HERE}:FakeRunner", startup_timeout=60)
             print(" ".join(map(str, ex.worker_pids)), ex._res.step_ring.name, ex._res.reply_ring.name,
                   flush=True)
@@ -415,7 +415,7 @@ def test_hung_worker_fails_the_step_after_the_step_timeout(mode, own_segments):
     worker (clear error, later calls fail at once, the stuck worker is stopped)."""
     from gpu.mp_executor import WARMUP_STEPS, MultiprocExecutor
 
-    config = EngineConfig.from_options(executor="mp", num_blocks=9, step_timeout_s=1.5)
+    config = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_timeout=1.5)
     ex = MultiprocExecutor(config, runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
     pids = ex.worker_pids
     try:
@@ -443,7 +443,7 @@ def test_first_steps_get_the_startup_timeout():
     """A slow first step (compilation, lazy allocation) is not a hang."""
     from gpu.mp_executor import WARMUP_STEPS, MultiprocExecutor
 
-    config = EngineConfig.from_options(executor="mp", num_blocks=9, step_timeout_s=7.0)
+    config = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_timeout=7.0)
     ex = MultiprocExecutor(config, runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
     try:
         assert WARMUP_STEPS >= 1
@@ -456,7 +456,7 @@ def test_first_steps_get_the_startup_timeout():
 
 
 def test_step_timeout_zero_means_none():
-    config = EngineConfig.from_options(executor="mp", num_blocks=9, step_timeout_s=0)
+    config = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_timeout=0)
     assert config.parallel.step_timeout_s == 0
     from gpu.mp_executor import MultiprocExecutor
 

@@ -99,7 +99,7 @@ def test_tp2_x_pp2_tiny_equals_single_process(tiny_checkpoint):
     from engine.llm import LLM
 
     # 64-token steps split the longer prompts (chunked prefill).
-    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16,
+    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16,
                "max_num_batched_tokens": 64}
     assert max(len(p) for p in prompts()) > 64
     single = LLM(executor="inproc", **options)
@@ -134,7 +134,7 @@ def test_default_model_pp2_equals_pp1_with_chunked_prefill_and_preemption():
     tokens cannot hold the six requests at once, so some are preempted and recomputed."""
     from engine.llm import LLM
 
-    options = {"dtype": "float32", "num_blocks": 14, "block_size": 16, "max_num_batched_tokens": 16,
+    options = {"dtype": "float32", "num_gpu_blocks_override": 14, "block_size": 16, "max_num_batched_tokens": 16,
                "enable_prefix_caching": False}
     single = LLM(executor="inproc", **options)
     try:
@@ -173,7 +173,7 @@ def test_async_engine_pp2_keeps_two_steps_in_flight_and_equals_single_process(ti
     from engine.llm import LLM
     from contracts.config import EngineConfig
 
-    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16,
+    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16,
                "max_num_batched_tokens": 64}
     single = LLM(executor="inproc", **options)
     try:
@@ -216,7 +216,7 @@ def test_default_model_tp3_x_pp2_equals_single_process_with_chunked_prefill():
     3 ranks; 16-token steps chunk the long prompts."""
     from engine.llm import LLM
 
-    options = {"dtype": "float32", "kv_cache_memory_gib": 0.25, "max_num_batched_tokens": 16,
+    options = {"dtype": "float32", "kv_cache_memory": 0.25, "max_num_batched_tokens": 16,
                "enable_prefix_caching": False}
     prompts_ = LONG_PROMPTS[:3]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -46,7 +46,7 @@ def assert_released(executor) -> None:
 
 def _config(tp: int = 1) -> EngineConfig:
     return EngineConfig.from_options(tensor_parallel_size=tp, distributed_executor_backend="ray",
-                                     num_blocks=77)
+                                     num_gpu_blocks_override=77)
 
 
 def start(tp: int = 1, runner: str = FAKE):
@@ -158,9 +158,9 @@ def test_startup_error_is_reported_and_the_placement_group_released():
 
 
 def test_unplaceable_group_is_a_clear_error(monkeypatch):
-    import gpu.ray_cluster
+    from contracts import env
 
-    monkeypatch.setattr(gpu.ray_cluster, "PLACEMENT_TIMEOUT_S", 1.0)
+    monkeypatch.setenv(env.RAY_PLACEMENT_TIMEOUT.name, "1")  # read when placing, not at import
     with pytest.raises(ExecutorError, match="could not place 9 worker"):
         start(tp=9)  # 9 bundles of 1 CPU on a 4-CPU instance
     assert set(placement_states().values()) <= {"REMOVED"}
@@ -190,7 +190,7 @@ def test_tensor_parallel_2_on_ray_equals_single_process(tiny_checkpoint):
     from engine.llm import LLM
     from tests.gpu.test_mp_equivalence import GREEDY, prompts, token_ids
 
-    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16}
+    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16}
     single = LLM(executor="inproc", **options)
     try:
         ref = token_ids(single.generate(prompts(), GREEDY, use_tqdm=False))
@@ -235,14 +235,14 @@ def test_default_model_tensor_parallel_3_on_ray_equals_single_process():
     from engine.llm import LLM
     from tests.gpu.test_mp_equivalence import DEFAULT_GREEDY, DEFAULT_PROMPTS, token_ids
 
-    single = LLM(dtype="float32", executor="inproc", kv_cache_memory_gib=0.25)
+    single = LLM(dtype="float32", executor="inproc", kv_cache_memory=0.25)
     try:
         ref = single.generate(DEFAULT_PROMPTS, DEFAULT_GREEDY, use_tqdm=False)
     finally:
         single.shutdown()
     assert ref[0].outputs[0].text.startswith(" Paris.")
     tp = LLM(dtype="float32", tensor_parallel_size=3, distributed_executor_backend="ray",
-             kv_cache_memory_gib=0.25)
+             kv_cache_memory=0.25)
     executor = tp.parts.executor
     try:
         out = tp.generate(DEFAULT_PROMPTS, DEFAULT_GREEDY, use_tqdm=False)

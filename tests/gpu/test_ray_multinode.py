@@ -41,7 +41,7 @@ def test_tensor_parallel_2_across_two_nodes_equals_single_process(cluster, tiny_
     from engine.llm import LLM
     from tests.gpu.test_mp_equivalence import GREEDY, prompts, token_ids
 
-    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16}
+    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16}
     single = LLM(executor="inproc", **options)
     try:
         ref = token_ids(single.generate(prompts(), GREEDY, use_tqdm=False))

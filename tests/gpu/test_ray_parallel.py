@@ -35,7 +35,7 @@ HANG_GUARD_S = 120
 
 @pytest.fixture(scope="module")
 def options(tiny_checkpoint) -> dict:
-    return {"model": tiny_checkpoint, "kv_cache_memory_gib": 1 / 16, **CHUNKED}
+    return {"model": tiny_checkpoint, "kv_cache_memory": 1 / 16, **CHUNKED}
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,8 @@ def test_pp2_on_ray_equals_single_process_with_preemption(transport, options, re
     preempted and recomputed; two steps are in flight at once, never more."""
     from engine.llm import LLM
 
-    small_cache = {**{k: v for k, v in options.items() if k != "kv_cache_memory_gib"},
-                   "num_blocks": 14, "block_size": 16}
+    small_cache = {**{k: v for k, v in options.items() if k != "kv_cache_memory"},
+                   "num_gpu_blocks_override": 14, "block_size": 16}
     llm = LLM(pipeline_parallel_size=2, distributed_executor_backend="ray", **small_cache)
     ex = llm.parts.executor
     try:
@@ -133,14 +133,13 @@ def test_pp2_engine_loop_on_ray_serves_then_a_killed_stage_fails_in_flight(trans
     assert_released(ex)
 
 
-def test_two_replicas_on_ray_each_get_their_own_placement_group(monkeypatch, options, reference):
-    from engine.replicas import THREADS_ENV, ReplicatedEngine
+def test_two_replicas_on_ray_each_get_their_own_placement_group(options, reference):
+    from engine.replicas import ReplicatedEngine
 
-    monkeypatch.setenv(THREADS_ENV, "1")  # as ReplicatedEngine would set it, but undone after
     before = {pg for pg, state in placement_states().items() if state != "REMOVED"}
 
     async def run():
-        config = EngineConfig.from_options(distributed_executor_backend="ray", **options)
+        config = EngineConfig.from_options(distributed_executor_backend="ray", worker_threads=1, **options)
         engine = ReplicatedEngine(config, 2)
         await engine.start()
         executors = [r.parts.executor for r in engine.replicas]

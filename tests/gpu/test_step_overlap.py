@@ -17,7 +17,7 @@ def test_next_step_is_sent_before_the_last_outputs_are_delivered(tiny_checkpoint
     from engine.llm import LLM
     from contracts.config import EngineConfig
 
-    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16,
+    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16,
                "max_num_batched_tokens": 64}
     single = LLM(executor="inproc", **options)
     try:

@@ -9,20 +9,14 @@ import math
 
 import pytest
 
-from contracts.config import EngineConfig
-from contracts.errors import ExecutorError
-
-RUNNER = "tests.gpu.test_mp_executor:FakeRunner"
+from contracts.config import ConfigError, EngineConfig
 
 
 @pytest.mark.parametrize("bad", [-1.0, -0.001, math.nan])
 def test_a_step_timeout_that_is_no_limit_is_refused_at_start(bad):
-    from gpu.mp_executor import MultiprocExecutor
-
-    config = EngineConfig.from_options(executor="mp", num_blocks=9, step_timeout_s=bad)
-    with pytest.raises(ExecutorError, match=r"--step-timeout must be >= 0"):
-        ex = MultiprocExecutor(config, runner_factory=RUNNER, startup_timeout=60)
-        ex.shutdown()  # reached only when the value was accepted
+    """ParallelConfig refuses it when built, so no executor (mp or ray) ever sees it."""
+    with pytest.raises(ConfigError, match=r"--step-timeout must be >= 0"):
+        EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_timeout=bad)
 
 
 def test_the_default_step_timeout_has_one_owner():

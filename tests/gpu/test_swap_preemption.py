@@ -11,7 +11,7 @@ from contracts.messages import StepInput, pack_pairs
 from tests.gpu.test_mp_equivalence import GREEDY, UNTIED, prompts, shutdown_clean, token_ids
 from tests.tiny import tiny_llm
 
-SMALL_CACHE = {"num_blocks": 14, "block_size": 16}  # 13 usable blocks: one request fits, 16 cannot
+SMALL_CACHE = {"num_gpu_blocks_override": 14, "block_size": 16}  # 13 usable blocks: one request fits, 16 cannot
 
 
 def test_host_pool_round_trips_blocks_exactly():
@@ -84,8 +84,8 @@ def test_preemption_modes_give_the_tokens_of_no_preemption(reference, mode, swap
         llm.shutdown()
 
 
-def test_swap_space_gib_sizes_the_pool():
-    llm = tiny_llm(hf_config=UNTIED, preemption_mode="swap", swap_space_gib=1 / 64)
+def test_swap_space_sizes_the_pool():
+    llm = tiny_llm(hf_config=UNTIED, preemption_mode="swap", swap_space=1 / 64)
     try:
         runner = llm.parts.executor.runner
         expected = (1 << 30) // 64 // runner.kv_bytes_per_block()
@@ -114,7 +114,7 @@ def test_two_ranks_swap_their_own_kv(tiny_checkpoint, parallel):
     stage holds (and swaps) the KV of its own layers only."""
     from engine.llm import LLM
 
-    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory_gib": 1 / 16}
+    options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16}
     single = LLM(executor="inproc", **options)
     try:
         ref = token_ids(single.generate(prompts(), GREEDY, use_tqdm=False))

@@ -56,3 +56,26 @@ def test_unknown_transport_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(ENV_TRANSPORT, "carrier-pigeon")
     with pytest.raises(TransportError, match="PAGEDSERVE_STEP_TRANSPORT.*shm.*pipe"):
         pick_transport()
+
+
+def test_the_config_choice_comes_before_the_environment(monkeypatch):
+    """--step-transport (ParallelConfig.step_transport) is the user's choice; the variable is the
+    default it overrides."""
+    monkeypatch.setenv(ENV_TRANSPORT, "shm")
+    assert pick_transport("pipe") == "pipe"
+    with pytest.raises(TransportError, match="unknown transport"):
+        pick_transport("carrier-pigeon")
+
+
+def test_the_mp_executor_takes_its_transport_from_the_config(monkeypatch):
+    from contracts.config import EngineConfig
+    from gpu.mp_executor import MultiprocExecutor
+    from gpu.pipe_channel import PipeChannel
+
+    monkeypatch.delenv(ENV_TRANSPORT, raising=False)
+    config = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_transport="pipe")
+    ex = MultiprocExecutor(config, runner_factory="tests.gpu.test_mp_executor:FakeRunner", startup_timeout=60)
+    try:
+        assert isinstance(ex._res.step_ring, PipeChannel) and isinstance(ex._res.reply_ring, PipeChannel)
+    finally:
+        ex.shutdown()
