@@ -46,8 +46,7 @@ def check_data_parallel(config: EngineConfig, num_replicas: int) -> None:
 
 
 def ranks_per_replica(config: EngineConfig) -> int:
-    p = config.parallel
-    return p.tensor_parallel_size * int(getattr(p, "pipeline_parallel_size", 1) or 1)
+    return config.parallel.world_size
 
 
 def _engine_factory(config: EngineConfig, restart_policy):
@@ -99,9 +98,8 @@ class ReplicatedEngine:
         logger.info("%d data-parallel replicas ready", self.num_replicas)
 
     def _build_prefix_index(self) -> None:
-        core = getattr(self.replicas[0], "core", None)
-        bm = getattr(core, "block_manager", None)
-        if bm is None or not bm.enable_prefix_caching:
+        bm = self.replicas[0].core.block_manager
+        if not bm.enable_prefix_caching:
             return
         self.prefix_index = PrefixIndex(bm.block_size, bm.root_hash, self.num_replicas)
 
@@ -135,12 +133,16 @@ class ReplicatedEngine:
         return sum(r.num_blocks for r in self.replicas)
 
     @property
+    def embedding_size(self) -> int | None:
+        return self.replicas[0].embedding_size
+
+    @property
     def num_deaths(self) -> int:
-        return sum(getattr(r, "num_deaths", 0) for r in self.replicas)
+        return sum(r.num_deaths for r in self.replicas)
 
     @property
     def last_step_gap_s(self) -> float:
-        return max(getattr(r, "last_step_gap_s", 0.0) for r in self.replicas)
+        return max(r.last_step_gap_s for r in self.replicas)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._front().encode(text, add_special_tokens)
@@ -198,7 +200,7 @@ class ReplicatedEngine:
         for f in fields(total):
             if f.name != "kv_cache_usage":
                 setattr(total, f.name, sum(getattr(s, f.name) for s in per))
-        blocks = [getattr(s, "num_blocks", 0) for s in per]
+        blocks = [s.num_blocks for s in per]
         if sum(blocks):
             total.kv_cache_usage = sum(s.kv_cache_usage * b for s, b in zip(per, blocks)) / sum(blocks)
         else:
@@ -211,7 +213,7 @@ class ReplicatedEngine:
         views = []
         for i, r in enumerate(self.replicas):
             alive = r.health_status() == "ok"
-            generation = getattr(r, "num_deaths", 0) + getattr(r, "num_worker_restarts", 0)
+            generation = r.num_deaths + r.num_worker_restarts
             if generation != self._generation[i]:  # its prefix cache is gone
                 self._generation[i] = generation
                 if self.prefix_index is not None:
@@ -251,7 +253,8 @@ class ReplicatedEngine:
         if self.owner_of(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already running")
         candidates, hashes = self.route(prompt_token_ids, cache_salt,
-                                        use_prefix=getattr(params, "prompt_logprobs", None) is None)
+                                        use_prefix=not isinstance(params, SamplingParams)
+                                        or params.prompt_logprobs is None)
         self.decision_ns += time.perf_counter_ns() - t0
         self.num_decisions += 1
         if not candidates:
@@ -273,6 +276,13 @@ class ReplicatedEngine:
             return stream
         raise error
 
+    def pool(self, prompt_token_ids: list[int], params, request_id: str, prompt: str | None = None,
+             priority: int = 0, cache_salt: str | None = None):
+        """A pooling request (engine.pooling_params.PoolingParams), routed as ``generate`` routes
+        (AsyncEngine.pool is its generate with pooling params)."""
+        return self.generate(prompt_token_ids, params, request_id, prompt=prompt, priority=priority,
+                             cache_salt=cache_salt)
+
     def _none_alive_error(self) -> BaseException:
         if self.health_status() == "restarting":
             return EngineRestartingError("every replica is restarting its workers after a failure; "
@@ -283,7 +293,7 @@ class ReplicatedEngine:
     def owner_of(self, request_id: str) -> int | None:
         """The replica running ``request_id`` (its AsyncEngine keeps one queue per request)."""
         for i, r in enumerate(self.replicas):
-            if request_id in r._queues:
+            if r.has_request(request_id):
                 return i
         return None
 

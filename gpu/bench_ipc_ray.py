@@ -63,7 +63,8 @@ def ray_echoes() -> dict[str, _Echo]:
     import ray
 
     from contracts.config import EngineConfig
-    from gpu.ray_executor import ENV_RAY_TRANSPORT, create_ray_executor
+    from gpu.executor_factory import create_ray_executor
+    from gpu.ray_executor import ENV_RAY_TRANSPORT
 
     ray.init(address="local", num_cpus=4, object_store_memory=128 << 20, include_dashboard=False)
     config = EngineConfig.from_options(executor="ray")

@@ -35,6 +35,7 @@ from contracts.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
 from gpu.mp_executor import DEFAULT_STARTUP_TIMEOUT_S, next_step_timeout
 from gpu.pipeline_tokens import SampledTokenRelay
 from gpu.ray_cluster import PlacedWorkers, import_ray
+from gpu.ray_executor import start_ranks
 from gpu.worker import encode_step, output_rank
 
 logger = logging.getLogger(__name__)
@@ -55,10 +56,10 @@ class SentStep:
 
 
 class RayCallExecutor(Executor):
+    splits_steps = True
+
     def __init__(self, config: EngineConfig, placed: PlacedWorkers, *, runner_factory: str | None = None,
                  startup_timeout: float | None = None, num_threads: int | None = None):
-        from gpu.ray_executor import start_ranks
-
         self.config = config
         self._placed = placed
         self.world_size = len(placed.actors)
