@@ -35,7 +35,7 @@ class ChatRoute:
         """The conversation and the ``tools`` variable for the chat template (the request's own
         ``chat_template`` or the model's): tools and tool-call turns natively when the template
         knows tools, else written out (app/tools/prompt.py)."""
-        template = chat_template or getattr(self.engine.tokenizer, "chat_template", None)
+        template = chat_template or self.engine.tokenizer.chat_template
         native = tool_prompt.template_knows_tools(template)
         out = tool_prompt.template_messages(messages, native)
         if tools and not native:
@@ -79,7 +79,7 @@ class ChatRoute:
         check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
         options = chat_template_options(req, self.trust_request_chat_template)
         self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
-        template = options.get("chat_template") or getattr(self.engine.tokenizer, "chat_template", None)
+        template = options.get("chat_template") or self.engine.tokenizer.chat_template
         plan = build_plan(req, self.tool_config, template)
         messages, tools = self.template_messages(req.messages, plan.tools, options.get("chat_template"))
         text, ids = await self.chat_prompt(

@@ -16,6 +16,7 @@ from app.errors import APIError
 from app.prompt_options import chat_template_options
 from app.protocol import DetokenizeRequest, TokenizeRequest, parse
 from app.responses import ORJSONResponse
+from engine.client import EngineClient
 
 
 def server_version() -> str:
@@ -33,8 +34,7 @@ class InfoRoutes:
     async def models(self, request: Request) -> Response:
         """vLLM's model card: ``root`` is the model the name serves, ``permission`` the fixed
         OpenAI-era permission object vLLM still sends."""
-        config = getattr(self.engine, "config", None)
-        root = getattr(getattr(config, "model", None), "model", None) or self.model_name
+        root = self.engine.config.model.model or self.model_name
         return ORJSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "pagedserve", "root": root, "parent": None,
@@ -72,9 +72,7 @@ class InfoRoutes:
             if len(ids) > limit:
                 raise refuse("return_token_strs", f"return_token_strs asks for {len(ids)} token strings",
                              "max_token_strs", limit)
-            convert = getattr(self.engine, "convert_ids_to_tokens", None)
-            body["token_strs"] = (await convert(ids) if convert is not None
-                                  else self.engine.tokenizer.convert_ids_to_tokens(ids))
+            body["token_strs"] = await self.engine.convert_ids_to_tokens(ids)
         return ORJSONResponse(body)
 
     async def detokenize(self, request: Request) -> Response:
@@ -86,10 +84,9 @@ class InfoRoutes:
 
     async def health(self, request: Request) -> Response:
         """``{"status": "ok" | "restarting" | "dead"}``, 200 only when ok (what balancers route on)."""
-        status = getattr(self.engine, "health_status", None)  # an engine without restarts: is_healthy
-        state = status() if status is not None else ("ok" if self.engine.is_healthy() else "dead")
-        replicas = getattr(self.engine, "replica_states", None)  # data parallel: ok while any is
-        extra = {"replicas": replicas()} if replicas is not None else {}
+        state = self.engine.health_status()
+        replicas = self.engine.replica_states()  # data parallel: ok while any replica is
+        extra = {"replicas": replicas} if replicas is not None else {}
         if state == "ok":
             return ORJSONResponse({"status": "ok", **extra})
         err = (APIError.overloaded("The engine is restarting its workers; retry shortly.")
@@ -104,17 +101,17 @@ class InfoRoutes:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def openapi_route(engine: Any, name: str, api_key: str | None, max_body_bytes: int,
+def openapi_route(engine: EngineClient, name: str, api_key: str | None, max_body_bytes: int,
                   trust_request_chat_template: bool = False, limits: Any = None) -> Callable[[Request], Any]:
     """GET /openapi.json: the document is built once, from what this server enforces."""
     from app.openapi import build_openapi
 
     body = orjson.dumps(build_openapi(
         served_model_name=name, max_model_len=engine.max_model_len,
-        vocab_size=getattr(engine.tokenizer, "vocab_size", None), api_key=bool(api_key),
+        vocab_size=engine.tokenizer.vocab_size, api_key=bool(api_key),
         max_body_bytes=max_body_bytes, version=server_version(),
         trust_request_chat_template=trust_request_chat_template,
-        embedding_size=getattr(engine, "embedding_size", None), limits=limits))
+        embedding_size=engine.embedding_size, limits=limits))
 
     async def openapi(request: Request) -> Response:
         return Response(body, media_type="application/json")

@@ -21,8 +21,7 @@ class LogprobFormat:
         cache = self.__dict__.setdefault("_token_bytes_cache", {})
         out = cache.get(token_id)
         if out is None:
-            raw = getattr(self.engine.tokenizer, "token_bytes", None)
-            out = list(raw(token_id)) if raw is not None else list(self.token_text(token_id).encode("utf-8"))
+            out = list(self.engine.tokenizer.token_bytes(token_id))
             if len(cache) < _MAX_CACHED:
                 cache[token_id] = out
         return out

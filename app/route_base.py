@@ -12,6 +12,7 @@ from app.admission import AdmissionLimits, check_body
 from app.errors import APIError
 from app.metrics import ServerMetrics
 from app.prompt_options import fit_text
+from engine.client import EngineClient
 
 
 class RouteBase:
@@ -21,7 +22,7 @@ class RouteBase:
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered
     limits: AdmissionLimits = AdmissionLimits()  # per-request bounds (app/admission.py)
 
-    def __init__(self, engine: Any, served_model_name: str, max_body_bytes: int,
+    def __init__(self, engine: EngineClient, served_model_name: str, max_body_bytes: int,
                  metrics: ServerMetrics) -> None:
         self.engine = engine
         self.model_name = served_model_name
@@ -69,14 +70,13 @@ class RouteBase:
                                         "--max-tokenize-body-bytes")
         else:
             data = await self.read_json(request)
-        check_body(kind, data, self.limits, getattr(self.engine.tokenizer, "vocab_size", None),
-                   self.engine.max_model_len)
+        check_body(kind, data, self.limits, self.engine.tokenizer.vocab_size, self.engine.max_model_len)
         return data
 
     def fit_text(self, text: str, param: str, keep: int | None = None, which: str = "the prompt") -> str:
         """A text prompt bounded before it is tokenized (app/prompt_options.fit_text): a 400 when
         it cannot fit the context, its end only when ``keep`` (truncate_prompt_tokens) is set."""
-        return fit_text(text, param, getattr(self.engine.tokenizer, "max_token_chars", None),
+        return fit_text(text, param, self.engine.tokenizer.max_token_chars,
                         self.engine.max_model_len, keep, which)
 
     def check_model(self, model: str | None) -> None:
@@ -110,16 +110,12 @@ class RouteBase:
         return room if default is None else min(default, room)
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
-        vocab = getattr(self.engine.tokenizer, "vocab_size", None)
+        vocab = self.engine.tokenizer.vocab_size
         for t in ids:
-            if t < 0 or (vocab is not None and t >= vocab):
-                raise APIError.bad_request(f"token id {t} is out of range: ids must be in [0, {vocab})"
-                                           if vocab is not None else f"token id {t} is negative",
+            if t < 0 or t >= vocab:
+                raise APIError.bad_request(f"token id {t} is out of range: ids must be in [0, {vocab})",
                                            param=param)
         return ids
 
     async def decode(self, ids: list[int]) -> str:
-        decode = getattr(self.engine, "decode", None)  # off the loop when the engine offers it
-        if decode is not None:
-            return await decode(ids, skip_special_tokens=False)
-        return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
+        return await self.engine.decode(ids, skip_special_tokens=False)  # off the loop

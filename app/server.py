@@ -30,9 +30,12 @@ from app.fanout import (  # noqa: F401  (re-exported)
 from app.info_routes import InfoRoutes, openapi_route
 from app.logprob_format import LogprobFormat
 from app.metrics import HTTPErrorCounter, ServerMetrics
+from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
 from app.responses import ORJSONResponse, error_response  # noqa: F401  (re-exported)
 from app.route_base import RouteBase
+from engine.client import EngineClient
+from engine.replicas import ReplicatedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(to_api_error(exc))
 
 
-def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
               sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
               tool_config: Any = None, limits: Any = None) -> Starlette:
@@ -87,7 +90,8 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
     ``limits``: app.admission.AdmissionLimits, what one request may ask for (default: the flags'
     defaults)."""
     name = served_model_name or engine.model_name
-    metrics = ServerMetrics(engine, name)
+    per_replica = ReplicaStatsCollector(engine, name) if isinstance(engine, ReplicatedEngine) else None
+    metrics = ServerMetrics(engine, name, per_replica)
     s = OpenAIServer(engine, name, max_body_bytes, metrics)
     s.sse_ping_interval = sse_ping_interval
     s.trust_request_chat_template = trust_request_chat_template

@@ -28,12 +28,12 @@ class FakeTokenizer:
     max_token_chars = None  # no bound on a text prompt's length before it is tokenized
     _special_text = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
 
-    def token_bytes(self, tid: int, skip_special_tokens: bool = True) -> bytes:
-        if tid in self._special_text:
-            return b"" if skip_special_tokens else self._special_text[tid].encode()
-        if BYTE0 <= tid < WORD0:
-            return bytes([tid - BYTE0])
-        return WORDS[tid - WORD0].encode()
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        if token_id in self._special_text:
+            return b"" if skip_special_tokens else self._special_text[token_id].encode()
+        if BYTE0 <= token_id < WORD0:
+            return bytes([token_id - BYTE0])
+        return WORDS[token_id - WORD0].encode()
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         self.decode_calls = getattr(self, "decode_calls", 0) + 1
