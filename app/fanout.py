@@ -16,7 +16,9 @@ from starlette.requests import Request
 
 from app.beam_requests import BEAM_KEY, BeamSplit, BeamView
 from app.errors import APIError
-from app.metrics import RequestTracker
+from app.metrics import RequestTracker, ServerMetrics
+from engine.client import EngineClient
+from engine.sampling_params import SamplingParams
 from app.streaming import close_all, merge_async_iterators
 
 
@@ -47,11 +49,16 @@ class Choice:
 
 
 class ChoiceFanOut:
-    """Mixin of OpenAIServer (needs ``engine``, ``metrics``, ``_sampling_params_cls``): build the
-    choices of a request, submit them, drive their streams, count usage."""
+    """Build the choices of a request, submit them to the engine, drive their streams, count
+    usage (shared by the completions and chat routes; the embeddings route borrows
+    ``until_disconnect``)."""
 
-    def build_params(self, kwargs: dict[str, Any]) -> Any:
-        return self._sampling_params_cls(**kwargs)
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    def build_params(self, kwargs: dict[str, Any]) -> SamplingParams:
+        return SamplingParams(**kwargs)
 
     def make_choices(self, request_id: str, prompts: list[tuple[str | None, list[int]]], n: int,
                      base_kwargs: dict[str, Any], max_tokens: list[int], seed: int | None,

@@ -9,16 +9,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.client import EngineClient
+
 _MAX_CACHED = 500_000
 
 
 class LogprobFormat:
-    """Mixin of OpenAIServer (needs ``engine`` and ``token_text`` from RouteBase)."""
+    """Token labels and bytes for the logprobs of every generating route, cached per token id
+    (the engine's tokenizer is read when first needed: it is set once the engine has started)."""
 
-    _token_bytes_cache: dict[int, list[int]]
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self._token_text_cache: dict[int, str] = {}
+        self._token_bytes_cache: dict[int, list[int]] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text_cache) < _MAX_CACHED:
+                self._token_text_cache[token_id] = text
+        return text
 
     def token_bytes(self, token_id: int) -> list[int]:
-        cache = self.__dict__.setdefault("_token_bytes_cache", {})
+        cache = self._token_bytes_cache
         out = cache.get(token_id)
         if out is None:
             out = list(self.engine.tokenizer.token_bytes(token_id))

@@ -1,8 +1,7 @@
-"""State and request checks every route of OpenAIServer shares: the body reader with its size
-limit, the model-name check, context-length arithmetic, token-id range checks and token text."""
+"""The request checks every route family shares: the body reader with its size limit, the
+model-name check, context-length arithmetic and token-id range checks."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
@@ -10,29 +9,20 @@ from starlette.requests import Request
 
 from app.admission import AdmissionLimits, check_body
 from app.errors import APIError
-from app.metrics import ServerMetrics
 from app.prompt_options import fit_text
 from engine.client import EngineClient
 
 
-class RouteBase:
-    """Base of OpenAIServer: the engine, the served name, the metrics, and the checks above."""
-
-    sse_ping_interval: float = 0.0  # seconds between SSE comment pings; 0 = none
-    trust_request_chat_template: bool = False  # a request's own chat_template is rendered
-    limits: AdmissionLimits = AdmissionLimits()  # per-request bounds (app/admission.py)
+class RequestChecks:
+    """What a request may be, against this engine, the served name and the admission bounds
+    (``limits``, app/admission.py)."""
 
     def __init__(self, engine: EngineClient, served_model_name: str, max_body_bytes: int,
-                 metrics: ServerMetrics) -> None:
+                 limits: AdmissionLimits) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.max_body_bytes = max_body_bytes
-        self.metrics = metrics
-        self.created = int(time.time())
-        self._token_text_cache: dict[int, str] = {}
-        from engine.sampling_params import SamplingParams
-
-        self._sampling_params_cls = SamplingParams
+        self.limits = limits
 
     async def read_json(self, request: Request, limit: int | None = None,
                         flag: str = "--max-body-bytes") -> Any:
@@ -83,14 +73,6 @@ class RouteBase:
         if model is not None and model != self.model_name:
             raise APIError.model_not_found(model)
 
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_text_cache) < 500_000:
-                self._token_text_cache[token_id] = text
-        return text
-
     def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None) -> int:
         ctx = self.engine.max_model_len
         if prompt_len >= ctx:
@@ -116,6 +98,3 @@ class RouteBase:
                 raise APIError.bad_request(f"token id {t} is out of range: ids must be in [0, {vocab})",
                                            param=param)
         return ids
-
-    async def decode(self, ids: list[int]) -> str:
-        return await self.engine.decode(ids, skip_special_tokens=False)  # off the loop
