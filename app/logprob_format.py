@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.fanout import logprob_value
 from engine.client import EngineClient
+from engine.outputs import Logprob
 
 _MAX_CACHED = 500_000
 
@@ -55,9 +57,9 @@ class LogprobFormat:
             if entry is None:
                 out.append(None)
                 continue
-            ranked = sorted(entry.items(), key=lambda kv: -float(getattr(kv[1], "logprob", kv[1])))
+            ranked = sorted(entry.items(), key=lambda kv: -logprob_value(kv[1]))
             keep = {t for t, _ in ranked[:k]} | {tid}
-            out.append({str(t): {"logprob": float(getattr(v, "logprob", v)), "rank": getattr(v, "rank", None),
+            out.append({str(t): {"logprob": logprob_value(v), "rank": v.rank if isinstance(v, Logprob) else None,
                                  "decoded_token": self.logprob_token(int(t), as_id)}
                         for t, v in ranked if t in keep})
         return out

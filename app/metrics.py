@@ -216,11 +216,9 @@ class RequestTracker:
         self.num_tokens += num_new_tokens
 
     def _observe_queue(self, output: Any) -> None:
-        metrics = getattr(output, "metrics", None)
-        arrival = getattr(metrics, "arrival_time", None)
-        scheduled = getattr(metrics, "first_scheduled_time", None)
-        if arrival is not None and scheduled is not None:
-            self.m.queue_time.observe(max(0.0, scheduled - arrival))
+        metrics = output.metrics
+        if metrics is not None and metrics.first_scheduled_time is not None:
+            self.m.queue_time.observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
             self.queue_observed = True
 
     def finish(self, finish_reason: str | None, error_reason: str = "internal_error") -> None:

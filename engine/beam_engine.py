@@ -94,7 +94,7 @@ def add_beam_request(core: BeamHost, request_id: str, prompt: str | None, prompt
     if width > max_seqs:
         raise RequestRejectedError(f"beam_width {width} is more than the engine runs at once "
                                    f"(max_num_seqs {max_seqs}); lower it")
-    vocab = core.vocab_size or getattr(core.tokenizer, "vocab_size", None) or None
+    vocab = core.vocab_size or core.tokenizer.vocab_size or None
     stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(core.eos_token_ids))
     if vocab:  # an id that cannot occur must not change anything (issue 22)
         stop_ids = frozenset(t for t in stop_ids if t < vocab)

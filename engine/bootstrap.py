@@ -45,7 +45,7 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
     s = config.scheduler
     if s.max_num_batched_tokens < 1 or s.max_num_seqs < 1:
         raise ConfigError("--max-num-batched-tokens and --max-num-seqs must be at least 1")
-    if getattr(s, "preemption_mode", "recompute") not in ("recompute", "swap"):
+    if s.preemption_mode not in ("recompute", "swap"):
         raise ConfigError(f"--preemption-mode {s.preemption_mode!r}: choose recompute or swap")
     if not config.cache.swap_space_gib >= 0:  # also NaN
         raise ConfigError(f"--swap-space must be >= 0 GiB, got {config.cache.swap_space_gib}")

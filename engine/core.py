@@ -88,7 +88,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
                                           hash_seed=model_hash_seed(config.model),
                                           num_swap_blocks=_swap_blocks(config, executor))
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.eos_token_ids: set[int] = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids or [])
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count(1)

@@ -60,7 +60,7 @@ class Scheduler:
             raise ValueError(f"unknown scheduling policy {config.policy!r}: choose fcfs or priority")
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        mode = getattr(config, "preemption_mode", "recompute")
+        mode = config.preemption_mode
         if mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {mode!r}: choose recompute or swap")
         self.config = config
@@ -68,7 +68,7 @@ class Scheduler:
         self.preemption_mode = mode
         self.bm = block_manager
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.prompt_admit_tokens = max(0, getattr(config, "prompt_admit_tokens", 0) or 0)
+        self.prompt_admit_tokens = max(0, config.prompt_admit_tokens or 0)
         # Every running sequence needs at least one token of budget per step.
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting: list[Sequence] = []

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 def num_swap_blocks(config, bytes_per_block: int) -> int:
     """Host blocks for this worker: 0 unless swap mode; the fixed count, or the GiB budget."""
-    if getattr(config.scheduler, "preemption_mode", "recompute") != "swap":
+    if config.scheduler.preemption_mode != "swap":
         return 0
     cache = config.cache
     if cache.num_swap_blocks is not None:

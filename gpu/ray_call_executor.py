@@ -107,7 +107,7 @@ class RayCallExecutor(Executor):
         """The executor's failure for what a step's calls raised."""
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-        rank = getattr(exc, "_pagedserve_rank", "?")
+        rank = getattr(exc, "_pagedserve_rank", "?")  # optional: set where the failing call's rank is known
         if isinstance(exc, (GetTimeoutError, TimeoutError)):
             return self._fail(
                 f"no reply to step {sent.step_id} within {sent.timeout:g} s (--step-timeout): the Ray "

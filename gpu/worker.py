@@ -186,6 +186,7 @@ def worker_main(args: WorkerArgs) -> None:
         conn.close()
         teardown_torch(args)
         sys.exit(1)
+    # optional: a runner factory's runner (echo, test runners) need not keep a host swap pool
     conn.send(("ready", int(num_blocks), int(getattr(runner, "num_swap_blocks", 0))))
     code = 0
     try:

@@ -91,7 +91,7 @@ def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Modu
             hf_config = gguf_to_hf_config(path, reader)
         else:
             hf_config = load_hf_config(path)
-    quantization = resolve_quantization(getattr(model_config, "quantization", "auto"), device)
+    quantization = resolve_quantization(model_config.quantization, device)
     model = build_model(hf_config, device, dtype)
     packed = {}
     if fmt == "dummy":
