@@ -101,10 +101,11 @@ class ChatRoute:
     def chat_logprobs(self, entries: list, k: int, as_ids: bool | None = False) -> dict[str, list]:
         content = []
         for tid, lp, top in entries:
+            fmt = self.logprob_format
             content.append({
-                "token": self.logprob_format.logprob_token(tid, as_ids), "logprob": lp, "bytes": self.logprob_format.token_bytes(tid),
-                "top_logprobs": [{"token": self.logprob_format.logprob_token(t, as_ids), "logprob": v,
-                                  "bytes": self.logprob_format.token_bytes(t)} for t, v in top[:k]],
+                "token": fmt.logprob_token(tid, as_ids), "logprob": lp, "bytes": fmt.token_bytes(tid),
+                "top_logprobs": [{"token": fmt.logprob_token(t, as_ids), "logprob": v,
+                                  "bytes": fmt.token_bytes(t)} for t, v in top[:k]],
             })
         return {"content": content}
 
@@ -127,8 +128,8 @@ class ChatRoute:
                         "finish_reason": finish, "stop_reason": c.stop_reason})
         prompt_logprobs = None
         if req.prompt_logprobs is not None:  # one prompt: vLLM puts them beside the choices
-            prompt_logprobs = self.logprob_format.prompt_logprobs_body(choices[0].prompt_logprobs, choices[0].prompt_ids,
-                                                        req.prompt_logprobs, as_ids)
+            prompt_logprobs = self.logprob_format.prompt_logprobs_body(
+                choices[0].prompt_logprobs, choices[0].prompt_ids, req.prompt_logprobs, as_ids)
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": self.model_name, "choices": out, "usage": self.fanout.usage(choices),
                 "system_fingerprint": None, "prompt_logprobs": prompt_logprobs}
