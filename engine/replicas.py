@@ -1,8 +1,8 @@
 """Data-parallel replicas (--data-parallel-size N): N engines behind the AsyncEngine API.
 
 Each replica is a whole AsyncEngine: its own engine loop task (all on the server's one event
-loop), executor, worker processes and KV cache. ``ReplicatedEngine`` offers app/ the same
-methods as one AsyncEngine, so the HTTP side does not change; ``generate`` asks the policy
+loop), executor, worker processes and KV cache. ``ReplicatedEngine`` is an
+engine.client.EngineClient as one AsyncEngine is, so the HTTP side does not change; ``generate`` asks the policy
 (engine/dp_policy.py) which replica takes the request. The replicas share nothing but the event
 loop, so a dead replica fails only its own in-flight requests, and the router stops sending to
 it (a replica restarting its workers, --restart-workers, is skipped until it is back).
