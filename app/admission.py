@@ -79,7 +79,8 @@ class AdmissionLimits:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "AdmissionLimits":
-        return cls(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)})
+        """From serve's flags: ``add_arguments`` defines each field's (engine ones: app/engine_args.py)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def flag(name: str) -> str:
@@ -180,7 +181,7 @@ def width_of(req: Any) -> tuple[int, str]:
     """Sequences per prompt and the field that asks for them: n, or best_of when it is larger
     (the beam width with use_beam_search)."""
     n = req.n
-    best_of = getattr(req, "best_of", None)
+    best_of = req.best_of
     if best_of is not None and best_of > n:
         return best_of, "best_of"
     return n, "n"

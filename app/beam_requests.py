@@ -13,29 +13,35 @@ import dataclasses
 from typing import Any
 
 from app.errors import APIError
+from app.protocol import ChatCompletionRequest, CompletionRequest
 from app.streaming import close_quietly
 
 BEAM_KEY = "_beam"  # in the routes' sampling kwargs: the BeamSearchParams fields
 
 
-def beam_kwargs(req: Any) -> dict[str, Any]:
+def beam_kwargs(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
     """{} without beam search; else {BEAM_KEY: fields} after refusing what it cannot serve."""
-    if not getattr(req, "use_beam_search", None):
+    chat = isinstance(req, ChatCompletionRequest)
+    if not req.use_beam_search:
         return {}
     if req.stream:
         raise APIError.bad_request("use_beam_search is not available with stream: true (beam search "
                                    "answers once, at the end); set stream to false", param="stream")
     refused = {
-        "logprobs": bool(getattr(req, "logprobs", None)) or getattr(req, "top_logprobs", None) is not None,
+        "logprobs": bool(req.logprobs) or (chat and req.top_logprobs is not None),
         "prompt_logprobs": req.prompt_logprobs is not None,
         "stop": bool(req.stop),
         "min_tokens": bool(req.min_tokens),
         "logit_bias": bool(req.logit_bias),
-        "echo": bool(getattr(req, "echo", False)),
-        "tools": bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) not in (None, "none"),
+        "echo": req.echo,
+        "tools": chat and bool(req.tools) and req.tool_choice not in (None, "none"),
+        "top_p": req.top_p is not None,
+        "top_k": req.top_k is not None,
+        "min_p": req.min_p is not None,
+        "presence_penalty": req.presence_penalty is not None,
+        "frequency_penalty": req.frequency_penalty is not None,
+        "repetition_penalty": req.repetition_penalty is not None,
     }
-    for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        refused[name] = getattr(req, name, None) is not None
     if req.constraint_kwargs():
         refused[req.constraint_param() or "structured_outputs"] = True
     for name, bad in refused.items():

@@ -53,7 +53,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    if not hasattr(args, "_module"):
+    if not hasattr(args, "_module"):  # optional: argparse sets it only when a subcommand was given
         build_parser(argv).parse_args(argv + ["--help"])
         return 2
     result = importlib.import_module(args._module).run(args)

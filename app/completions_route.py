@@ -13,13 +13,16 @@ from starlette.responses import Response
 from app.admission import check_choices, check_commitment
 from app.beam_requests import beam_kwargs
 from app.errors import APIError
-from app.fanout import Choice, ClientDisconnected, end_unfinished, normalize_logprob
+from app.fanout import Choice, ChoiceFanOut, ClientDisconnected, end_unfinished, normalize_logprob
+from app.logprob_format import LogprobFormat
 from app.prompt_options import check_truncate, truncate_prompt
 from app.protocol import CompletionRequest, parse
+from app.request_checks import RequestChecks
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
 from app.streaming import sse_response
 from app.structured_args import check_constraint
+from engine.client import EngineClient
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -30,7 +33,17 @@ def num_prompts(prompt: Any) -> int:
 
 
 class CompletionsRoute:
-    """Mixin of OpenAIServer (with RouteBase and ChoiceFanOut)."""
+    """POST /v1/completions over its collaborators: the request checks, the fan-out of choices
+    and the logprob format."""
+
+    def __init__(self, engine: EngineClient, served_model_name: str, checks: RequestChecks,
+                 fanout: ChoiceFanOut, logprob_format: LogprobFormat, sse_ping_interval: float = 0.0) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.checks = checks
+        self.fanout = fanout
+        self.logprob_format = logprob_format
+        self.sse_ping_interval = sse_ping_interval  # seconds between SSE comment pings; 0 = none
 
     async def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         prompt = req.prompt
@@ -39,11 +52,11 @@ class CompletionsRoute:
         elif isinstance(prompt[0], str):
             texts = list(prompt)
         elif isinstance(prompt[0], int):
-            return [(None, self.check_ids(list(prompt), "prompt"))]
+            return [(None, self.checks.check_ids(list(prompt), "prompt"))]
         else:
-            return [(None, self.check_ids(list(p), "prompt")) for p in prompt]
+            return [(None, self.checks.check_ids(list(p), "prompt")) for p in prompt]
         # Every text bounded before any is tokenized (a text cut to its end shows no echo text).
-        fitted = [self.fit_text(t, "prompt", req.truncate_prompt_tokens,
+        fitted = [self.checks.fit_text(t, "prompt", req.truncate_prompt_tokens,
                                 "the prompt" if len(texts) == 1 else f"prompt {i}") for i, t in enumerate(texts)]
         ids = await asyncio.gather(*(self.engine.encode(t, add_special_tokens=req.add_special_tokens)
                                      for t in fitted))
@@ -53,18 +66,18 @@ class CompletionsRoute:
         return [(text if cut is text else None, list(t)) for text, cut, t in zip(texts, fitted, ids)]
 
     async def completions(self, request: Request) -> Response:
-        req = parse(CompletionRequest, await self.read_admitted(request, "completions"))
+        req = parse(CompletionRequest, await self.checks.read_admitted(request, "completions"))
         req.check_supported()
         check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
-        check_choices(req, num_prompts(req.prompt), self.limits)  # before a prompt is tokenized
+        check_choices(req, num_prompts(req.prompt), self.checks.limits)  # before a prompt is tokenized
         prompts = await self.completion_prompts(req)
         if req.truncate_prompt_tokens is not None:  # echo then shows what the model read
             prompts = [(text if len(ids) <= req.truncate_prompt_tokens else None,
                         truncate_prompt(ids, req.truncate_prompt_tokens)) for text, ids in prompts]
-        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
-        max_tokens = [self.max_tokens_for(len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        max_tokens = [self.checks.max_tokens_for(len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
                       for _, ids in prompts]
-        check_commitment(req, [len(ids) for _, ids in prompts], max_tokens, self.limits)
+        check_commitment(req, [len(ids) for _, ids in prompts], max_tokens, self.checks.limits)
         kw = req.sampling_kwargs()
         kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if req.logprobs is not None:
@@ -75,26 +88,26 @@ class CompletionsRoute:
             kw["prompt_logprobs"] = max(req.prompt_logprobs, kw.get("prompt_logprobs") or 0)
         request_id, engine_id = response_and_engine_ids(request, "cmpl", req.request_id)
         # A stream echoes each choice's prompt logprobs with its first chunk: each asks for them.
-        choices = self.make_choices(engine_id, prompts, req.n, kw, max_tokens, req.seed,
+        choices = self.fanout.make_choices(engine_id, prompts, req.n, kw, max_tokens, req.seed,
                                     share_prompt_logprobs=not req.stream)
         if req.echo:
             await self.fill_prompt_texts(choices)
         created = int(time.time())
         # Submitted before the response starts, so a refusal (overloaded, dead) is a real status.
         await check_constraint(self.engine, choices[0].params, req.constraint_param())
-        streams = await self.start(choices, req.priority, req.cache_salt)
+        streams = await self.fanout.start(choices, req.priority, req.cache_salt)
         if req.stream:
             return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams,
                                 on_close=lambda: end_unfinished(choices, ClientDisconnected()),
                                 ping_interval=self.sse_ping_interval)
-        body = await self.until_disconnect(
+        body = await self.fanout.until_disconnect(
             request, self.completion_full(req, choices, streams, request_id, created), streams, choices)
         return ORJSONResponse(body)
 
     async def fill_prompt_texts(self, choices: list[Choice]) -> None:
         for c in choices:
             if c.prompt_text is None:
-                c.prompt_text = await self.decode(c.prompt_ids)
+                c.prompt_text = await self.engine.decode(c.prompt_ids, skip_special_tokens=False)
 
     def completion_logprobs(self, c: Choice, entries: list, with_prompt: bool,
                             k: int, as_ids: bool | None = False) -> dict[str, list]:
@@ -107,8 +120,8 @@ class CompletionsRoute:
             prompt_lps = list(c.prompt_logprobs or [])
             for pos, tid in enumerate(c.prompt_ids):
                 entry = prompt_lps[pos] if pos < len(prompt_lps) else None
-                s = self.token_text(tid)
-                tokens.append(self.logprob_token(tid, as_ids))
+                s = self.logprob_format.token_text(tid)
+                tokens.append(self.logprob_format.logprob_token(tid, as_ids))
                 offsets.append(offset)
                 offset += len(s)
                 if entry is None:
@@ -119,8 +132,8 @@ class CompletionsRoute:
                     token_logprobs.append(lp)
                     top_logprobs.append(self.top_dict(tid, lp, top, k, as_ids))
         for tid, lp, top in entries:
-            s = self.token_text(tid)
-            tokens.append(self.logprob_token(tid, as_ids))
+            s = self.logprob_format.token_text(tid)
+            tokens.append(self.logprob_format.logprob_token(tid, as_ids))
             offsets.append(offset)
             offset += len(s)
             token_logprobs.append(lp)
@@ -132,16 +145,16 @@ class CompletionsRoute:
     def top_dict(self, tid: int, lp: float, top: list[tuple[int, float]], k: int,
                  as_ids: bool | None = False) -> dict[str, float]:
         # As OpenAI/vLLM: the k most likely tokens, plus the sampled one.
-        out = {self.logprob_token(t, as_ids): v for t, v in top[:k]}
-        out.setdefault(self.logprob_token(tid, as_ids), lp)
+        out = {self.logprob_format.logprob_token(t, as_ids): v for t, v in top[:k]}
+        out.setdefault(self.logprob_format.logprob_token(tid, as_ids), lp)
         return out
 
     async def completion_full(self, req: CompletionRequest, choices: list[Choice], streams: list[Any],
                               request_id: str, created: int) -> dict[str, Any]:
-        async for c, comp, new_ids in self.run(choices, streams):
+        async for c, comp, new_ids in self.fanout.run(choices, streams):
             if req.logprobs is not None:
-                c.logprobs.extend(self.new_logprobs(comp, new_ids))
-        self.share_prompt_logprobs(choices, req.n)
+                c.logprobs.extend(self.fanout.new_logprobs(comp, new_ids))
+        self.fanout.share_prompt_logprobs(choices, req.n)
         out = []
         for c in choices:
             text = "".join(c.text)
@@ -154,18 +167,18 @@ class CompletionsRoute:
             choice = {"index": c.index, "text": text, "logprobs": logprobs,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = self.prompt_logprobs_body(
+                choice["prompt_logprobs"] = self.logprob_format.prompt_logprobs_body(
                     c.prompt_logprobs, c.prompt_ids, req.prompt_logprobs, req.return_tokens_as_token_ids)
             out.append(choice)
         return {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": out, "usage": self.usage(choices),
+                "model": self.model_name, "choices": out, "usage": self.fanout.usage(choices),
                 "system_fingerprint": None}
 
     async def completion_stream(self, req: CompletionRequest, choices: list[Choice],
                                 streams: list[Any], request_id: str, created: int) -> AsyncIterator[dict[str, Any]]:
         usage_field = {"usage": None} if req.include_usage else {}
         echoed: set[int] = set()
-        async for c, comp, new_ids in self.run(choices, streams):
+        async for c, comp, new_ids in self.fanout.run(choices, streams):
             text = comp.text
             with_prompt = False
             if req.echo and c.index not in echoed:
@@ -174,7 +187,7 @@ class CompletionsRoute:
                 with_prompt = True
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self.completion_logprobs(c, self.new_logprobs(comp, new_ids), with_prompt,
+                logprobs = self.completion_logprobs(c, self.fanout.new_logprobs(comp, new_ids), with_prompt,
                                                     req.logprobs, req.return_tokens_as_token_ids)
             if not text and not new_ids and c.finish_reason is None:
                 continue
@@ -185,4 +198,4 @@ class CompletionsRoute:
                    **usage_field}
         if req.include_usage:
             yield {"id": request_id, "object": "text_completion", "created": created,
-                   "model": self.model_name, "choices": [], "usage": self.usage(choices)}
+                   "model": self.model_name, "choices": [], "usage": self.fanout.usage(choices)}

@@ -20,10 +20,14 @@ from starlette.responses import Response
 
 from app.embeddings_protocol import EmbeddingRequest, ScoreRequest
 from app.errors import APIError
+from app.fanout import ChoiceFanOut
+from app.metrics import ServerMetrics
 from app.protocol import parse
+from app.request_checks import RequestChecks
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
 from app.streaming import close_all, merge_async_iterators
+from engine.client import EngineClient
 
 Inputs = list[tuple[str | None, list[int]]]  # (text or None, token ids) per input
 
@@ -44,12 +48,21 @@ def encode_vector(data: bytes, encoding_format: str) -> list[float] | str:
 
 
 class EmbeddingsRoute:
-    """Mixin of OpenAIServer (with RouteBase and ChoiceFanOut)."""
+    """POST /v1/embeddings and /v1/score over the request checks; a client that leaves aborts
+    its pooling requests as it aborts generation (``fanout.until_disconnect``)."""
+
+    def __init__(self, engine: EngineClient, served_model_name: str, checks: RequestChecks,
+                 fanout: ChoiceFanOut, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.checks = checks
+        self.fanout = fanout
+        self.metrics = metrics
 
     async def embeddings(self, request: Request) -> Response:
-        req = parse(EmbeddingRequest, await self.read_admitted(request, "embeddings"))
+        req = parse(EmbeddingRequest, await self.checks.read_admitted(request, "embeddings"))
         inputs = await self.pooling_inputs(req.input, req.add_special_tokens, "input")
-        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         params = self.pooling_params(req.pooling_type, req.normalize, req.dimensions)
         request_id, engine_id = response_and_engine_ids(request, "embd", req.request_id)
         outs = await self.pool_all(request, inputs, params, engine_id, req.priority, req.cache_salt)
@@ -64,7 +77,7 @@ class EmbeddingsRoute:
         from engine.pooling_outputs import cosine
         from engine.scoring import score_pairs
 
-        req = parse(ScoreRequest, await self.read_json(request))
+        req = parse(ScoreRequest, await self.checks.read_json(request))
         first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
         second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
         try:
@@ -73,7 +86,7 @@ class EmbeddingsRoute:
             raise APIError.bad_request(str(e), param="text_2") from None
         inputs = (await self.pooling_inputs(first, req.add_special_tokens, "text_1")
                   + await self.pooling_inputs(second, req.add_special_tokens, "text_2"))
-        self.check_model(req.model)
+        self.checks.check_model(req.model)
         params = self.pooling_params(req.pooling_type, None, None)
         request_id, engine_id = response_and_engine_ids(request, "score", req.request_id)
         outs = await self.pool_all(request, inputs, params, engine_id, req.priority, req.cache_salt)
@@ -98,12 +111,12 @@ class EmbeddingsRoute:
         if isinstance(value, str):
             value = [value]
         if isinstance(value[0], int):
-            inputs: Inputs = [(None, self.check_ids(list(value), param))]
+            inputs: Inputs = [(None, self.checks.check_ids(list(value), param))]
         elif isinstance(value[0], list):
-            inputs = [(None, self.check_ids(list(ids), param)) for ids in value]
+            inputs = [(None, self.checks.check_ids(list(ids), param)) for ids in value]
         else:
             for i, t in enumerate(value):  # each text bounded before any is tokenized
-                self.fit_text(t, param, None, "the input" if len(value) == 1 else f"input {i}")
+                self.checks.fit_text(t, param, None, "the input" if len(value) == 1 else f"input {i}")
             ids = await asyncio.gather(*(self.engine.encode(t, add_special_tokens=add_special_tokens)
                                          for t in value))
             inputs = [(t, list(i)) for t, i in zip(value, ids)]
@@ -134,7 +147,7 @@ class EmbeddingsRoute:
             self.metrics.refused(e)
             raise
         self.metrics.prompt_tokens.inc(sum(len(ids) for _, ids in inputs))
-        return await self.until_disconnect(request, self._pooled_outputs(streams), streams)
+        return await self.fanout.until_disconnect(request, self._pooled_outputs(streams), streams)
 
     async def _pooled_outputs(self, streams: list[Any]) -> list[Any]:
         results: list[Any] = [None] * len(streams)

@@ -70,7 +70,7 @@ class APIError(Exception):
 
 def to_api_error(exc: BaseException) -> APIError:
     """Map any exception to the error the client sees; unexpected ones are logged with their trace."""
-    from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
+    from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError, SamplingParamsError
 
     if isinstance(exc, APIError):
         return exc
@@ -79,16 +79,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError.engine_dead(str(exc) or "The engine has stopped.")
     if isinstance(exc, RequestRejectedError):
-        return APIError.bad_request(str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
-    if _is_sampling_params_error(exc):
-        return APIError.bad_request(str(exc), param=getattr(exc, "param", None))
+        return APIError.bad_request(str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, SamplingParamsError):
+        return APIError.bad_request(str(exc), param=exc.param)
     logger.error("unexpected error while serving a request", exc_info=exc)
     return APIError.internal()
-
-
-def _is_sampling_params_error(exc: BaseException) -> bool:
-    try:
-        from engine.sampling_params import SamplingParamsError
-    except ImportError:  # pragma: no cover - only while the engine room is being built
-        return False
-    return isinstance(exc, SamplingParamsError)

@@ -58,7 +58,8 @@ class ExtraFields(_Fields):
     kv_transfer_params: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
     vllm_xargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
 
-    def check_extra_fields(self) -> None:
+    def check_extra_fields(self, stream: bool) -> None:
+        """``stream``: the request's own (declared beside these fields, in app.protocol)."""
         refused = {
             "logits_processors": (bool(self.logits_processors), "logits_processors are not supported"),
             "kv_transfer_params": (self.kv_transfer_params is not None,
@@ -68,7 +69,7 @@ class ExtraFields(_Fields):
         for name, (bad, message) in refused.items():
             if bad:
                 raise APIError.unsupported(name, message)
-        if self.prompt_logprobs is not None and getattr(self, "stream", False):
+        if self.prompt_logprobs is not None and stream:
             raise APIError.bad_request("prompt_logprobs are not available when stream is true",
                                        param="prompt_logprobs")
 
@@ -77,8 +78,8 @@ class CompletionExtraFields(ExtraFields):
     add_special_tokens: bool = True  # BOS etc. around a text prompt
     prompt_embeds: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
 
-    def check_extra_fields(self) -> None:
-        super().check_extra_fields()
+    def check_extra_fields(self, stream: bool) -> None:
+        super().check_extra_fields(stream)
         if self.prompt_embeds is not None:
             raise APIError.unsupported("prompt_embeds", "prompt_embeds are not supported")
 
@@ -106,8 +107,8 @@ class ChatExtraFields(ExtraFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    def check_extra_fields(self) -> None:
-        super().check_extra_fields()
+    def check_extra_fields(self, stream: bool) -> None:
+        super().check_extra_fields(stream)
         refused = {
             "mm_processor_kwargs": (bool(self.mm_processor_kwargs), "multimodal inputs are not supported"),
             "audio": (self.audio is not None, "audio output is not supported"),

@@ -16,7 +16,10 @@ from starlette.requests import Request
 
 from app.beam_requests import BEAM_KEY, BeamSplit, BeamView
 from app.errors import APIError
-from app.metrics import RequestTracker
+from app.metrics import RequestTracker, ServerMetrics
+from engine.client import EngineClient
+from engine.outputs import Logprob
+from engine.sampling_params import SamplingParams
 from app.streaming import close_all, merge_async_iterators
 
 
@@ -47,11 +50,16 @@ class Choice:
 
 
 class ChoiceFanOut:
-    """Mixin of OpenAIServer (needs ``engine``, ``metrics``, ``_sampling_params_cls``): build the
-    choices of a request, submit them, drive their streams, count usage."""
+    """Build the choices of a request, submit them to the engine, drive their streams, count
+    usage (shared by the completions and chat routes; the embeddings route borrows
+    ``until_disconnect``)."""
 
-    def build_params(self, kwargs: dict[str, Any]) -> Any:
-        return self._sampling_params_cls(**kwargs)
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    def build_params(self, kwargs: dict[str, Any]) -> SamplingParams:
+        return SamplingParams(**kwargs)
 
     def make_choices(self, request_id: str, prompts: list[tuple[str | None, list[int]]], n: int,
                      base_kwargs: dict[str, Any], max_tokens: list[int], seed: int | None,
@@ -80,7 +88,7 @@ class ChoiceFanOut:
                     # Choice i is seeded seed + i, as the engine seeds sequence i of an n > 1
                     # request: distinct choices, reproducible run to run.
                     kw["seed"] = (seed + i) % 2**63 if seed >= 0 else seed
-                if first is None or not hasattr(first, "sibling"):
+                if first is None:
                     params = first = self.build_params(kw)
                 else:  # its lists (stop, allowed_token_ids...) are not validated again per choice
                     params = first.sibling(max_tokens=kw["max_tokens"], seed=kw.get("seed"),
@@ -133,8 +141,7 @@ class ChoiceFanOut:
                         # the request's constraints admit no token, unless the engine names the
                         # cause (a grammar compile past --grammar-compile-timeout: its own code)
                         raise APIError.bad_request(out.error or "the request's constraints admit no token",
-                                                   code=getattr(out, "error_code", None)
-                                                   or "constraints_unsatisfiable")
+                                                   code=out.error_code or "constraints_unsatisfiable")
                     c.tracker.finish("error", "engine_error")
                     raise APIError(500, f"the engine failed this request: {out.error or 'unknown error'}",
                                    "server_error", None, "engine_error")
@@ -143,9 +150,9 @@ class ChoiceFanOut:
                     c.started = True
                     if c.sample_idx == 0:
                         self.metrics.prompt_tokens.inc(len(c.prompt_ids))
-                    if getattr(out, "prompt_logprobs", None) is not None:
+                    if out.prompt_logprobs is not None:
                         c.prompt_logprobs = out.prompt_logprobs
-                c.tracker.on_output(out, len(new_ids), getattr(comp, "token_times", None))
+                c.tracker.on_output(out, len(new_ids), comp.token_times)
                 if new_ids:
                     self.metrics.generation_tokens.inc(len(new_ids))
                 c.text.append(comp.text)
@@ -161,7 +168,7 @@ class ChoiceFanOut:
 
     def new_logprobs(self, comp: Any, new_ids: list[int]) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """Normalize the engine's per-token logprobs to (token id, logprob, top [(id, logprob)])."""
-        raw = getattr(comp, "logprobs", None)
+        raw = comp.logprobs
         if not raw:
             return []
         return [normalize_logprob(entry, tid) for entry, tid in zip(raw, new_ids)]
@@ -221,9 +228,9 @@ def end_unfinished(choices: Sequence[Choice], exc: BaseException) -> None:
 
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit, ClientDisconnected)):
         reason, cause = "abort", ""
-    elif isinstance(exc, EngineDeadError) or getattr(exc, "code", None) == "engine_dead":
+    elif isinstance(exc, EngineDeadError) or (isinstance(exc, APIError) and exc.code == "engine_dead"):
         reason, cause = "error", "engine_dead"
-    elif getattr(exc, "code", None) == "engine_error":
+    elif isinstance(exc, APIError) and exc.code == "engine_error":
         reason, cause = "error", "engine_error"
     else:
         reason, cause = "error", "internal_error"
@@ -232,11 +239,16 @@ def end_unfinished(choices: Sequence[Choice], exc: BaseException) -> None:
             c.tracker.finish(reason, cause)
 
 
+def logprob_value(v: Logprob | float) -> float:
+    """A logprob as the engine gives it (Logprob) or as vLLM's dict form may hold it (a float)."""
+    return float(v.logprob if isinstance(v, Logprob) else v)
+
+
 def normalize_logprob(entry: Any, token_id: int) -> tuple[int, float, list[tuple[int, float]]]:
     """One position's logprobs from the engine → (sampled id, its logprob, top [(id, logprob)] best
     first). Accepts vLLM's ``{token_id: Logprob | float}`` and the worker's SampledLogprobs form."""
     if isinstance(entry, dict):
-        pairs = [(int(tid), float(getattr(v, "logprob", v))) for tid, v in entry.items()]
+        pairs = [(int(tid), logprob_value(v)) for tid, v in entry.items()]
         ranked = sorted(pairs, key=lambda p: -p[1])
         chosen = dict(pairs).get(token_id)
         return token_id, (chosen if chosen is not None else float("nan")), ranked

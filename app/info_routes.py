@@ -2,6 +2,7 @@
 the OpenAPI document."""
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -11,11 +12,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.admission import refuse
+from app.admission import AdmissionLimits, refuse
+from app.chat_prompt import ChatPrompts
 from app.errors import APIError
 from app.prompt_options import chat_template_options
+from app.metrics import ServerMetrics
 from app.protocol import DetokenizeRequest, TokenizeRequest, parse
+from app.request_checks import RequestChecks
 from app.responses import ORJSONResponse
+from engine.client import EngineClient
 
 
 def server_version() -> str:
@@ -28,13 +33,23 @@ def server_version() -> str:
 
 
 class InfoRoutes:
-    """Mixin of OpenAIServer (with RouteBase and ChatRoute)."""
+    """The routes that do not generate, over the request checks, the chat prompts (/tokenize
+    with messages) and the metrics."""
+
+    def __init__(self, engine: EngineClient, served_model_name: str, checks: RequestChecks,
+                 prompts: ChatPrompts, metrics: ServerMetrics, trust_request_chat_template: bool = False) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.checks = checks
+        self.prompts = prompts
+        self.metrics = metrics
+        self.trust_request_chat_template = trust_request_chat_template
+        self.created = int(time.time())
 
     async def models(self, request: Request) -> Response:
         """vLLM's model card: ``root`` is the model the name serves, ``permission`` the fixed
         OpenAI-era permission object vLLM still sends."""
-        config = getattr(self.engine, "config", None)
-        root = getattr(getattr(config, "model", None), "model", None) or self.model_name
+        root = self.engine.config.model.model or self.model_name
         return ORJSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
             "owned_by": "pagedserve", "root": root, "parent": None,
@@ -48,48 +63,45 @@ class InfoRoutes:
         }]})
 
     async def tokenize(self, request: Request) -> Response:
-        req = parse(TokenizeRequest, await self.read_admitted(request, "tokenize"))
+        req = parse(TokenizeRequest, await self.checks.read_admitted(request, "tokenize"))
         req.check()
         options = chat_template_options(req, self.trust_request_chat_template)  # also refuses
         messages = tools = None
         if req.messages is not None:
-            messages, tools = self.template_messages(req.messages, [t.as_dict() for t in req.tools or []],
+            messages, tools = self.prompts.template_messages(req.messages, [t.as_dict() for t in req.tools or []],
                                                      options.get("chat_template"))
-        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         if messages is not None:
             if req.continue_final_message and req.add_generation_prompt:
                 raise APIError.bad_request("continue_final_message and add_generation_prompt cannot "
                                            "both be true", param="continue_final_message")
             # As chat: no special tokens beyond the template's unless asked (vLLM's default).
             special = req.add_special_tokens if "add_special_tokens" in req.model_fields_set else False
-            _, ids = await self.chat_prompt(messages, req.add_generation_prompt,
+            _, ids = await self.prompts.chat_prompt(messages, req.add_generation_prompt,
                                             req.continue_final_message, special, options, tools)
         else:
             ids = list(await self.engine.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         body = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
         if req.return_token_strs:  # off the loop where the engine can (up to max_token_strs ids)
-            limit = self.limits.max_token_strs
+            limit = self.checks.limits.max_token_strs
             if len(ids) > limit:
                 raise refuse("return_token_strs", f"return_token_strs asks for {len(ids)} token strings",
                              "max_token_strs", limit)
-            convert = getattr(self.engine, "convert_ids_to_tokens", None)
-            body["token_strs"] = (await convert(ids) if convert is not None
-                                  else self.engine.tokenizer.convert_ids_to_tokens(ids))
+            body["token_strs"] = await self.engine.convert_ids_to_tokens(ids)
         return ORJSONResponse(body)
 
     async def detokenize(self, request: Request) -> Response:
-        req = parse(DetokenizeRequest, await self.read_json(
-            request, self.limits.max_tokenize_body_bytes, "--max-tokenize-body-bytes"))
-        self.check_ids(req.tokens, "tokens")
-        self.check_model(req.model)  # after the body: what the schema refuses is a 400 first
-        return ORJSONResponse({"prompt": await self.decode(req.tokens)})
+        req = parse(DetokenizeRequest, await self.checks.read_json(
+            request, self.checks.limits.max_tokenize_body_bytes, "--max-tokenize-body-bytes"))
+        self.checks.check_ids(req.tokens, "tokens")
+        self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        return ORJSONResponse({"prompt": await self.engine.decode(req.tokens, skip_special_tokens=False)})
 
     async def health(self, request: Request) -> Response:
         """``{"status": "ok" | "restarting" | "dead"}``, 200 only when ok (what balancers route on)."""
-        status = getattr(self.engine, "health_status", None)  # an engine without restarts: is_healthy
-        state = status() if status is not None else ("ok" if self.engine.is_healthy() else "dead")
-        replicas = getattr(self.engine, "replica_states", None)  # data parallel: ok while any is
-        extra = {"replicas": replicas()} if replicas is not None else {}
+        state = self.engine.health_status()
+        replicas = self.engine.replica_states()  # data parallel: ok while any replica is
+        extra = {"replicas": replicas} if replicas is not None else {}
         if state == "ok":
             return ORJSONResponse({"status": "ok", **extra})
         err = (APIError.overloaded("The engine is restarting its workers; retry shortly.")
@@ -104,17 +116,18 @@ class InfoRoutes:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def openapi_route(engine: Any, name: str, api_key: str | None, max_body_bytes: int,
-                  trust_request_chat_template: bool = False, limits: Any = None) -> Callable[[Request], Any]:
+def openapi_route(engine: EngineClient, name: str, api_key: str | None, max_body_bytes: int,
+                  trust_request_chat_template: bool = False,
+                  limits: AdmissionLimits | None = None) -> Callable[[Request], Any]:
     """GET /openapi.json: the document is built once, from what this server enforces."""
     from app.openapi import build_openapi
 
     body = orjson.dumps(build_openapi(
         served_model_name=name, max_model_len=engine.max_model_len,
-        vocab_size=getattr(engine.tokenizer, "vocab_size", None), api_key=bool(api_key),
+        vocab_size=engine.tokenizer.vocab_size, api_key=bool(api_key),
         max_body_bytes=max_body_bytes, version=server_version(),
         trust_request_chat_template=trust_request_chat_template,
-        embedding_size=getattr(engine, "embedding_size", None), limits=limits))
+        embedding_size=engine.embedding_size, limits=limits))
 
     async def openapi(request: Request) -> Response:
         return Response(body, media_type="application/json")

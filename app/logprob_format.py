@@ -9,20 +9,35 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.fanout import logprob_value
+from engine.client import EngineClient
+from engine.outputs import Logprob
+
 _MAX_CACHED = 500_000
 
 
 class LogprobFormat:
-    """Mixin of OpenAIServer (needs ``engine`` and ``token_text`` from RouteBase)."""
+    """Token labels and bytes for the logprobs of every generating route, cached per token id
+    (the engine's tokenizer is read when first needed: it is set once the engine has started)."""
 
-    _token_bytes_cache: dict[int, list[int]]
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self._token_text_cache: dict[int, str] = {}
+        self._token_bytes_cache: dict[int, list[int]] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text_cache) < _MAX_CACHED:
+                self._token_text_cache[token_id] = text
+        return text
 
     def token_bytes(self, token_id: int) -> list[int]:
-        cache = self.__dict__.setdefault("_token_bytes_cache", {})
+        cache = self._token_bytes_cache
         out = cache.get(token_id)
         if out is None:
-            raw = getattr(self.engine.tokenizer, "token_bytes", None)
-            out = list(raw(token_id)) if raw is not None else list(self.token_text(token_id).encode("utf-8"))
+            out = list(self.engine.tokenizer.token_bytes(token_id))
             if len(cache) < _MAX_CACHED:
                 cache[token_id] = out
         return out
@@ -42,9 +57,9 @@ class LogprobFormat:
             if entry is None:
                 out.append(None)
                 continue
-            ranked = sorted(entry.items(), key=lambda kv: -float(getattr(kv[1], "logprob", kv[1])))
+            ranked = sorted(entry.items(), key=lambda kv: -logprob_value(kv[1]))
             keep = {t for t, _ in ranked[:k]} | {tid}
-            out.append({str(t): {"logprob": float(getattr(v, "logprob", v)), "rank": getattr(v, "rank", None),
+            out.append({str(t): {"logprob": logprob_value(v), "rank": v.rank if isinstance(v, Logprob) else None,
                                  "decoded_token": self.logprob_token(int(t), as_id)}
                         for t, v in ranked if t in keep})
         return out

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from engine.client import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
 class EngineStatsCollector:
     """Reads the engine's stats at each scrape: gauges now, counters cumulative since start."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -79,12 +82,10 @@ class EngineStatsCollector:
             yield c
         for name, doc, v in (
             ("engine_deaths", "Times the engine stopped on a failure it did not recover from "
-             "(a worker died or hung, the loop crashed).", getattr(self.engine, "num_deaths", None)),
+             "(a worker died or hung, the loop crashed).", self.engine.num_deaths),
             ("worker_restarts", "Times the worker pool was rebuilt after a failure "
-             "(--restart-workers).", getattr(s, "num_worker_restarts", None)),
+             "(--restart-workers).", s.num_worker_restarts),
         ):
-            if v is None:  # an engine that does not keep this count
-                continue
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric(value, float(v))
             yield c
@@ -111,7 +112,9 @@ class LoopLagCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, per_replica: Any = None) -> None:
+        """``per_replica``: the collector of each data-parallel replica's figures
+        (app.replica_metrics), for an engine with replicas."""
         disable_created_metrics()  # the *_created samples only add noise to every scrape
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -121,10 +124,8 @@ class ServerMetrics:
 
         self.loop_lag = LoopLagMonitor()  # started on the server's loop (serve, or the first request)
         self.registry.register(LoopLagCollector(self.loop_lag))
-        if hasattr(engine, "replica_stats"):  # data parallel: the same figures per replica
-            from app.replica_metrics import ReplicaStatsCollector
-
-            self.registry.register(ReplicaStatsCollector(engine, model_name))
+        if per_replica is not None:
+            self.registry.register(per_replica)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.",
                                      ["model_name"], registry=r).labels(model_name)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",
@@ -215,11 +216,9 @@ class RequestTracker:
         self.num_tokens += num_new_tokens
 
     def _observe_queue(self, output: Any) -> None:
-        metrics = getattr(output, "metrics", None)
-        arrival = getattr(metrics, "arrival_time", None)
-        scheduled = getattr(metrics, "first_scheduled_time", None)
-        if arrival is not None and scheduled is not None:
-            self.m.queue_time.observe(max(0.0, scheduled - arrival))
+        metrics = output.metrics
+        if metrics is not None and metrics.first_scheduled_time is not None:
+            self.m.queue_time.observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
             self.queue_observed = True
 
     def finish(self, finish_reason: str | None, error_reason: str = "internal_error") -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.errors import APIError
+from app.protocol import ChatCompletionRequest
 
 UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is "
                       "not set. Refused request with untrusted chat template.")
@@ -18,7 +19,7 @@ def chat_template_options(req: Any, trusted: bool) -> dict[str, Any]:
                                "continue_final_message": req.continue_final_message}
     if req.documents is not None:
         options["documents"] = req.documents
-    if getattr(req, "reasoning_effort", None) is not None:  # chat only
+    if isinstance(req, ChatCompletionRequest) and req.reasoning_effort is not None:  # chat only
         options["reasoning_effort"] = req.reasoning_effort
     options.update(req.chat_template_kwargs or {})
     if req.chat_template is not None:

@@ -138,12 +138,13 @@ class SamplingFields(StructuredFields, OpenAIModel):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
 
-    def check_common(self) -> None:
-        self.check_extra_fields()  # app/extra_fields.py
+    def check_common(self, use_beam_search: bool | None) -> None:
+        """``use_beam_search``: the request's own (an extra field, app/extra_fields.py)."""
+        self.check_extra_fields(self.stream)  # app/extra_fields.py
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise APIError.unsupported("stream_options.continuous_usage_stats",
                                        "continuous_usage_stats is not supported")
-        if self.best_of is not None and self.best_of != self.n and not getattr(self, "use_beam_search", None):
+        if self.best_of is not None and self.best_of != self.n and not use_beam_search:
             raise APIError.unsupported("best_of", "best_of different from n is not supported")
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options is only allowed when stream is true",
@@ -217,7 +218,7 @@ class CompletionRequest(SamplingFields, CompletionExtraFields):
                          "or a list of non-empty token-id lists")
 
     def check_supported(self) -> None:
-        self.check_common()
+        self.check_common(self.use_beam_search)
         if self.suffix:
             raise APIError.unsupported("suffix", "suffix is not supported")
 
@@ -283,7 +284,7 @@ class ChatCompletionRequest(SamplingFields, ChatExtraFields):
     function_call: Any = Field(default=None, json_schema_extra=_NONE_OR_NULL)
 
     def check_supported(self) -> None:
-        self.check_common()
+        self.check_common(self.use_beam_search)
         if self.functions:
             raise APIError.unsupported("functions", "functions are not supported (use tools)")
         if self.function_call not in (None, "none"):

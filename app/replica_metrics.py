@@ -12,11 +12,10 @@ a routing decision takes).
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from app.metrics import PREFIX
+from engine.replicas import ReplicatedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +33,9 @@ _COUNTERS = (
 
 
 class ReplicaStatsCollector:
-    """Reads engine.replicas.ReplicatedEngine at scrape time."""
+    """Reads engine.replicas.ReplicatedEngine at scrape time (app.server registers it for one)."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: ReplicatedEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -64,11 +63,11 @@ class ReplicaStatsCollector:
         yield family(GaugeMetricFamily, "up", "1 while the replica takes requests, else 0 (dead or "
                      "restarting its workers).", [1 if s == "ok" else 0 for s in states])
         for name, doc, attr in _GAUGES:
-            yield family(GaugeMetricFamily, name, doc, [getattr(s, attr, None) if s else None for s in stats])
+            yield family(GaugeMetricFamily, name, doc, [getattr(s, attr) if s else None for s in stats])
         for name, doc, attr in _COUNTERS:
-            yield family(CounterMetricFamily, name, doc, [getattr(s, attr, None) if s else None for s in stats])
+            yield family(CounterMetricFamily, name, doc, [getattr(s, attr) if s else None for s in stats])
         yield family(CounterMetricFamily, "engine_deaths", "Times the replica's engine stopped on a "
-                     "failure.", [getattr(r, "num_deaths", 0) for r in e.replicas])
+                     "failure.", [r.num_deaths for r in e.replicas])
         yield family(CounterMetricFamily, "requests_routed", "Requests the router sent to the replica.",
                      e.num_routed)
         yield family(CounterMetricFamily, "requests_prefix_routed", "Requests sent to the replica "

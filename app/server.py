@@ -1,9 +1,11 @@
 """Starlette app: the OpenAI-compatible routes in front of an AsyncEngine.
 
-OpenAIServer is assembled from one module per job: request checks (app.route_base), the fan-out
-of a request into one engine request per choice (app.fanout), the completions and chat routes
-(app.completions_route, app.chat_route) and the routes that do not generate (app.info_routes).
-This module builds the app: routes, error handling, middleware. Every error leaves as an
+One object per route family, each given its collaborators when it is built: the completions,
+chat and embeddings routes (app.completions_route, app.chat_route, app.embeddings_route) and the
+routes that do not generate (app.info_routes), over the request checks (app.request_checks), the
+fan-out of a request into one engine request per choice (app.fanout), the logprob format
+(app.logprob_format) and the chat prompts (app.chat_prompt). OpenAIServer holds them.
+This module builds them and the app: routes, error handling, middleware. Every error leaves as an
 OpenAI-format body; a stream that fails midway sends one error event, then ``[DONE]``.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -19,7 +22,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from app.admission import AdmissionLimits
 from app.auth import APIKeyMiddleware
+from app.chat_prompt import ChatPrompts
 from app.chat_route import ChatRoute
 from app.completions_route import COMPLETIONS_DEFAULT_MAX_TOKENS  # noqa: F401  (re-exported)
 from app.completions_route import CompletionsRoute
@@ -30,18 +35,49 @@ from app.fanout import (  # noqa: F401  (re-exported)
 from app.info_routes import InfoRoutes, openapi_route
 from app.logprob_format import LogprobFormat
 from app.metrics import HTTPErrorCounter, ServerMetrics
+from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
 from app.responses import ORJSONResponse, error_response  # noqa: F401  (re-exported)
-from app.route_base import RouteBase
+from app.request_checks import RequestChecks
+from app.tools.plan import ToolConfig
+from engine.client import EngineClient
+from engine.replicas import ReplicatedEngine
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-class OpenAIServer(RouteBase, ChoiceFanOut, LogprobFormat, CompletionsRoute, ChatRoute, EmbeddingsRoute,
-                   InfoRoutes):
-    """Every route's handler for one engine (``app.state.server``)."""
+@dataclass(frozen=True)
+class OpenAIServer:
+    """The route families of one engine and what they share (``app.state.server``)."""
+
+    checks: RequestChecks
+    fanout: ChoiceFanOut
+    logprob_format: LogprobFormat
+    prompts: ChatPrompts
+    completion: CompletionsRoute
+    chat: ChatRoute
+    embedding: EmbeddingsRoute
+    info: InfoRoutes
+
+
+def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: ServerMetrics, *,
+                 sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
+                 tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None) -> OpenAIServer:
+    """Each route family with its collaborators."""
+    checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits())
+    fanout = ChoiceFanOut(engine, metrics)
+    logprob_format = LogprobFormat(engine)
+    prompts = ChatPrompts(engine, checks)
+    return OpenAIServer(
+        checks=checks, fanout=fanout, logprob_format=logprob_format, prompts=prompts,
+        completion=CompletionsRoute(engine, name, checks, fanout, logprob_format, sse_ping_interval),
+        chat=ChatRoute(engine, name, checks, prompts, fanout, logprob_format,
+                       tool_config if tool_config is not None else ToolConfig(), sse_ping_interval,
+                       trust_request_chat_template),
+        embedding=EmbeddingsRoute(engine, name, checks, fanout, metrics),
+        info=InfoRoutes(engine, name, checks, prompts, metrics, trust_request_chat_template))
 
 
 def _wrap(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
@@ -76,10 +112,10 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(to_api_error(exc))
 
 
-def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
               sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-              tool_config: Any = None, limits: Any = None) -> Starlette:
+              tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
@@ -87,29 +123,26 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
     ``limits``: app.admission.AdmissionLimits, what one request may ask for (default: the flags'
     defaults)."""
     name = served_model_name or engine.model_name
-    metrics = ServerMetrics(engine, name)
-    s = OpenAIServer(engine, name, max_body_bytes, metrics)
-    s.sse_ping_interval = sse_ping_interval
-    s.trust_request_chat_template = trust_request_chat_template
-    if tool_config is not None:
-        s.tool_config = tool_config
-    if limits is not None:
-        s.limits = limits
+    per_replica = ReplicaStatsCollector(engine, name) if isinstance(engine, ReplicatedEngine) else None
+    metrics = ServerMetrics(engine, name, per_replica)
+    s = build_server(engine, name, max_body_bytes, metrics, sse_ping_interval=sse_ping_interval,
+                     trust_request_chat_template=trust_request_chat_template, tool_config=tool_config,
+                     limits=limits)
     routes = [
-        Route("/v1/completions", _wrap(s.completions), methods=["POST"]),
-        Route("/v1/chat/completions", _wrap(s.chat_completions), methods=["POST"]),
-        Route("/v1/embeddings", _wrap(s.embeddings), methods=["POST"]),
-        Route("/v1/score", _wrap(s.score), methods=["POST"]),
-        Route("/score", _wrap(s.score), methods=["POST"]),  # vLLM serves both paths
-        Route("/v1/models", _wrap(s.models), methods=["GET"]),
-        Route("/tokenize", _wrap(s.tokenize), methods=["POST"]),
-        Route("/detokenize", _wrap(s.detokenize), methods=["POST"]),
-        Route("/health", _wrap(s.health), methods=["GET"]),
-        Route("/ping", _wrap(s.health), methods=["GET", "POST"]),  # vLLM's (SageMaker) liveness
-        Route("/version", _wrap(s.version), methods=["GET"]),
-        Route("/metrics", _wrap(s.metrics_route), methods=["GET"]),
+        Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
+        Route("/v1/embeddings", _wrap(s.embedding.embeddings), methods=["POST"]),
+        Route("/v1/score", _wrap(s.embedding.score), methods=["POST"]),
+        Route("/score", _wrap(s.embedding.score), methods=["POST"]),  # vLLM serves both paths
+        Route("/v1/models", _wrap(s.info.models), methods=["GET"]),
+        Route("/tokenize", _wrap(s.info.tokenize), methods=["POST"]),
+        Route("/detokenize", _wrap(s.info.detokenize), methods=["POST"]),
+        Route("/health", _wrap(s.info.health), methods=["GET"]),
+        Route("/ping", _wrap(s.info.health), methods=["GET", "POST"]),  # vLLM's (SageMaker) liveness
+        Route("/version", _wrap(s.info.version), methods=["GET"]),
+        Route("/metrics", _wrap(s.info.metrics_route), methods=["GET"]),
         Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes,
-                                             trust_request_chat_template, s.limits), methods=["GET"]),
+                                             trust_request_chat_template, s.checks.limits), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})

@@ -31,7 +31,7 @@ def sse_event(payload: Any) -> bytes:
 
 async def close_quietly(it: Any) -> None:
     """Close an engine stream (aborting its request if unfinished), even inside a cancelled scope."""
-    aclose = getattr(it, "aclose", None)
+    aclose = getattr(it, "aclose", None)  # optional: an AsyncIterator need not be closable
     if aclose is None:
         return
     with anyio.CancelScope(shield=True):
@@ -104,7 +104,7 @@ async def sse_body(events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         err = to_api_error(e)
         yield sse_event(err.body())
     finally:
-        aclose = getattr(events, "aclose", None)
+        aclose = getattr(events, "aclose", None)  # optional: an AsyncIterator need not be closable
         if aclose is not None:
             with anyio.CancelScope(shield=True):
                 await aclose()

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import APIError
+from engine.client import EngineClient
 from app.json_types import AS_INT, BOUND_KEY, limited
 
 _TokenId = Annotated[int, Field(ge=0, le=2**63 - 1), AS_INT]  # 1.0 is an integer in JSON, as elsewhere
@@ -114,15 +115,14 @@ class StructuredFields(_Model):
         return "allowed_token_ids" if self.allowed_token_ids is not None else None
 
 
-async def check_constraint(engine: Any, params: Any, param: str | None) -> None:
+async def check_constraint(engine: EngineClient, params: Any, param: str | None) -> None:
     """Ask the engine (off its loop) whether it can honour the constraint: a 400 with the grammar
-    library's reason otherwise. Engines without the check (test doubles) skip it."""
-    check = getattr(engine, "check_constraint", None)
-    if check is None or not getattr(params, "has_token_constraint", False):
+    library's reason otherwise."""
+    if not params.has_token_constraint:
         return
     from engine.errors import RequestRejectedError
 
     try:
-        await check(params)
+        await engine.check_constraint(params)
     except RequestRejectedError as e:
-        raise APIError.bad_request(str(e), param=param, code=getattr(e, "code", None)) from None
+        raise APIError.bad_request(str(e), param=param, code=e.code) from None

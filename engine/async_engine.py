@@ -35,7 +35,7 @@ from engine.errors import (SHUTDOWN_ABORT_MESSAGE, EngineDeadError, EngineError,
 from engine.output_collector import OutputCollector
 from engine.prep_pools import DeadlinePool, PrepDeadlineError
 from engine.outputs import RequestOutput
-from engine.request_stream import RequestStream
+from engine.request_stream import RequestStream, StreamEnd
 from engine.restart_policy import RestartPolicy
 from engine.sampling_params import SamplingParams
 from contracts.config import EngineConfig
@@ -101,12 +101,11 @@ class AsyncEngine:
         self._accepting = False
         # Start-up, shutdown and worker restarts only; requests' work has the pools below.
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pagedserve-cpu")
-        prep = getattr(config, "prep", None)
         self._tokenizer_pool = DeadlinePool(
-            "tokenizer", 2, getattr(prep, "tokenize_timeout", 30.0), what="tokenizing the prompt",
+            "tokenizer", 2, config.prep.tokenize_timeout, what="tokenizing the prompt",
             flag="--tokenize-timeout")
         self._template_pool = DeadlinePool(
-            "chat-template", 2, getattr(prep, "chat_template_timeout", 5.0),
+            "chat-template", 2, config.prep.chat_template_timeout,
             what="rendering the chat template", flag="--chat-template-timeout")
         self._unattributed_faults = 0  # steps in a row that failed in the core for no known request
         self.last_step_gap_s = 0.0  # time between a step's reply and the next step's send
@@ -165,6 +164,10 @@ class AsyncEngine:
         if self._error is not None or self._task is None or self._task.done():
             return "dead"
         return "restarting" if self._restarting else "ok"
+
+    def replica_states(self) -> None:
+        """One engine, no data-parallel replicas (engine.client.EngineClient)."""
+        return None
 
     def stats(self):
         s = self.core.stats()
@@ -281,7 +284,22 @@ class AsyncEngine:
             raise EngineError(f"preparing the request failed: {INTERNAL_REQUEST_ERROR}") from None
         self._queues[request_id] = queue
         self._wake.set()
-        return RequestStream(self, request_id, queue)
+        return RequestStream(request_id, queue, self._stream_ended)
+
+    def _stream_ended(self, request_id: str, queue: OutputCollector, how: StreamEnd) -> None:
+        """A RequestStream's ``on_close``: forget the request's queue; abort the request when
+        its reader closed the stream early (now) or dropped it (at the loop's next turn)."""
+        if how is StreamEnd.DROPPED:
+            if self._queues.get(request_id) is queue:  # else already ended (or the id reused)
+                self._pending_aborts.append((request_id, queue))
+            return
+        self._queues.pop(request_id, None)
+        if how is StreamEnd.CLOSED:
+            self._abort_now(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        """Is ``request_id`` running here (its stream not yet ended)?"""
+        return request_id in self._queues
 
     def _discard(self, core, request_id: str) -> None:
         """Remove what a failed add_request left of this request (never another one: add_request
@@ -297,7 +315,7 @@ class AsyncEngine:
             logger.exception("request %s: cleaning up after a failed add_request", request_id)
             core.requests.pop(request_id, None)
             for seq in req.seqs:
-                core._seqs.pop(seq.seq_id, None)
+                core.drop_seq(seq)
                 try:
                     core.scheduler.finish(seq)
                 except Exception:  # noqa: BLE001
@@ -525,7 +543,7 @@ class AsyncEngine:
         self._restarting = False
 
     async def _step_loop(self, core, executor) -> None:
-        if hasattr(executor, "submit_async"):
+        if executor.splits_steps:
             return await self._pipelined_step_loop(core, executor)
         reply_time = None  # when the previous step's output arrived (None after an idle wait)
         loop = asyncio.get_running_loop()

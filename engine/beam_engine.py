@@ -25,7 +25,8 @@ The request's output is one final RequestOutput whose CompletionOutputs are the 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Collection
+from typing import Any, Protocol
 
 from engine.beam_search import BeamSearchParams, Hypothesis, LiveBeam, score, select
 from engine.errors import RequestRejectedError
@@ -34,8 +35,33 @@ from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from contracts.messages import SampledLogprobs, SamplingOptions
 
-if TYPE_CHECKING:
-    from engine.core import EngineCore
+
+
+class BeamHost(Protocol):
+    """What beam search needs of the engine core (engine.core.EngineCore implements it): its
+    scheduler and block manager, its requests, and the sequences it tracks."""
+
+    scheduler: Any
+    block_manager: Any
+    requests: dict[str, Request]
+    tokenizer: Any
+    eos_token_ids: Collection[int]
+    vocab_size: int | None
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: Any = None, arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> None: ...
+
+    def abort_request(self, request_id: str) -> Any: ...
+
+    def new_seq_id(self) -> int: ...
+
+    def add_seq(self, seq: Sequence) -> None: ...
+
+    def drop_seq(self, seq: Sequence) -> None: ...
+
+    def finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None: ...
 
 
 class BeamGroup:
@@ -60,7 +86,7 @@ class BeamGroup:
         self.reports[seq.seq_id] = (token_id, lp)
 
 
-def add_beam_request(core: "EngineCore", request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+def add_beam_request(core: BeamHost, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                      params: BeamSearchParams, arrival_time: float | None, priority: int,
                      cache_salt: str | None) -> None:
     width = params.beam_width
@@ -68,7 +94,7 @@ def add_beam_request(core: "EngineCore", request_id: str, prompt: str | None, pr
     if width > max_seqs:
         raise RequestRejectedError(f"beam_width {width} is more than the engine runs at once "
                                    f"(max_num_seqs {max_seqs}); lower it")
-    vocab = core.vocab_size or getattr(core.tokenizer, "vocab_size", None) or None
+    vocab = core.vocab_size or core.tokenizer.vocab_size or None
     stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(core.eos_token_ids))
     if vocab:  # an id that cannot occur must not change anything (issue 22)
         stop_ids = frozenset(t for t in stop_ids if t < vocab)
@@ -90,7 +116,7 @@ def add_beam_request(core: "EngineCore", request_id: str, prompt: str | None, pr
     group.cum[seq.seq_id] = 0.0
 
 
-def _check_beam_fits(core: "EngineCore", num_prompt: int, params: BeamSearchParams) -> None:
+def _check_beam_fits(core: BeamHost, num_prompt: int, params: BeamSearchParams) -> None:
     """Every beam on private blocks: prompt, its generated tokens and a partial block. Beams
     share the prompt's blocks while they run, but a preempted beam comes back on private blocks
     and its siblings wait for it holding theirs: with room only for the shared layout it could
@@ -105,7 +131,7 @@ def _check_beam_fits(core: "EngineCore", num_prompt: int, params: BeamSearchPara
             "lower beam_width or max_tokens, or give the KV cache more memory")
 
 
-def advance(core: "EngineCore", req: Request) -> None:
+def advance(core: BeamHost, req: Request) -> None:
     """Once every live beam reported this round: choose the next beams, or finish the request."""
     g: BeamGroup = req.beam
     live = [s for s in req.seqs if not s.is_finished]
@@ -125,7 +151,7 @@ def advance(core: "EngineCore", req: Request) -> None:
     g.reports.clear()
     if sel.done:
         for s in live:
-            core._finish_seq(s, "length")
+            core.finish_seq(s, "length")
         return
 
     kept: set[int] = set()
@@ -149,7 +175,7 @@ def advance(core: "EngineCore", req: Request) -> None:
     for s in live:
         if s.seq_id not in kept:
             core.scheduler.finish(s)
-            core._seqs.pop(s.seq_id, None)
+            core.drop_seq(s)
     for parent, tok, cum, reuse in plan:
         if reuse:
             parent.token_ids.append(tok)
@@ -159,21 +185,21 @@ def advance(core: "EngineCore", req: Request) -> None:
     req.seqs = new_seqs
 
 
-def _fork(core: "EngineCore", parent: Sequence, token_id: int) -> Sequence:
+def _fork(core: BeamHost, parent: Sequence, token_id: int) -> Sequence:
     child = Sequence(
-        seq_id=next(core._seq_ids), request=parent.request, index=parent.index,
+        seq_id=core.new_seq_id(), request=parent.request, index=parent.index,
         token_ids=parent.token_ids + [token_id], num_prompt_tokens=parent.num_prompt_tokens,
         options=parent.options, detok=parent.detok,  # beams never stream text: the detokenizer stays idle
         max_tokens=parent.max_tokens,
     )
     child.block_hashes = list(parent.block_hashes)  # digests of full blocks: a common prefix
     child.use_prefix_cache = parent.use_prefix_cache
-    core._seqs[child.seq_id] = child
+    core.add_seq(child)
     core.scheduler.fork(parent, child)  # every live beam is running and computed (see advance)
     return child
 
 
-def make_output(core: "EngineCore", req: Request) -> RequestOutput | None:
+def make_output(core: BeamHost, req: Request) -> RequestOutput | None:
     """The request's only output, once it is finished: the best hypotheses, best first."""
     g: BeamGroup = req.beam
     if not req.finished or g.output_sent:

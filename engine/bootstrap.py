@@ -82,9 +82,9 @@ def load_tokenizer(config: EngineConfig):
 
 def build_engine(config: EngineConfig, tokenizer=None, cancel=None) -> EngineParts:
     """``cancel`` (a threading.Event): set by a shutdown, it stops a start still loading the model
-    (gpu.executor.create_executor), so a restart never holds the shutdown for a whole load."""
+    (gpu.executor_factory.create_executor), so a restart never holds the shutdown for a whole load."""
     from engine.core import EngineCore
-    from gpu.executor import create_executor
+    from gpu.executor_factory import create_executor
 
     config, hf = resolve_config(config)
     pending = None

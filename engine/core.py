@@ -69,7 +69,7 @@ def _swap_blocks(config: EngineConfig, executor) -> int:
     """Host swap-pool blocks the workers allocated (0 unless --preemption-mode swap)."""
     if config.scheduler.preemption_mode != "swap":
         return 0
-    return int(getattr(executor, "num_swap_blocks", 0) or 0)
+    return int(executor.num_swap_blocks or 0)
 
 
 class EngineCore(ConstrainedRequests, PoolingRequests):
@@ -88,16 +88,15 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
                                           hash_seed=model_hash_seed(config.model),
                                           num_swap_blocks=_swap_blocks(config, executor))
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.eos_token_ids: set[int] = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids or [])
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count(1)
         self._token_text: dict[int, str] = {}  # decoded_token cache for logprobs
         # Token constraints (structured outputs, allowed_token_ids, bad_words); grammars compile
         # in a thread and their requests wait there, outside the scheduler.
-        prep = getattr(config, "prep", None)
         self.constraints = ConstraintTracker(tokenizer, self.vocab_size or tokenizer.vocab_size,
-                                             compile_timeout_s=getattr(prep, "grammar_compile_timeout", 10.0))
+                                             compile_timeout_s=config.prep.grammar_compile_timeout)
         self._ready_outputs: list[RequestOutput] = []  # outputs made outside process()
         self._in_flight: collections.deque[ScheduledStep] = collections.deque()  # pipelined steps sent
 
@@ -346,7 +345,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         return out
 
     def step(self) -> list[RequestOutput]:
-        if getattr(self.executor, "max_in_flight", 1) > 1:
+        if self.executor.max_in_flight > 1:
             return self._step_pipelined()
         scheduled = self.schedule()
         ready = self.take_outputs()
@@ -446,6 +445,22 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             finish = "length"
         if finish is not None:
             self._finish_seq(seq, finish, stop_reason)
+
+    # ---- what beam search reshapes (engine/beam_engine.BeamHost) ---------------------------
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def add_seq(self, seq: Sequence) -> None:
+        """Track a sequence made outside add_request (a beam forked from its parent)."""
+        self._seqs[seq.seq_id] = seq
+
+    def drop_seq(self, seq: Sequence) -> None:
+        """Forget a sequence the scheduler already let go of (a beam nothing continues)."""
+        self._seqs.pop(seq.seq_id, None)
+
+    def finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        self._finish_seq(seq, reason, stop_reason)
 
     def _finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         seq.finish_reason = reason

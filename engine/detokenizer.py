@@ -65,6 +65,7 @@ class IncrementalDetokenizer:
         self._unreleased = ""  # text held back: it could still begin a stop string
         self._delta: list[str] = []  # released, not yet taken
         self.stopped = False  # a stop string matched: no more text, ever
+        # optional: only the Rust-backed Tokenizer streams; other tokenizers (test doubles) decode in Python
         opener = getattr(tokenizer, "decode_stream", None) if use_decode_stream else None
         # step(token_id) -> new text or None (Rust), or None: decode on the Python path.
         self._stream = opener(self._ids, skip_special_tokens) if opener is not None else None

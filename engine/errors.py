@@ -27,7 +27,11 @@ class EngineRestartingError(EngineOverloadedError):
 
 
 class RequestRejectedError(ValueError):
-    """A request that can never run (too long for the context or the KV cache, bad ids)."""
+    """A request that can never run (too long for the context or the KV cache, bad ids).
+    ``param`` / ``code``: the request field and the error code the 400 names, where known."""
+
+    param: str | None = None
+    code: str | None = None
 
 
 class SamplingParamsError(ValueError):

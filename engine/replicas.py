@@ -1,8 +1,8 @@
 """Data-parallel replicas (--data-parallel-size N): N engines behind the AsyncEngine API.
 
 Each replica is a whole AsyncEngine: its own engine loop task (all on the server's one event
-loop), executor, worker processes and KV cache. ``ReplicatedEngine`` offers app/ the same
-methods as one AsyncEngine, so the HTTP side does not change; ``generate`` asks the policy
+loop), executor, worker processes and KV cache. ``ReplicatedEngine`` is an
+engine.client.EngineClient as one AsyncEngine is, so the HTTP side does not change; ``generate`` asks the policy
 (engine/dp_policy.py) which replica takes the request. The replicas share nothing but the event
 loop, so a dead replica fails only its own in-flight requests, and the router stops sending to
 it (a replica restarting its workers, --restart-workers, is skipped until it is back).
@@ -100,9 +100,8 @@ class ReplicatedEngine:
         logger.info("%d data-parallel replicas ready", self.num_replicas)
 
     def _build_prefix_index(self) -> None:
-        core = getattr(self.replicas[0], "core", None)
-        bm = getattr(core, "block_manager", None)
-        if bm is None or not bm.enable_prefix_caching:
+        bm = self.replicas[0].core.block_manager
+        if not bm.enable_prefix_caching:
             return
         self.prefix_index = PrefixIndex(bm.block_size, bm.root_hash, self.num_replicas)
 
@@ -136,12 +135,16 @@ class ReplicatedEngine:
         return sum(r.num_blocks for r in self.replicas)
 
     @property
+    def embedding_size(self) -> int | None:
+        return self.replicas[0].embedding_size
+
+    @property
     def num_deaths(self) -> int:
-        return sum(getattr(r, "num_deaths", 0) for r in self.replicas)
+        return sum(r.num_deaths for r in self.replicas)
 
     @property
     def last_step_gap_s(self) -> float:
-        return max(getattr(r, "last_step_gap_s", 0.0) for r in self.replicas)
+        return max(r.last_step_gap_s for r in self.replicas)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._front().encode(text, add_special_tokens)
@@ -199,7 +202,7 @@ class ReplicatedEngine:
         for f in fields(total):
             if f.name != "kv_cache_usage":
                 setattr(total, f.name, sum(getattr(s, f.name) for s in per))
-        blocks = [getattr(s, "num_blocks", 0) for s in per]
+        blocks = [s.num_blocks for s in per]
         if sum(blocks):
             total.kv_cache_usage = sum(s.kv_cache_usage * b for s, b in zip(per, blocks)) / sum(blocks)
         else:
@@ -212,7 +215,7 @@ class ReplicatedEngine:
         views = []
         for i, r in enumerate(self.replicas):
             alive = r.health_status() == "ok"
-            generation = getattr(r, "num_deaths", 0) + getattr(r, "num_worker_restarts", 0)
+            generation = r.num_deaths + r.num_worker_restarts
             if generation != self._generation[i]:  # its prefix cache is gone
                 self._generation[i] = generation
                 if self.prefix_index is not None:
@@ -252,7 +255,8 @@ class ReplicatedEngine:
         if self.owner_of(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already running")
         candidates, hashes = self.route(prompt_token_ids, cache_salt,
-                                        use_prefix=getattr(params, "prompt_logprobs", None) is None)
+                                        use_prefix=not isinstance(params, SamplingParams)
+                                        or params.prompt_logprobs is None)
         self.decision_ns += time.perf_counter_ns() - t0
         self.num_decisions += 1
         if not candidates:
@@ -274,6 +278,13 @@ class ReplicatedEngine:
             return stream
         raise error
 
+    def pool(self, prompt_token_ids: list[int], params, request_id: str, prompt: str | None = None,
+             priority: int = 0, cache_salt: str | None = None):
+        """A pooling request (engine.pooling_params.PoolingParams), routed as ``generate`` routes
+        (AsyncEngine.pool is its generate with pooling params)."""
+        return self.generate(prompt_token_ids, params, request_id, prompt=prompt, priority=priority,
+                             cache_salt=cache_salt)
+
     def _none_alive_error(self) -> BaseException:
         if self.health_status() == "restarting":
             return EngineRestartingError("every replica is restarting its workers after a failure; "
@@ -284,7 +295,7 @@ class ReplicatedEngine:
     def owner_of(self, request_id: str) -> int | None:
         """The replica running ``request_id`` (its AsyncEngine keeps one queue per request)."""
         for i, r in enumerate(self.replicas):
-            if request_id in r._queues:
+            if r.has_request(request_id):
                 return i
         return None
 

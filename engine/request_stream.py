@@ -1,25 +1,35 @@
 """The async iterator a caller of AsyncEngine.generate reads one request's deltas from."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import enum
+from collections.abc import Callable
 
 from engine.output_collector import OutputCollector
 from engine.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+
+class StreamEnd(enum.Enum):
+    """How a stream ended, as its ``on_close`` callback is told."""
+
+    FINISHED = "finished"  # read to its end (the final output, or an error): forget its queue
+    CLOSED = "closed"  # closed by its reader before the end: abort the request now
+    DROPPED = "dropped"  # garbage-collected unclosed: abort at the loop's next turn (nothing may await)
+
+
+OnClose = Callable[[str, OutputCollector, StreamEnd], None]
 
 
 class RequestStream:
     """Async iterator of one request's RequestOutput deltas; closing it early aborts the request.
 
     A consumer that lags gets the deltas produced meanwhile merged into one (OutputCollector):
-    memory per request stays bounded however slowly the client reads."""
+    memory per request stays bounded however slowly the client reads. The engine learns how
+    the stream ended through ``on_close(request_id, queue, how)``, called once."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, queue: OutputCollector):
-        self._engine = engine
+    def __init__(self, request_id: str, queue: OutputCollector, on_close: OnClose):
         self.request_id = request_id
         self._queue = queue
+        self._on_close = on_close
         self._done = False
 
     def __aiter__(self) -> "RequestStream":
@@ -34,24 +44,23 @@ class RequestStream:
             await self.aclose()
             raise
         if isinstance(item, BaseException):
-            self._finish()
+            self._end(StreamEnd.FINISHED)
             raise item
         if item.finished:
-            self._finish()
+            self._end(StreamEnd.FINISHED)
         return item
 
-    def _finish(self) -> None:
+    def _end(self, how: StreamEnd) -> None:
         self._done = True
-        self._engine._queues.pop(self.request_id, None)
+        self._on_close(self.request_id, self._queue, how)
 
     async def aclose(self) -> None:
         """Stop listening; aborts the request if it has not finished (client went away)."""
         if not self._done:
-            self._finish()
-            self._engine._abort_now(self.request_id)
+            self._end(StreamEnd.CLOSED)
 
     def __del__(self):
-        if not self._done and self._engine._queues.get(self.request_id) is self._queue:
+        if not self._done:
             # Dropped without being closed: make sure the request does not run on unseen, and
             # that its queue goes too (the engine loop does both; nothing may await here).
-            self._engine._pending_aborts.append((self.request_id, self._queue))
+            self._end(StreamEnd.DROPPED)

@@ -1,17 +1,21 @@
 """Executors run a StepInput on the workers and return the StepOutput.
 
-One interface, chosen by ``ParallelConfig.executor``: ``inproc`` (the model runner in this
-process; its async form runs the step in a worker thread so the event loop stays free) and
-``mp`` (worker processes fed over shared-memory rings, see gpu/mp_executor.py) and ``ray``
-(Ray actors in a placement group, on one node or many: gpu/ray_executor.py).
+One interface, chosen by ``ParallelConfig.executor`` (gpu/executor_factory.py builds the one
+asked for): ``inproc`` (the model runner in this process; its async form runs the step in a
+worker thread so the event loop stays free) and ``mp`` (worker processes fed over
+shared-memory rings, see gpu/mp_executor.py) and ``ray`` (Ray actors in a placement group, on
+one node or many: gpu/ray_executor.py). The concrete executors import this module; it imports
+none of them.
+
+Pipelining: an executor that can keep several steps sent at once (one per pipeline stage)
+says so with ``splits_steps`` and implements ``submit`` / ``collect`` (and their async forms);
+``max_in_flight`` says how many steps the engine may keep sent.
 """
 from __future__ import annotations
 
 import abc
 import asyncio
 import concurrent.futures
-import threading
-
 from contracts.config import EngineConfig
 from contracts.errors import ExecutorError
 from contracts.messages import StepInput, StepOutput
@@ -32,6 +36,35 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release workers, shared memory and caches. Safe to call twice."""
+
+    # ---- pipelining: sending a step apart from collecting its reply -------------------------
+
+    # True where submit / collect (and their async forms) are implemented: the engine then
+    # keeps up to ``max_in_flight`` steps sent and collects their replies in order.
+    splits_steps: bool = False
+
+    @property
+    def max_in_flight(self) -> int:
+        """Steps the engine may keep sent at once (one per pipeline stage); 1 without stages."""
+        return 1
+
+    def submit(self, step: StepInput) -> None:
+        """Send a step without waiting for its reply (``splits_steps`` executors)."""
+        raise NotImplementedError(f"{type(self).__name__} runs a step only with execute()")
+
+    def collect(self, step_id: int) -> StepOutput:
+        """Wait for the reply to ``step_id``, the oldest step sent and not yet collected."""
+        raise NotImplementedError(f"{type(self).__name__} runs a step only with execute()")
+
+    async def submit_async(self, step: StepInput) -> None:
+        """``submit`` for the event loop."""
+        raise NotImplementedError(f"{type(self).__name__} runs a step only with execute_async()")
+
+    async def collect_async(self, step_id: int) -> StepOutput:
+        """``collect`` for the event loop."""
+        raise NotImplementedError(f"{type(self).__name__} runs a step only with execute_async()")
+
+    # ---- health -----------------------------------------------------------------------------
 
     def check_health(self) -> None:
         """Raise ExecutorError if a worker is gone."""
@@ -59,28 +92,3 @@ class InprocExecutor(Executor):
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self.runner = None
-
-
-def create_executor(config: EngineConfig, cancel: threading.Event | None = None) -> Executor:
-    """``cancel`` set while the model loads (a shutdown during a restart) stops the start with
-    ExecutorError: worker processes are killed mid-load; an in-process load is undone after it."""
-    kind = config.parallel.resolved_executor()
-    if kind == "inproc":
-        if config.parallel.tensor_parallel_size != 1:
-            raise ExecutorError("tensor_parallel_size > 1 needs executor='mp' (or 'ray')")
-        if config.parallel.pipeline_parallel_size != 1:
-            raise ExecutorError("pipeline_parallel_size > 1 needs executor='mp' (or 'ray')")
-        executor = InprocExecutor(config)
-        if cancel is not None and cancel.is_set():
-            executor.shutdown()
-            raise ExecutorError("the model load was cancelled (the server is shutting down)")
-        return executor
-    if kind == "mp":
-        from gpu.mp_executor import MultiprocExecutor
-
-        return MultiprocExecutor(config, cancel=cancel)
-    if kind == "ray":  # Ray is imported there, never here (an optional extra)
-        from gpu.ray_executor import create_ray_executor
-
-        return create_ray_executor(config)
-    raise ExecutorError(f"unknown executor {kind!r}: choose inproc, mp or ray")

@@ -74,6 +74,8 @@ def next_step_timeout(step_timeout: float | None, startup_timeout: float, steps_
     return step_timeout
 
 class MultiprocExecutor(Executor):
+    splits_steps = True  # submit / collect: up to max_in_flight steps sent (pipeline stages)
+
     def __init__(self, config: EngineConfig, *, runner_factory: str | None = None,
                  startup_timeout: float | None = None, num_threads: int | None = None,
                  cancel: threading.Event | None = None):

@@ -36,6 +36,7 @@ from contracts import env
 from gpu.mp_executor import next_step_timeout
 from gpu.pipeline_tokens import SampledTokenRelay
 from gpu.ray_cluster import PlacedWorkers, import_ray
+from gpu.ray_executor import start_ranks
 from gpu.worker import encode_step, output_rank
 
 logger = logging.getLogger(__name__)
@@ -56,10 +57,10 @@ class SentStep:
 
 
 class RayCallExecutor(Executor):
+    splits_steps = True
+
     def __init__(self, config: EngineConfig, placed: PlacedWorkers, *, runner_factory: str | None = None,
                  startup_timeout: float | None = None, num_threads: int | None = None):
-        from gpu.ray_executor import start_ranks
-
         self.config = config
         self._placed = placed
         self.world_size = len(placed.actors)
@@ -104,7 +105,7 @@ class RayCallExecutor(Executor):
         """The executor's failure for what a step's calls raised."""
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-        rank = getattr(exc, "_pagedserve_rank", "?")
+        rank = getattr(exc, "_pagedserve_rank", "?")  # optional: set where the failing call's rank is known
         if isinstance(exc, (GetTimeoutError, TimeoutError)):
             return self._fail(
                 f"no reply to step {sent.step_id} within {sent.timeout:g} s (--step-timeout): the Ray "

@@ -31,11 +31,10 @@ import select
 import time
 import weakref
 
-from contracts import env
 from contracts.config import EngineConfig
-from gpu.executor import Executor, ExecutorError
+from gpu.executor import ExecutorError
 from gpu.mp_executor import RING_SLOT_SIZE, RING_SLOTS, MultiprocExecutor
-from gpu.ray_cluster import PlacedWorkers, import_ray, place_workers
+from gpu.ray_cluster import PlacedWorkers, import_ray
 from gpu.ring_errors import RingError
 from gpu.transport import create_channel
 from gpu.worker import SHUTDOWN_MESSAGE, output_rank
@@ -43,39 +42,6 @@ from gpu.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
-ENV_RAY_TRANSPORT = env.RAY_TRANSPORT.name
-
-
-def create_ray_executor(config: EngineConfig, *, runner_factory: str | None = None,
-                        startup_timeout: float | None = None, num_threads: int | None = None,
-                        transport: str | None = None) -> Executor:
-    """Place the actors, then run steps over the ring (all on this node) or over Ray calls.
-    ``transport`` (shm | ray) forces one; None = $PAGEDSERVE_RAY_TRANSPORT, else by placement."""
-    p = config.parallel
-    world = p.world_size  # rank = stage * tp + tp rank, one actor (and bundle) each
-    wanted = transport or env.RAY_TRANSPORT.get()  # None = the ring on one node, Ray calls across
-    if wanted not in (None, "shm", "ray"):
-        raise ExecutorError(f"unknown Ray executor transport {wanted!r}: use shm or ray")
-    placed = place_workers(config, world)
-    try:
-        transport = wanted or ("shm" if placed.all_local else "ray")
-        if transport == "shm" and not placed.all_local:
-            raise ExecutorError(f"{ENV_RAY_TRANSPORT}=shm needs every worker on this node; Ray placed "
-                                "some elsewhere (use --ray-placement-strategy STRICT_PACK)")
-        logger.info("Ray executor: %d worker(s) (tp %d x pp %d), steps over %s", world,
-                    p.tensor_parallel_size, p.pipeline_parallel_size,
-                    "the shared-memory ring" if transport == "shm" else "Ray actor calls")
-        if transport == "shm":
-            return RayRingExecutor(config, placed, runner_factory=runner_factory,
-                                   startup_timeout=startup_timeout, num_threads=num_threads)
-        from gpu.ray_call_executor import RayCallExecutor
-
-        return RayCallExecutor(config, placed, runner_factory=runner_factory,
-                               startup_timeout=startup_timeout, num_threads=num_threads)
-    except BaseException:
-        placed.release()
-        placed.leave_ray()
-        raise
 
 
 def start_ranks(placed: PlacedWorkers, config: EngineConfig, runner_factory: str | None,

@@ -26,7 +26,7 @@ import traceback
 
 from contracts.config import EngineConfig
 from gpu.ring_errors import RingClosed, RingPeerDied
-from gpu.worker import (DEFAULT_RUNNER, PIPELINE_RUNNER, WorkerArgs, _serve, _setup_torch, _teardown_torch,
+from gpu.worker import (DEFAULT_RUNNER, PIPELINE_RUNNER, WorkerArgs, serve_steps, setup_torch, teardown_torch,
                         handle_message, load_factory, output_rank)
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class RayWorker:
         self.args = WorkerArgs(config, rank, world_size, None, None, None, init_method, runner_factory,
                                log_level, num_threads)
         if runner_factory is None or world_size > 1:
-            _setup_torch(self.args)
+            setup_torch(self.args)
         default = PIPELINE_RUNNER if config.parallel.pipeline_parallel_size > 1 else DEFAULT_RUNNER
         factory = load_factory(runner_factory or default)
         self.runner = factory(config, rank)
@@ -106,7 +106,7 @@ class RayWorker:
 
     def _serve_channels(self, step, reply, driver_fd: int) -> None:
         try:
-            _serve(self.args, self.runner, step, reply, None)
+            serve_steps(self.args, self.runner, step, reply, None)
         except (RingPeerDied, RingClosed) as e:
             logger.info("stopping: %s", e)
         except BaseException:
@@ -115,7 +115,7 @@ class RayWorker:
             logger.error("worker %d failed:\n%s", self.args.rank, traceback.format_exc())
             os._exit(1)
         finally:
-            _teardown_torch(self.args)
+            teardown_torch(self.args)
             for channel in self._channels:
                 channel.close()
             os.close(driver_fd)
@@ -141,7 +141,7 @@ class RayWorker:
     def stop(self) -> None:
         """Leave the process group before the actor is killed (Ray-call transport)."""
         if self.args is not None:
-            _teardown_torch(self.args)
+            teardown_torch(self.args)
 
     def ping(self) -> bool:
         return True

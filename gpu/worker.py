@@ -112,7 +112,8 @@ def _threads_for_rank(world_size: int, requested: int | None) -> int:
     return max(1, cpus // world_size)
 
 
-def _setup_torch(args: WorkerArgs) -> None:
+def setup_torch(args: WorkerArgs) -> None:
+    """A rank's torch threads and process groups (a spawned worker and a Ray actor alike)."""
     import torch
 
     threads = _threads_for_rank(args.world_size, args.num_threads or args.config.parallel.worker_threads)
@@ -152,7 +153,8 @@ def _init_groups(args: WorkerArgs) -> None:
                            args.rank + tp if stage < pp - 1 else None)
 
 
-def _teardown_torch(args: WorkerArgs) -> None:
+def teardown_torch(args: WorkerArgs) -> None:
+    """Leave the process groups ``setup_torch`` joined."""
     if args.world_size > 1 and "torch.distributed" in sys.modules:
         import torch.distributed as dist
 
@@ -176,7 +178,7 @@ def worker_main(args: WorkerArgs) -> None:
         reply_ring = (attach_channel(args.reply_ring, "writer", peer_fds=parent_fds)
                       if args.rank == args.output_rank else None)
         if args.runner_factory is None or args.world_size > 1:
-            _setup_torch(args)
+            setup_torch(args)
         default = PIPELINE_RUNNER if args.config.parallel.pipeline_parallel_size > 1 else DEFAULT_RUNNER
         factory = load_factory(args.runner_factory or default)
         runner = factory(args.config, args.rank)
@@ -184,12 +186,13 @@ def worker_main(args: WorkerArgs) -> None:
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         conn.close()
-        _teardown_torch(args)
+        teardown_torch(args)
         sys.exit(1)
+    # optional: a runner factory's runner (echo, test runners) need not keep a host swap pool
     conn.send(("ready", int(num_blocks), int(getattr(runner, "num_swap_blocks", 0))))
     code = 0
     try:
-        _serve(args, runner, step_ring, reply_ring, conn)
+        serve_steps(args, runner, step_ring, reply_ring, conn)
     except (RingPeerDied, RingClosed) as e:
         logger.info("stopping: %s", e)
     except BaseException:
@@ -201,7 +204,7 @@ def worker_main(args: WorkerArgs) -> None:
         except OSError:
             pass
     finally:
-        _teardown_torch(args)
+        teardown_torch(args)
         step_ring.close()
         if reply_ring is not None:
             reply_ring.close()
@@ -209,7 +212,9 @@ def worker_main(args: WorkerArgs) -> None:
     sys.exit(code)
 
 
-def _serve(args: WorkerArgs, runner, step_ring: ShmRing, reply_ring: ShmRing | None, conn) -> None:
+def serve_steps(args: WorkerArgs, runner, step_ring: ShmRing, reply_ring: ShmRing | None, conn) -> None:
+    """Run the steps arriving on ``step_ring`` until the shutdown message; the answering rank
+    (``reply_ring`` given) sends each reply back."""
     while True:
         msg = step_ring.recv()
         if msg[0] == TAG_SHUTDOWN:

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.errors import APIError
 from app.tools.parsers import AUTO_PARSERS, HermesToolParser, NamedCallParser, RequiredCallsParser
+
+if TYPE_CHECKING:
+    from app.protocol import ChatCompletionRequest
+    from engine.client import TokenizerClient
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # Markers in a chat template that name the tool-call format its model was trained on.
@@ -122,11 +126,11 @@ def required_schema(tools: list[Any], max_calls: int | None) -> dict:
     return schema
 
 
-def _check_not_constrained_twice(req: Any) -> None:
-    fmt = getattr(req, "response_format", None)
+def _check_not_constrained_twice(req: ChatCompletionRequest) -> None:
+    fmt = req.response_format
     taken = [name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                               "guided_grammar") if getattr(req, name, None) is not None]
-    if fmt is not None and getattr(fmt, "type", "text") != "text":
+                               "guided_grammar") if getattr(req, name) is not None]
+    if fmt is not None and fmt.type != "text":
         taken.append("response_format")
     if taken:
         raise APIError.bad_request(f"tool_choice 'required' or a named function constrains the output "
@@ -143,13 +147,12 @@ def structured_outputs_for(plan: ToolPlan) -> Any:
     return StructuredOutputsParams(json=plan.schema)
 
 
-def keeps_special_tokens(plan: ToolPlan, tokenizer: Any) -> bool:
+def keeps_special_tokens(plan: ToolPlan, tokenizer: TokenizerClient) -> bool:
     """Must the reply keep special tokens for the parser to see the call tags?"""
     if plan.mode != "auto":
         return False
     parser = AUTO_PARSERS[plan.parser_name]
-    token_to_id = getattr(tokenizer, "token_to_id", None)
-    specials = getattr(tokenizer, "all_special_ids", None)
-    if token_to_id is None or not specials or parser is not HermesToolParser:
+    specials = tokenizer.all_special_ids
+    if not specials or parser is not HermesToolParser:
         return False
-    return token_to_id(parser.start_tag) in specials
+    return tokenizer.token_to_id(parser.start_tag) in specials

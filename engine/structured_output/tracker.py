@@ -86,6 +86,7 @@ class ConstraintTracker:
                 continue
             exc = fut.exception()
             if exc is not None:  # stays "compiling" (outside the scheduler) until it is finished
+                # optional: whatever the compile raised; only the deadline / refusal errors carry a code
                 failed.append((req, str(exc), getattr(exc, "code", None)))
             else:
                 req.compiling = False

@@ -53,6 +53,7 @@ def bind_linear(module: nn.Module, dtype: torch.dtype) -> BoundLinear | None:
     """The fused layer's view of a bias-free linear layer for activations of ``dtype``, or None
     where it cannot read the weight: q8_0 / q4_1 weights (either activation dtype; the AMX kernel
     only for bf16 ones), or plain rows of the activations' own dtype (the bf16 or fp32 GEMV)."""
+    # optional: bias, qweight (quantized) and pweight (packed) exist only on the layers that have them
     if getattr(module, "bias", None) is not None:
         return None
     qweight = getattr(module, "qweight", None)
@@ -70,7 +71,7 @@ def bind_linear(module: nn.Module, dtype: torch.dtype) -> BoundLinear | None:
         spec = fused.LinearSpec(kind, qgemm_n16.AMX_MIN_M if big else 0, *ptrs, small, big)
         return BoundLinear(spec, qweight.out_features, rows)
     most = fused.GEMV_MAX_M if dtype is torch.bfloat16 else fused.GEMV_F32_MAX_M
-    pw = getattr(module, "pweight", None)
+    pw = getattr(module, "pweight", None)  # optional: a packed layer's weight
     if pw is not None:
         weight, rows = pw.plain, pw.small_rows
     else:
@@ -277,7 +278,7 @@ def bind_fast_decode(model: nn.Module) -> int:
     if bound:
         logger.info("fast decode path bound for %d layers (batches up to %d rows)", bound,
                     min(layer.fast_decode.max_rows for layer in model.modules()
-                        if getattr(layer, "fast_decode", None) is not None))
+                        if getattr(layer, "fast_decode", None) is not None))  # optional: bound layers only
     return bound
 
 
@@ -290,7 +291,7 @@ def _bind_stacks(model: nn.Module) -> None:
     for body in model.modules():
         if not isinstance(body, LlamaModel):
             continue
-        layers = [getattr(layer, "fast_decode", None) for layer in body._own_layers]
+        layers = [getattr(layer, "fast_decode", None) for layer in body._own_layers]  # optional: bound ones
         if layers and all(f is not None for f in layers) and FastDecodeStack.compatible(layers):
             body.fast_stack = FastDecodeStack(layers)
             logger.info("fast decode stack: %d layers in one call for decode-only steps", len(layers))

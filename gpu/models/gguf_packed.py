@@ -150,7 +150,7 @@ def plan_layouts(model, reader, mode: str) -> dict[str, str]:
 
     if mode in (None, "none"):
         return {}
-    tied = getattr(model, "tie_word_embeddings", False)
+    tied = getattr(model, "tie_word_embeddings", False)  # optional: declared by models that can tie them
     plan = {}
     for name, (module, types, has_part) in _targets(model, reader).items():
         if has_part[0]:
@@ -198,7 +198,7 @@ def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str
     for module_name in list(slots):  # popped: a kernel that re-lays the weight frees the file's copy here
         tensors = slots.pop(module_name)
         module = modules[module_name]
-        bias = None if isinstance(module, row) else getattr(module, "bias", None)
+        bias = None if isinstance(module, row) else getattr(module, "bias", None)  # optional: layer kinds differ
         if bias is not None:
             bias = bias.detach().to(torch.float32).contiguous()
         attach(model, module_name, module, QuantizedWeight(plan[module_name], tensors, bias, module.weight.dtype))
@@ -209,6 +209,7 @@ def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str
 def _release(reader, t) -> None:
     """Drop the file's pages of a tensor once it is copied (they would otherwise count in the
     process's RSS beside the packed copy until the load ends)."""
+    # optional: a memory-mapped reader on a Python with mmap.madvise; else the pages stay until the load ends
     buf = getattr(reader, "_buf", None)
     if buf is None or not hasattr(buf, "madvise"):
         return

@@ -92,6 +92,7 @@ def small_rows(dtype: torch.dtype) -> int:
 def _onednn(dtype: torch.dtype) -> bool:
     ops = torch.ops.mkldnn
     try:
+        # optional: torch builds without these oneDNN ops fall back to plain rows
         if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
                 and hasattr(ops, "_linear_pointwise")):
             return False
@@ -156,7 +157,7 @@ class PackedWeight:
 
 def dense_weight(module: nn.Module) -> torch.Tensor:
     """The ``[out, in]`` weight a linear layer computes with, also once packed (tests, checks)."""
-    pweight = getattr(module, "pweight", None)
+    pweight = getattr(module, "pweight", None)  # optional: only packed layers have one
     if pweight is None or module.weight.numel():
         return module.weight
     return pweight.dense()
@@ -226,10 +227,10 @@ def warm_row_buckets(model: nn.Module, max_tokens: int, max_seqs: int) -> int:
 
     shapes: dict[tuple, tuple[PackedWeight, torch.Tensor | None, int]] = {}
     for module in model.modules():
-        pw = getattr(module, "pweight", None)
+        pw = getattr(module, "pweight", None)  # optional: only packed layers have one
         if isinstance(pw, PackedWeight):
             limit = max_seqs if isinstance(module, ParallelLMHead) else max_tokens
-            bias = getattr(module, "bias", None)
+            bias = getattr(module, "bias", None)  # optional: layer kinds differ
             key = (pw.out_features, pw.in_features, pw.dtype, bias is None)
             shapes[key] = (pw, bias, max(limit, shapes.get(key, (pw, bias, 0))[2]))
     t0, built = time.perf_counter(), 0

@@ -122,7 +122,7 @@ def attach(model: nn.Module, name: str, module: nn.Module, qweight: QuantizedWei
     from gpu.models.layers import ParallelLMHead, VocabParallelEmbedding
 
     module.qweight = qweight
-    tied = getattr(model, "tie_word_embeddings", False)
+    tied = getattr(model, "tie_word_embeddings", False)  # optional: declared by models that can tie them
     if tied and isinstance(module, VocabParallelEmbedding):
         head, embedding = model.lm_head, model.model.embed_tokens
         if qweight.mode == "int8c":  # no row lookup: the embedding keeps its table

@@ -60,6 +60,7 @@ class WeightTracker:
     def missing(self) -> list[str]:
         out = []
         for name, param in self.params.items():
+            # optional: only fused parameters (qkv, gate_up) are loaded shard by shard
             want = set(param.shard_ids) if getattr(param, "shard_ids", None) else {None}
             got = self.loaded.get(name, set())
             if None in got:  # loaded whole

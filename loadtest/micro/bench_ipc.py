@@ -33,6 +33,7 @@ from contracts.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
 from gpu.shm_ring import ring_is_safe_here
 from gpu.transport import attach_channel, create_channel
 from gpu.worker import SHUTDOWN_MESSAGE, TAG_SHUTDOWN, decode_step, encode_output, encode_step
+from loadtest.micro.ipc_echo import _Echo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,21 +105,6 @@ def _summary(samples_ns: list[int]) -> dict:
     p99 = us[min(len(us) - 1, int(round(0.99 * (len(us) - 1))))]
     return {"median_us": round(statistics.median(us), 1), "p99_us": round(p99, 1),
             "mean_us": round(statistics.fmean(us), 1)}
-
-
-class _Echo:
-    """One measured transport: ``prepare`` (untimed), ``round_trip`` (timed), ``close()``."""
-
-    raw = False  # True: the message is encoded before timing and echoed as bytes
-
-    def prepare(self, step: StepInput):
-        return encode_step(step) if self.raw else step
-
-    def round_trip(self, step):
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
 
 
 class _RingEcho(_Echo):

@@ -11,7 +11,7 @@ stopped after it. Ray is imported here only, and this module only with ``--ray``
 """
 from __future__ import annotations
 
-from loadtest.micro.bench_ipc import _Echo
+from loadtest.micro.ipc_echo import _Echo
 from contracts.messages import STEP_OUTPUT_DECODER, StepInput
 from gpu.worker import encode_step
 
@@ -61,7 +61,7 @@ def ray_echoes() -> dict[str, _Echo]:
     import ray
 
     from contracts.config import EngineConfig
-    from gpu.ray_executor import create_ray_executor
+    from gpu.executor_factory import create_ray_executor
 
     ray.init(address="local", num_cpus=4, object_store_memory=128 << 20, include_dashboard=False)
     config = EngineConfig.from_options(executor="ray")

@@ -1,4 +1,5 @@
-"""A tokenizer-free stand-in for engine.async_engine.AsyncEngine (same public API).
+"""A tokenizer-free stand-in for engine.async_engine.AsyncEngine: an engine.client.EngineClient
+(tests/engine/test_client_protocol.py checks it against the protocol).
 
 Tokens are bytes: encode(text) = the UTF-8 bytes, decode(ids) = bytes(ids) decoded. A request
 generates a scripted reply one token (byte) per delta, honouring max_tokens, stop strings,
@@ -10,6 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from contracts.config import EngineConfig, ModelConfig
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -18,6 +20,9 @@ from engine.sampling_params import SamplingParams
 class FakeTokenizer:
     vocab_size = 256
     eos_token_ids = [0]
+    all_special_ids = frozenset()
+    chat_template: str | None = None
+    max_token_chars: int | None = None  # no bound on a text prompt before it is tokenized
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -31,6 +36,9 @@ class FakeTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id])  # a token is a byte: 0xE2 alone is part of a character
 
+    def token_to_id(self, token: str) -> int | None:
+        return None
+
 
 @dataclass
 class FakeStats:
@@ -40,6 +48,7 @@ class FakeStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_worker_restarts: int = 0
 
 
 @dataclass
@@ -97,6 +106,8 @@ class FakeAsyncEngine:
                  model_name: str = "fake-model") -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.config = EngineConfig(model=ModelConfig(max_model_len=max_model_len, served_model_name=model_name))
+        self.num_deaths = 0
         self.tokenizer = FakeTokenizer()
         self.reply = reply
         self.calls: list[Call] = []
@@ -116,9 +127,24 @@ class FakeAsyncEngine:
         self.encode_calls: list[tuple[str, bool]] = []
         self.num_blocks = 64
 
+    async def start(self) -> None:
+        pass
+
+    async def shutdown(self, timeout_s: float = 0.0) -> None:
+        pass
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.encode_calls.append((text, add_special_tokens))
         return self.tokenizer.encode(text, add_special_tokens)
+
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
+
+    async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str | None]:
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
+
+    async def check_constraint(self, params) -> None:
+        """Every constraint is accepted (the fake has no grammar engine)."""
 
     async def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False,
                           **template_kwargs) -> str:
@@ -173,6 +199,12 @@ class FakeAsyncEngine:
 
     def is_healthy(self) -> bool:
         return not self.dead
+
+    def health_status(self) -> str:
+        return "dead" if self.dead else "ok"
+
+    def replica_states(self) -> None:
+        return None
 
     def stats(self) -> FakeStats:
         return self.stats_value

@@ -68,8 +68,8 @@ async def test_huge_stop_list_is_refused_before_any_per_item_work(make_client, m
     validated, built = [], []
     real_parse = route.parse
     monkeypatch.setattr(route, "parse", lambda *a, **k: validated.append(a) or real_parse(*a, **k))
-    real_build = server.build_params
-    server.build_params = lambda kw: built.append(kw) or real_build(kw)
+    real_build = server.fanout.build_params
+    server.fanout.build_params = lambda kw: built.append(kw) or real_build(kw)
     r = await client.post("/v1/completions", json={**COMPLETION, "stop": [f"stop{i}" for i in range(50_000)]})
     refused(r, "stop", AdmissionLimits().max_stop_sequences, "--max-stop-sequences")
     assert validated == [] and built == [] and engine.encode_calls == [] and engine.calls == []
@@ -120,11 +120,11 @@ async def test_fan_out_is_refused_before_anything_is_built(make_client):
     # checked or tokenized and before a single choice (or its SamplingParams) is built.
     client, engine, server = await make_client(max_prompts=4096)
     built, prompted, made = [], [], []
-    real_build = server.build_params
-    server.build_params = lambda kw: built.append(kw) or real_build(kw)
-    real_prompts, real_make = server.completion_prompts, server.make_choices
-    server.completion_prompts = lambda req: prompted.append(req) or real_prompts(req)
-    server.make_choices = lambda *a, **k: made.append(a) or real_make(*a, **k)
+    real_build = server.fanout.build_params
+    server.fanout.build_params = lambda kw: built.append(kw) or real_build(kw)
+    real_prompts, real_make = server.completion.completion_prompts, server.fanout.make_choices
+    server.completion.completion_prompts = lambda req: prompted.append(req) or real_prompts(req)
+    server.fanout.make_choices = lambda *a, **k: made.append(a) or real_make(*a, **k)
     r = await client.post("/v1/completions", json={"prompt": [[42]] * 2000, "n": 128, "max_tokens": 1})
     err = refused(r, "n", AdmissionLimits().max_request_choices, "--max-request-choices")
     assert "256000" in err["message"]
@@ -350,8 +350,8 @@ async def test_choices_share_one_validation_of_the_request_lists(make_client, mo
 async def test_allowed_token_ids_longer_than_the_vocabulary_are_400(make_client, path, body):
     client, engine, server = await make_client()
     validated = []
-    real_build = server.build_params
-    server.build_params = lambda kw: validated.append(kw) or real_build(kw)
+    real_build = server.fanout.build_params
+    server.fanout.build_params = lambda kw: validated.append(kw) or real_build(kw)
     r = await client.post(path, json={**body, "allowed_token_ids": list(range(256)) * 2})
     err = assert_openai_error(r, 400, param="allowed_token_ids")
     assert "512" in err["message"] and "256" in err["message"]

@@ -19,17 +19,19 @@ class PoolEngine(FakeAsyncEngine):
         self.render_error = render_error
         self.convert_threads: list[str] = []
 
-    async def render_chat(self, messages, *a, **kw):
+    async def render_chat(self, messages, add_generation_prompt=True, continue_final_message=False,
+                          **template_kwargs):
         if self.render_error is not None:
             raise self.render_error
-        return await super().render_chat(messages, *a, **kw)
+        return await super().render_chat(messages, add_generation_prompt, continue_final_message,
+                                         **template_kwargs)
 
-    async def convert_ids_to_tokens(self, ids):
+    async def convert_ids_to_tokens(self, token_ids):
         import asyncio
 
         def convert():
             self.convert_threads.append(threading.current_thread().name)
-            return self.tokenizer.convert_ids_to_tokens(ids)
+            return self.tokenizer.convert_ids_to_tokens(token_ids)
 
         return await asyncio.get_running_loop().run_in_executor(None, convert)
 

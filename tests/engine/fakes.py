@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contracts.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from contracts.messages import SampledLogprobs, StepInput, StepOutput
+from gpu.executor import Executor
 from gpu.worker import decode_step, encode_step
 
 PAD, BOS, EOS = 0, 1, 2
@@ -23,14 +24,16 @@ class FakeTokenizer:
     bos_token_id = BOS
     all_special_ids = {PAD, BOS, EOS}
     vocab_size = VOCAB
+    chat_template = None
+    max_token_chars = None  # no bound on a text prompt's length before it is tokenized
     _special_text = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
 
-    def token_bytes(self, tid: int, skip_special_tokens: bool = True) -> bytes:
-        if tid in self._special_text:
-            return b"" if skip_special_tokens else self._special_text[tid].encode()
-        if BYTE0 <= tid < WORD0:
-            return bytes([tid - BYTE0])
-        return WORDS[tid - WORD0].encode()
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        if token_id in self._special_text:
+            return b"" if skip_special_tokens else self._special_text[token_id].encode()
+        if BYTE0 <= token_id < WORD0:
+            return bytes([token_id - BYTE0])
+        return WORDS[token_id - WORD0].encode()
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         self.decode_calls = getattr(self, "decode_calls", 0) + 1
@@ -38,6 +41,12 @@ class FakeTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([BOS] if add_special_tokens else []) + [BYTE0 + b for b in text.encode()]
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.decode([i], skip_special_tokens=False) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return None
 
     def word(self, w: str) -> int:
         return WORD0 + WORDS.index(w)
@@ -63,7 +72,7 @@ class _WorkerSeq:
         self.options = ns.sampling
 
 
-class FakeExecutor:
+class FakeExecutor(Executor):
     def __init__(self, num_blocks: int, block_size: int, next_token=default_next_token, num_swap_blocks: int = 0,
                  top_logprobs=None):
         """``top_logprobs(tokens, options, num_prompt) -> [(token, logprob)]`` best first: when

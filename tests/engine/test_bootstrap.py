@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import engine.bootstrap
-import gpu.executor
+import gpu.executor_factory
 from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
 
 WAIT_S = 10.0  # generous: only a sequential start (a bug) ever waits this long
@@ -45,7 +45,7 @@ def test_tokenizer_loads_while_the_executor_starts(monkeypatch):
         return _Executor(config)
 
     monkeypatch.setattr(engine.bootstrap, "load_tokenizer", load_tokenizer)
-    monkeypatch.setattr(gpu.executor, "create_executor", create_executor)
+    monkeypatch.setattr(gpu.executor_factory, "create_executor", create_executor)
     parts = engine.bootstrap.build_engine(_config())
     assert seen == {"executor running meanwhile": True, "tokenizer running meanwhile": True}
     assert isinstance(parts.tokenizer, FakeTokenizer) and not parts.executor.shut
@@ -62,7 +62,7 @@ def test_tokenizer_failure_shuts_the_started_executor_down(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(engine.bootstrap, "load_tokenizer", load_tokenizer)
-    monkeypatch.setattr(gpu.executor, "create_executor", create_executor)
+    monkeypatch.setattr(gpu.executor_factory, "create_executor", create_executor)
     with pytest.raises(engine.bootstrap.ConfigError, match="no tokenizer here"):
         engine.bootstrap.build_engine(_config())
     assert len(made) == 1 and made[0].shut
@@ -79,7 +79,7 @@ def test_executor_failure_waits_for_the_tokenizer_and_raises(monkeypatch):
         raise gpu.executor.ExecutorError("worker 0 failed to start")
 
     monkeypatch.setattr(engine.bootstrap, "load_tokenizer", load_tokenizer)
-    monkeypatch.setattr(gpu.executor, "create_executor", create_executor)
+    monkeypatch.setattr(gpu.executor_factory, "create_executor", create_executor)
     with pytest.raises(gpu.executor.ExecutorError, match="failed to start"):
         engine.bootstrap.build_engine(_config())
     assert done.is_set()  # joined, not left running behind the error
@@ -89,7 +89,7 @@ def test_dummy_model_without_path_fails_before_any_worker_starts(monkeypatch):
     def create_executor(config, cancel=None):
         raise AssertionError("no worker may start without a tokenizer path")
 
-    monkeypatch.setattr(gpu.executor, "create_executor", create_executor)
+    monkeypatch.setattr(gpu.executor_factory, "create_executor", create_executor)
     config = make_config(block_size=16)
     config.model.load_format = "dummy"
     config.model.hf_config = {"max_position_embeddings": 256}

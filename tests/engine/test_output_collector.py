@@ -130,11 +130,11 @@ async def test_latency_metrics_use_engine_times_not_read_times(fake_parts):
         app = build_app(engine, served_model_name="m")
         server, registry = app.state.server, app.state.metrics.registry
         prompt = FakeTokenizer().encode("time me")
-        choices = server.make_choices("cmpl-t", [(None, prompt)], 1, {"temperature": 0.0}, [20], None)
-        streams = await server.start(choices, 0)
+        choices = server.fanout.make_choices("cmpl-t", [(None, prompt)], 1, {"temperature": 0.0}, [20], None)
+        streams = await server.fanout.start(choices, 0)
         await asyncio.sleep(0.5)  # the client is slow to start reading ...
         n = 0
-        async for c, comp, new_ids in server.run(choices, streams):
+        async for c, comp, new_ids in server.fanout.run(choices, streams):
             n += len(new_ids)
             await asyncio.sleep(0.05)  # ... and slow to read on
         assert n == 20

@@ -177,3 +177,16 @@ async def test_load_only_routing_ignores_the_cached_prefix(monkeypatch):
         await drain(busy), await drain(hit)
     finally:
         await engine.shutdown()
+
+
+async def test_a_pooling_request_is_routed_as_a_generation_is():
+    """ReplicatedEngine.pool (engine.client.EngineClient): AsyncEngine.pool is its generate with
+    pooling params, so the router sends it through the same choice of replica."""
+    from engine.pooling_params import PoolingParams
+
+    engine = ReplicatedEngine(make_config(), 2)
+    calls = []
+    engine.generate = lambda *a, **k: calls.append((a, k)) or "the stream"
+    params = PoolingParams()
+    assert engine.pool([5, 6], params, "e-0", prompt="hi", priority=2, cache_salt="s") == "the stream"
+    assert calls == [(([5, 6], params, "e-0"), {"prompt": "hi", "priority": 2, "cache_salt": "s"})]

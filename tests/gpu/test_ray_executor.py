@@ -17,7 +17,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from contracts.config import EngineConfig  # noqa: E402
-from gpu.executor import ExecutorError, create_executor  # noqa: E402
+from gpu.executor import ExecutorError  # noqa: E402
+from gpu.executor_factory import create_executor  # noqa: E402
 from tests.gpu.test_mp_executor import (  # noqa: E402,F401  (own_segments is a fixture)
     FAILING_STEP, HERE, NAP_STEP, SLOW_STEP, _existing, _gone, _step, own_segments)
 
@@ -50,7 +51,7 @@ def _config(tp: int = 1) -> EngineConfig:
 
 
 def start(tp: int = 1, runner: str = FAKE):
-    from gpu.ray_executor import create_ray_executor
+    from gpu.executor_factory import create_ray_executor
 
     return create_ray_executor(_config(tp), runner_factory=runner, startup_timeout=120)
 
@@ -216,7 +217,8 @@ def test_everything_but_the_ray_executor_works_without_ray():
         sys.modules["ray"] = None  # as if Ray were not installed
         import app.cli, engine.async_engine, engine.llm, gpu.executor, gpu.ray_executor
         from contracts.config import EngineConfig
-        from gpu.executor import ExecutorError, create_executor
+        from gpu.executor import ExecutorError
+        from gpu.executor_factory import create_executor
         try:
             create_executor(EngineConfig.from_options(executor="ray", load_format="dummy"))
         except ExecutorError as e:

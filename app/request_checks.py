@@ -1,8 +1,7 @@
-"""State and request checks every route of OpenAIServer shares: the body reader with its size
-limit, the model-name check, context-length arithmetic, token-id range checks and token text."""
+"""The request checks every route family shares: the body reader with its size limit, the
+model-name check, context-length arithmetic and token-id range checks."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
@@ -10,28 +9,20 @@ from starlette.requests import Request
 
 from app.admission import AdmissionLimits, check_body
 from app.errors import APIError
-from app.metrics import ServerMetrics
 from app.prompt_options import fit_text
+from engine.client import EngineClient
 
 
-class RouteBase:
-    """Base of OpenAIServer: the engine, the served name, the metrics, and the checks above."""
+class RequestChecks:
+    """What a request may be, against this engine, the served name and the admission bounds
+    (``limits``, app/admission.py)."""
 
-    sse_ping_interval: float = 0.0  # seconds between SSE comment pings; 0 = none
-    trust_request_chat_template: bool = False  # a request's own chat_template is rendered
-    limits: AdmissionLimits = AdmissionLimits()  # per-request bounds (app/admission.py)
-
-    def __init__(self, engine: Any, served_model_name: str, max_body_bytes: int,
-                 metrics: ServerMetrics) -> None:
+    def __init__(self, engine: EngineClient, served_model_name: str, max_body_bytes: int,
+                 limits: AdmissionLimits) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.max_body_bytes = max_body_bytes
-        self.metrics = metrics
-        self.created = int(time.time())
-        self._token_text_cache: dict[int, str] = {}
-        from engine.sampling_params import SamplingParams
-
-        self._sampling_params_cls = SamplingParams
+        self.limits = limits
 
     async def read_json(self, request: Request, limit: int | None = None,
                         flag: str = "--max-body-bytes") -> Any:
@@ -69,27 +60,18 @@ class RouteBase:
                                         "--max-tokenize-body-bytes")
         else:
             data = await self.read_json(request)
-        check_body(kind, data, self.limits, getattr(self.engine.tokenizer, "vocab_size", None),
-                   self.engine.max_model_len)
+        check_body(kind, data, self.limits, self.engine.tokenizer.vocab_size, self.engine.max_model_len)
         return data
 
     def fit_text(self, text: str, param: str, keep: int | None = None, which: str = "the prompt") -> str:
         """A text prompt bounded before it is tokenized (app/prompt_options.fit_text): a 400 when
         it cannot fit the context, its end only when ``keep`` (truncate_prompt_tokens) is set."""
-        return fit_text(text, param, getattr(self.engine.tokenizer, "max_token_chars", None),
+        return fit_text(text, param, self.engine.tokenizer.max_token_chars,
                         self.engine.max_model_len, keep, which)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError.model_not_found(model)
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_text_cache) < 500_000:
-                self._token_text_cache[token_id] = text
-        return text
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None) -> int:
         ctx = self.engine.max_model_len
@@ -110,16 +92,9 @@ class RouteBase:
         return room if default is None else min(default, room)
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
-        vocab = getattr(self.engine.tokenizer, "vocab_size", None)
+        vocab = self.engine.tokenizer.vocab_size
         for t in ids:
-            if t < 0 or (vocab is not None and t >= vocab):
-                raise APIError.bad_request(f"token id {t} is out of range: ids must be in [0, {vocab})"
-                                           if vocab is not None else f"token id {t} is negative",
+            if t < 0 or t >= vocab:
+                raise APIError.bad_request(f"token id {t} is out of range: ids must be in [0, {vocab})",
                                            param=param)
         return ids
-
-    async def decode(self, ids: list[int]) -> str:
-        decode = getattr(self.engine, "decode", None)  # off the loop when the engine offers it
-        if decode is not None:
-            return await decode(ids, skip_special_tokens=False)
-        return self.engine.tokenizer.decode(ids, skip_special_tokens=False)
