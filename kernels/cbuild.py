@@ -5,11 +5,11 @@ a name keyed by the source, the flags and the compiler, so another process (a re
 tensor-parallel worker) loads it without compiling. A cached library is code this process runs, so
 the directory and the file must belong to this user and be writable by no one else
 (``check_private``): otherwise another user could swap the library, and the build is refused
-with the reason (the kernel turns off; the torch path runs). The vector ISA is chosen from this CPU's flags
-with explicit ``-m`` options (never ``-march=native``), so a cached build stays valid on any
-machine with the same extensions. Every C kernel builds here: kernels/cpu_attention.py (ISA from
-``pick_isa``), kernels/qgemm.py and kernels/fused.py (each picks its own ISA flags, for reasons
-measured in their modules, from ``cpu_flags``).
+with the reason (the kernel turns off; the torch path runs). Every C kernel builds here, with the
+flags of the build kernels/isa.py chooses for this CPU (explicit ``-m`` options, never
+``-march=native``, so a cached build stays valid on any machine with the same extensions).
+``$CC`` (default gcc) and ``$XDG_CACHE_HOME`` are read here as every Unix tool reads them: they are
+not pagedserve's switches, so contracts/env.py does not declare them.
 """
 from __future__ import annotations
 
@@ -25,22 +25,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from contracts import env
+from kernels import isa
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-
-# Vector ISAs a kernel can be built for, best first: (name, CPU flags required, compiler flags).
-ISAS: list[tuple[str, frozenset[str], list[str]]] = [
-    ("avx512bf16", frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "f16c"}),
-     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512bf16"]),
-    ("avx512", frozenset({"avx512f", "avx512bw", "avx2", "fma", "f16c"}),
-     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw"]),
-    ("avx2", frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c"]),  # f16c: fp8 KV (csrc/fp8.h)
-    ("scalar", frozenset(), []),
-]
-
 
 class KernelBuildError(RuntimeError):
     """A C kernel cannot be built or loaded; the message says what to install or change."""
@@ -50,36 +40,10 @@ class CompilerMissing(KernelBuildError):
     """No C compiler on PATH (``$CC``, default gcc): the optional kernels turn off quietly."""
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (from /proc/cpuinfo; torch's dispatch level elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap == "AVX512":  # (no way to tell bf16 support from torch's level)
-        return {"avx2", "fma", "avx512f", "avx512bw"}
-    return {"avx2", "fma"} if cap == "AVX2" else set()
-
-
-def pick_isa(forced: str | None = None) -> tuple[str, list[str]]:
-    """The best ISA this CPU runs, or ``forced`` (for tests) if the CPU runs that one too."""
-    flags = cpu_flags()
-    for name, needs, cflags in ISAS:
-        if forced and name != forced:
-            continue
-        if needs <= flags:
-            return name, cflags
-    raise KernelBuildError(f"this CPU cannot run the {forced!r} build")
-
-
 def cache_dir() -> Path:
-    env = os.environ.get("PAGEDSERVE_KERNEL_CACHE")
-    if env:
-        return Path(env)
+    configured = env.KERNEL_CACHE.get()
+    if configured:
+        return Path(configured)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pagedserve" / "kernels"
 
@@ -126,13 +90,19 @@ def check_private(path: Path) -> None:
                                f"code this process loads{fix}")
 
 
-def build_or_none(source_name: str, extra_flags: list[str], fallback: str) -> ctypes.CDLL | None:
-    """``build``, or None with a warning naming ``fallback`` (the path that runs instead) when the
-    compiler rejects the source: an optional kernel never stops the server."""
+def build_kernel(name: str, choice: isa.Build) -> ctypes.CDLL:
+    """Build (or load from the cache) the ``choice`` build of kernel ``name`` (kernels/isa.py)."""
+    kernel = isa.KERNELS[name]
+    return build(kernel.source, kernel.flags(choice))
+
+
+def build_or_none(name: str, choice: isa.Build, fallback: str) -> ctypes.CDLL | None:
+    """``build_kernel``, or None with a warning naming ``fallback`` (the path that runs instead) when
+    the compiler rejects the source: an optional kernel never stops the server."""
     try:
-        return build(source_name, extra_flags)
+        return build_kernel(name, choice)
     except KernelBuildError as e:
-        logger.warning("%s: the build failed, %s runs: %s", source_name, fallback, e)
+        logger.warning("%s: the build failed, %s runs: %s", isa.KERNELS[name].source, fallback, e)
         return None
 
 
