@@ -2,7 +2,8 @@
 
 The library lands in ``$PAGEDSERVE_KERNEL_CACHE`` (default ``~/.cache/pagedserve/kernels``) under
 a name keyed by the source, the flags and the compiler, so another process (a restarted server, a
-tensor-parallel worker) loads it without compiling. A cached library is code this process runs, so
+tensor-parallel worker) loads it without compiling, and a machine without a compiler loads what
+``python -m kernels.build_all`` (``make install``) built there. A cached library is code this process runs, so
 the directory and the file must belong to this user and be writable by no one else
 (``check_private``): otherwise another user could swap the library, and the build is refused
 with the reason (the kernel turns off; the torch path runs). Every C kernel builds here, with the
@@ -49,17 +50,20 @@ def cache_dir() -> Path:
 
 
 def build(source_name: str, extra_flags: list[str]) -> ctypes.CDLL:
-    """Compile ``csrc/<source_name>`` with ``extra_flags`` (once per source+flags+compiler) and load it."""
+    """Compile ``csrc/<source_name>`` with ``extra_flags`` (once per source+flags+compiler) and load it.
+    Without a compiler, a build of the same source and flags that is already cached (``make install``
+    put it there) loads; only a missing one raises CompilerMissing."""
     cc = os.environ.get("CC", "gcc")
     cc_path = shutil.which(cc)
-    if cc_path is None:
-        raise CompilerMissing(f"building {source_name} needs a C compiler: {cc!r} is not on PATH "
-                              "(install gcc or set CC)")
     source = CSRC / source_name
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *extra_flags]
     src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # shared headers
-    key = hashlib.sha256(src + " ".join(flags).encode() + cc_path.encode()).hexdigest()[:16]
-    out = cache_dir() / f"{source.stem}-{key}.so"
+    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
+    if cc_path is None:
+        return _load_cached(source, key, f"building {source_name} needs a C compiler: {cc!r} is not on PATH "
+                                         "(install gcc or set CC)")
+    compiler = hashlib.sha256(cc_path.encode()).hexdigest()[:8]
+    out = cache_dir() / f"{source.stem}-{key}-{compiler}.so"
     if out.parent.exists():
         check_private(out.parent)
     if out.is_file():
@@ -68,6 +72,19 @@ def build(source_name: str, extra_flags: list[str]) -> ctypes.CDLL:
         logger.info("building %s: %s %s -> %s", source_name, cc, " ".join(flags), out)
         _compile(cc, flags, source, out)
     return ctypes.CDLL(str(out))
+
+
+def _load_cached(source: Path, key: str, missing: str) -> ctypes.CDLL:
+    """The newest cached build of ``source`` with this source+flags ``key`` (from whichever compiler
+    built it), or CompilerMissing(``missing``) where there is none."""
+    directory = cache_dir()
+    built = sorted(directory.glob(f"{source.stem}-{key}-*.so"), key=lambda p: p.stat().st_mtime) \
+        if directory.is_dir() else []
+    if not built:
+        raise CompilerMissing(missing)
+    check_private(directory)
+    check_private(built[-1])
+    return ctypes.CDLL(str(built[-1]))
 
 
 def check_private(path: Path) -> None:
