@@ -131,8 +131,8 @@ def silu_and_mul_bf16(h: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_f32(h: torch.Tensor) -> torch.Tensor:
-    """silu(h[:, :I]) * h[:, I:] for a contiguous fp32 h [M, 2I]: the fused layer's SiLU (csrc/exp256.h
-    on AVX2), so an eager step and a fused one give a row the same result."""
+    """silu(h[:, :I]) * h[:, I:] for a contiguous fp32 h [M, 2I]: the fused layer's SiLU (csrc/exp.h's
+    exp256 on AVX2), so an eager step and a fused one give a row the same result."""
     M, I = h.shape[0], h.shape[1] // 2
     a = h.new_empty((M, I))
     library().fz_silu_mul_f32(h.data_ptr(), M, I, a.data_ptr(), torch.get_num_threads())
