@@ -9,10 +9,14 @@ built with -mavx2 -mfma and no -mf16c, which does not compile (csrc/qgemm_avx2.h
 scales with F16C); it now gets the scalar build, as a CPU without AVX2 does."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import pytest
 
 from contracts import env
-from kernels import isa
+from kernels import cbuild, isa
 
 _AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
 CPUS = {
@@ -130,3 +134,19 @@ def test_levels_here_lists_each_runnable_level_once_best_first() -> None:
     assert levels[-1] == "scalar" and len(levels) == len(set(levels))
     assert ("avx2" in levels) == ({"avx2", "fma"} <= here)
     assert ("avx512" in levels) == ({"avx2", "fma", "avx512f", "avx512bw"} <= here)  # the opt-in build too
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="no C compiler")
+def test_every_build_in_the_table_compiles(tmp_path) -> None:
+    """Each (kernel, build) compiles with its flags, also the AVX-512 and AMX ones this CPU cannot run
+    (-O0 -c: the intrinsics' target checks without the optimiser's time). A compiler too old for a
+    flag (-mamx-tile: gcc 11) is not this code's failure; that build is left out."""
+    cc = os.environ.get("CC", "gcc")
+    for name, kernel in isa.KERNELS.items():
+        for build in kernel.builds:
+            cmd = [cc, "-O0", "-std=c11", "-fopenmp", "-c", *kernel.flags(build), str(cbuild.CSRC / kernel.source),
+                   "-o", str(tmp_path / "k.o")]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode and "unrecognized command-line option" in proc.stderr:
+                continue
+            assert proc.returncode == 0, f"{name} {build.level}: {proc.stderr[-2000:]}"
