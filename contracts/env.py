@@ -126,9 +126,8 @@ PACKED_LINEAR = _declare("PACKED_LINEAR", flag, True,
                          "0: no oneDNN-packed weights for CPU linears (plain F.linear)")
 PACKED_SMALL_ROWS = _declare("PACKED_SMALL_ROWS", flag, True,
                              "0: small batches use the packed copy too (one copy of each weight)")
-QGEMM_ISA = _declare("QGEMM_ISA", text, None, "force the quantized-GEMM build (e.g. avx2, scalar)")
-ATTN_ISA = _declare("ATTN_ISA", text, None, "force the decode-attention build (e.g. avx2, scalar)")
-FUSED_ISA = _declare("FUSED_ISA", text, None, "force the fused-ops build (e.g. avx2)")
+ISA = _declare("ISA", choice("scalar", "avx2", "avx512", "vnni", "avx512bf16", "amx"), None,
+               "cap every C kernel at this vector level (kernels/isa.py); default: the best this CPU runs")
 STEP_TRANSPORT = _declare("STEP_TRANSPORT", choice("shm", "pipe"), None,
                           "default of --step-transport; unset: the shm ring where it is safe (x86)")
 RAY_TRANSPORT = _declare("RAY_TRANSPORT", choice("shm", "ray"), None,

@@ -5,45 +5,36 @@ bf16 caches with head_dim a multiple of 32 and at most 16 query heads per KV hea
 CPU has AMX (amx_tile, amx_bf16, avx512_bf16) and Linux grants the tile state, for every batch
 size and context length: it measured faster than the AVX-512 kernel at batch 1, 4 and 16 and
 contexts 128 to 1024, 1.2-1.7x with a step's caches coming from DRAM and 1.2-2.2x cache-hot (one
-thread; loadtest/PERF.md, "AMX decode attention"). ``PAGEDSERVE_ATTN_ISA`` forces a
-path: ``amx`` this one (where the shapes allow), any other value (``avx512bf16`` ...) that
-build of the AVX-512 / AVX2 / scalar kernel and no AMX.
+thread; loadtest/PERF.md, "AMX decode attention"). ``PAGEDSERVE_ISA`` below ``amx`` turns it off
+(kernels/isa.py).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
-from kernels import cbuild
+from kernels import abi, cbuild, isa
 
 logger = logging.getLogger(__name__)
-
-ISA_ENV = "PAGEDSERVE_ATTN_ISA"
-NEEDS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "avx2", "fma"})
-FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The AMX kernel, or None where the CPU lacks AMX, Linux refuses the tile state, the build
-    fails, or ``PAGEDSERVE_ATTN_ISA`` names another build."""
-    if os.environ.get(ISA_ENV) not in (None, "", "amx") or not NEEDS <= cbuild.cpu_flags():
+    fails, or ``PAGEDSERVE_ISA`` caps the kernels below AMX."""
+    choice = isa.choose("paged_attn_amx")
+    if choice is None:
         return None
-    lib = cbuild.build_or_none("paged_attn_amx.c", FLAGS, "the AVX-512 attention kernel")
+    lib = cbuild.build_or_none("paged_attn_amx", choice, "the AVX-512 attention kernel")
     if lib is None:
         return None
     if not cbuild.amx_tiles_granted():
         logger.warning("AMX decode attention: Linux refused the tile state, the AVX-512 kernel runs")
         return None
-    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.pam_max_group.restype = I
-    lib.pam_max_group.argtypes = []
-    lib.pam_decode.restype = I
-    lib.pam_decode.argtypes = [P, I64, P, P, P, I64, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64, I, I64, I]
+    abi.bind(lib, "paged_attn_amx")
     logger.info("CPU attention: AMX bf16 tiles for decodes")
     return lib
 

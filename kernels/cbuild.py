@@ -2,14 +2,15 @@
 
 The library lands in ``$PAGEDSERVE_KERNEL_CACHE`` (default ``~/.cache/pagedserve/kernels``) under
 a name keyed by the source, the flags and the compiler, so another process (a restarted server, a
-tensor-parallel worker) loads it without compiling. A cached library is code this process runs, so
+tensor-parallel worker) loads it without compiling, and a machine without a compiler loads what
+``python -m kernels.build_all`` (``make install``) built there. A cached library is code this process runs, so
 the directory and the file must belong to this user and be writable by no one else
 (``check_private``): otherwise another user could swap the library, and the build is refused
-with the reason (the kernel turns off; the torch path runs). The vector ISA is chosen from this CPU's flags
-with explicit ``-m`` options (never ``-march=native``), so a cached build stays valid on any
-machine with the same extensions. Every C kernel builds here: kernels/cpu_attention.py (ISA from
-``pick_isa``), kernels/qgemm.py and kernels/fused.py (each picks its own ISA flags, for reasons
-measured in their modules, from ``cpu_flags``).
+with the reason (the kernel turns off; the torch path runs). Every C kernel builds here, with the
+flags of the build kernels/isa.py chooses for this CPU (explicit ``-m`` options, never
+``-march=native``, so a cached build stays valid on any machine with the same extensions).
+``$CC`` (default gcc) and ``$XDG_CACHE_HOME`` are read here as every Unix tool reads them: they are
+not pagedserve's switches, so contracts/env.py does not declare them.
 """
 from __future__ import annotations
 
@@ -25,22 +26,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from contracts import env
+from kernels import isa
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-
-# Vector ISAs a kernel can be built for, best first: (name, CPU flags required, compiler flags).
-ISAS: list[tuple[str, frozenset[str], list[str]]] = [
-    ("avx512bf16", frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma", "f16c"}),
-     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512bf16"]),
-    ("avx512", frozenset({"avx512f", "avx512bw", "avx2", "fma", "f16c"}),
-     ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw"]),
-    ("avx2", frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c"]),  # f16c: fp8 KV (csrc/fp8.h)
-    ("scalar", frozenset(), []),
-]
-
 
 class KernelBuildError(RuntimeError):
     """A C kernel cannot be built or loaded; the message says what to install or change."""
@@ -50,52 +41,29 @@ class CompilerMissing(KernelBuildError):
     """No C compiler on PATH (``$CC``, default gcc): the optional kernels turn off quietly."""
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (from /proc/cpuinfo; torch's dispatch level elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap == "AVX512":  # (no way to tell bf16 support from torch's level)
-        return {"avx2", "fma", "avx512f", "avx512bw"}
-    return {"avx2", "fma"} if cap == "AVX2" else set()
-
-
-def pick_isa(forced: str | None = None) -> tuple[str, list[str]]:
-    """The best ISA this CPU runs, or ``forced`` (for tests) if the CPU runs that one too."""
-    flags = cpu_flags()
-    for name, needs, cflags in ISAS:
-        if forced and name != forced:
-            continue
-        if needs <= flags:
-            return name, cflags
-    raise KernelBuildError(f"this CPU cannot run the {forced!r} build")
-
-
 def cache_dir() -> Path:
-    env = os.environ.get("PAGEDSERVE_KERNEL_CACHE")
-    if env:
-        return Path(env)
+    configured = env.KERNEL_CACHE.get()
+    if configured:
+        return Path(configured)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pagedserve" / "kernels"
 
 
 def build(source_name: str, extra_flags: list[str]) -> ctypes.CDLL:
-    """Compile ``csrc/<source_name>`` with ``extra_flags`` (once per source+flags+compiler) and load it."""
+    """Compile ``csrc/<source_name>`` with ``extra_flags`` (once per source+flags+compiler) and load it.
+    Without a compiler, a build of the same source and flags that is already cached (``make install``
+    put it there) loads; only a missing one raises CompilerMissing."""
     cc = os.environ.get("CC", "gcc")
     cc_path = shutil.which(cc)
-    if cc_path is None:
-        raise CompilerMissing(f"building {source_name} needs a C compiler: {cc!r} is not on PATH "
-                              "(install gcc or set CC)")
     source = CSRC / source_name
     flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", *extra_flags]
     src = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # shared headers
-    key = hashlib.sha256(src + " ".join(flags).encode() + cc_path.encode()).hexdigest()[:16]
-    out = cache_dir() / f"{source.stem}-{key}.so"
+    key = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
+    if cc_path is None:
+        return _load_cached(source, key, f"building {source_name} needs a C compiler: {cc!r} is not on PATH "
+                                         "(install gcc or set CC)")
+    compiler = hashlib.sha256(cc_path.encode()).hexdigest()[:8]
+    out = cache_dir() / f"{source.stem}-{key}-{compiler}.so"
     if out.parent.exists():
         check_private(out.parent)
     if out.is_file():
@@ -104,6 +72,19 @@ def build(source_name: str, extra_flags: list[str]) -> ctypes.CDLL:
         logger.info("building %s: %s %s -> %s", source_name, cc, " ".join(flags), out)
         _compile(cc, flags, source, out)
     return ctypes.CDLL(str(out))
+
+
+def _load_cached(source: Path, key: str, missing: str) -> ctypes.CDLL:
+    """The newest cached build of ``source`` with this source+flags ``key`` (from whichever compiler
+    built it), or CompilerMissing(``missing``) where there is none."""
+    directory = cache_dir()
+    built = sorted(directory.glob(f"{source.stem}-{key}-*.so"), key=lambda p: p.stat().st_mtime) \
+        if directory.is_dir() else []
+    if not built:
+        raise CompilerMissing(missing)
+    check_private(directory)
+    check_private(built[-1])
+    return ctypes.CDLL(str(built[-1]))
 
 
 def check_private(path: Path) -> None:
@@ -126,13 +107,19 @@ def check_private(path: Path) -> None:
                                f"code this process loads{fix}")
 
 
-def build_or_none(source_name: str, extra_flags: list[str], fallback: str) -> ctypes.CDLL | None:
-    """``build``, or None with a warning naming ``fallback`` (the path that runs instead) when the
-    compiler rejects the source: an optional kernel never stops the server."""
+def build_kernel(name: str, choice: isa.Build) -> ctypes.CDLL:
+    """Build (or load from the cache) the ``choice`` build of kernel ``name`` (kernels/isa.py)."""
+    kernel = isa.KERNELS[name]
+    return build(kernel.source, kernel.flags(choice))
+
+
+def build_or_none(name: str, choice: isa.Build, fallback: str) -> ctypes.CDLL | None:
+    """``build_kernel``, or None with a warning naming ``fallback`` (the path that runs instead) when
+    the compiler rejects the source: an optional kernel never stops the server."""
     try:
-        return build(source_name, extra_flags)
+        return build_kernel(name, choice)
     except KernelBuildError as e:
-        logger.warning("%s: the build failed, %s runs: %s", source_name, fallback, e)
+        logger.warning("%s: the build failed, %s runs: %s", isa.KERNELS[name].source, fallback, e)
         return None
 
 

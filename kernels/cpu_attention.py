@@ -7,26 +7,26 @@ bf16, spends Hkv times the FLOPs on a block-diagonal GQA query. The C kernel rea
 they are in the cache, once for all the query heads of a KV head, with an online softmax
 (figures in loadtest/PERF.md). Where the CPU has AMX, bf16 decodes run the AMX kernel instead
 (kernels/attn_amx.py, csrc/paged_attn_amx.c; same arguments). ``PAGEDSERVE_CPU_ATTENTION=torch``
-selects the torch path; a machine without a C compiler falls back to it with one warning.
+selects the torch path; a machine without a C compiler falls back to it with one warning. The
+build (AVX-512 BF16, AVX-512, AVX2, scalar) is kernels/isa.py's choice.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
-from kernels import attn_amx, cbuild
+from contracts import env
+from kernels import abi, attn_amx, cbuild
+from kernels.isa import choose
 from kernels.kv_cache_dtype import FP8
 from kernels.metadata import AttentionMetadata
 from kernels.torch_attention import paged_attention_torch, split_decode_prefill
 
 logger = logging.getLogger(__name__)
 
-IMPL_ENV = "PAGEDSERVE_CPU_ATTENTION"  # "torch": the torch path only
-ISA_ENV = attn_amx.ISA_ENV  # amx | avx512bf16 | avx512 | avx2 | scalar: force a path (tests)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Below this many multiply-adds (tokens x heads x head_dim, Q.K and P.V) a decode call runs on
 # one thread: an OpenMP region costs more than it saves, and on a busy box it waits for the
@@ -41,22 +41,17 @@ MIN_PART_BLOCKS = 4  # a part is at least this many blocks (each part costs a co
 
 
 @functools.cache
-def library(isa: str | None = None) -> ctypes.CDLL | None:
-    """The decode kernel for this CPU (or the forced ``isa``); None when it cannot be built."""
-    forced = isa or os.environ.get(ISA_ENV) or None
+def library(level: str | None = None) -> ctypes.CDLL | None:
+    """The decode kernel for this CPU, or its best build at or below ``level`` (tests pin a build
+    so); None when it cannot be built."""
+    choice = choose("paged_attn") if level is None else choose("paged_attn", cap=level)  # (scalar: never None)
     try:
-        name, flags = cbuild.pick_isa(None if forced == "amx" else forced)
-        lib = cbuild.build("paged_attn.c", flags)
+        lib = cbuild.build_kernel("paged_attn", choice)
     except cbuild.KernelBuildError as e:
         logger.warning("CPU attention kernel unavailable, using the torch path: %s", e)
         return None
-    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for fn in ("pa_isa", "pa_width", "pa_max_group", "pa_max_head_dim"):
-        getattr(lib, fn).restype = I
-        getattr(lib, fn).argtypes = []
-    lib.pa_decode.restype = I
-    lib.pa_decode.argtypes = [P, I64, P, P, P, I64, P, I64, I64, I64, I64, I64, ctypes.c_float, P, I64, I, I64, I]
-    logger.info("CPU attention kernel: %s build (%d fp32 lanes)", name, lib.pa_width())
+    abi.bind(lib, "paged_attn")
+    logger.info("CPU attention kernel: %s build (%d fp32 lanes)", choice.level, lib.pa_width())
     return lib
 
 
@@ -76,7 +71,7 @@ def dtype_code(dtype: torch.dtype, k_cache: torch.Tensor) -> int:
 def _kernel_for(dtype: torch.dtype, num_heads: int, k_cache: torch.Tensor) -> ctypes.CDLL | None:
     """The library when the kernel handles these shapes and dtypes (queries fp32 or bf16, caches
     the same or fp8), else None (torch path)."""
-    if os.environ.get(IMPL_ENV) == "torch" or dtype not in _DTYPES or k_cache.dtype not in (dtype, FP8):
+    if env.CPU_ATTENTION.get() == "torch" or dtype not in _DTYPES or k_cache.dtype not in (dtype, FP8):
         return None
     lib = library()
     if lib is None:

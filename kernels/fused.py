@@ -15,17 +15,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 
 import torch
 
-from kernels import cbuild
+from contracts import env
+from kernels import abi, cbuild, isa
 from kernels.kv_cache_dtype import FP8
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = "fused_cpu.c"  # in kernels/csrc
 # Rows the bf16 GEMV takes. Measured (120 decode GEMVs of the default model, one thread, CPU time,
 # vs F.linear): M=1 1.63x, 2 1.57x, 4 1.40x, 8 1.13x, 16 0.81x; past 8 rows oneDNN's tiles win.
 GEMV_MAX_M = 8
@@ -34,67 +33,21 @@ GEMV_MAX_M = 8
 GEMV_F32_MAX_M = 8
 
 
-def _isa_flags(cpu: set[str]) -> list[str]:
-    forced = os.environ.get("PAGEDSERVE_FUSED_ISA")  # tests: "scalar" or "avx2"
-    if forced != "scalar" and forced != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu:
-        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
-    if forced != "scalar" and {"avx2", "fma"} <= cpu:
-        return ["-mavx2", "-mfma"]
-    return []
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled library, or None (no compiler, build failure, or PAGEDSERVE_FUSED=0)."""
-    if os.environ.get("PAGEDSERVE_FUSED", "1") == "0":
+    choice = isa.choose("fused_cpu")
+    if not env.FUSED.get() or choice is None:
         return None
     try:
-        lib = cbuild.build(_SOURCE, ["-ffp-contract=off", *_isa_flags(cbuild.cpu_flags())])
+        lib = cbuild.build_kernel("fused_cpu", choice)
     except cbuild.CompilerMissing as e:
         logger.info("fused CPU ops off: %s", e)
         return None
     except (OSError, cbuild.KernelBuildError, subprocess.SubprocessError) as e:
-        logger.warning("fused CPU ops off: building %s failed: %s", _SOURCE, e)
+        logger.warning("fused CPU ops off: building %s failed: %s", isa.KERNELS["fused_cpu"].source, e)
         return None
-    P, I64, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.fz_isa.restype, lib.fz_isa.argtypes = I, []
-    lib.fz_add_rms_norm.restype, lib.fz_add_rms_norm.argtypes = I, [P, P, P, I64, I64, F, I]
-    lib.fz_rms_norm.restype, lib.fz_rms_norm.argtypes = I, [P, I64, P, P, I64, I64, F, I]
-    lib.fz_rotary_neox.restype = None
-    lib.fz_rotary_neox.argtypes = [P, I64, I64, I64, I64, I64, P, P, I]
-    lib.fz_gemv_bf16.restype, lib.fz_gemv_bf16.argtypes = I, [P, I64, I64, P, I64, P, I]
-    lib.fz_gemv_f32.restype, lib.fz_gemv_f32.argtypes = I, [P, I64, I64, P, I64, P, I]
-    lib.fz_write_kv.restype, lib.fz_write_kv.argtypes = I64, [P, P, I64, P, P, P, I64, I64, I64, I, I]
-    lib.fz_attn_in.restype = I  # the fz_linear arguments are pointers to LinearSpec
-    lib.fz_attn_in.argtypes = [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I, I, I]
-    lib.fz_mlp_out.restype = I
-    lib.fz_mlp_out.argtypes = [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I, I]
-    lib.fz_silu_mul_bf16.restype, lib.fz_silu_mul_bf16.argtypes = I, [P, I64, I64, P, I]
-    lib.fz_silu_mul_f32.restype, lib.fz_silu_mul_f32.argtypes = I, [P, I64, I64, P, I]
-    lib.fz_decode_stack.restype = I
-    lib.fz_decode_stack.argtypes = [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,
-                                    I64, P, I64, F, I64, I, I, P, P, P, P, P, I]
-    return lib
-
-
-class LinearSpec(ctypes.Structure):
-    """csrc/fused_cpu.c's ``fz_linear``: one linear layer of the fused decode layer, plain rows in the
-    activations' dtype (``KIND_PLAIN``: bf16 or fp32) or a packed q8_0 / q4_1 weight with the
-    addresses of the kernels that read it."""
-
-    _fields_ = [("kind", ctypes.c_int64), ("big_rows", ctypes.c_int64), ("w", ctypes.c_void_p),
-                ("d", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("small", ctypes.c_void_p),
-                ("big", ctypes.c_void_p)]
-
-
-class LayerSpec(ctypes.Structure):
-    """csrc/fused_cpu.c's ``fz_layer``: one decoder layer as ``fz_decode_stack`` reads it (fp32 norm
-    weights, the addresses of its four LinearSpecs, its K and V caches)."""
-
-    _fields_ = [("w_in_norm", ctypes.c_void_p), ("w_post_norm", ctypes.c_void_p), ("eps_in", ctypes.c_float),
-                ("eps_post", ctypes.c_float), ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p),
-                ("gu", ctypes.c_void_p), ("down", ctypes.c_void_p), ("k_cache", ctypes.c_void_p),
-                ("v_cache", ctypes.c_void_p)]
+    return abi.bind(lib, "fused_cpu")
 
 
 KIND_PLAIN, KIND_Q8_0, KIND_Q4_1 = 0, 1, 2
@@ -178,8 +131,8 @@ def silu_and_mul_bf16(h: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_f32(h: torch.Tensor) -> torch.Tensor:
-    """silu(h[:, :I]) * h[:, I:] for a contiguous fp32 h [M, 2I]: the fused layer's SiLU (csrc/exp256.h
-    on AVX2), so an eager step and a fused one give a row the same result."""
+    """silu(h[:, :I]) * h[:, I:] for a contiguous fp32 h [M, 2I]: the fused layer's SiLU (csrc/exp.h's
+    exp256 on AVX2), so an eager step and a fused one give a row the same result."""
     M, I = h.shape[0], h.shape[1] // 2
     a = h.new_empty((M, I))
     library().fz_silu_mul_f32(h.data_ptr(), M, I, a.data_ptr(), torch.get_num_threads())

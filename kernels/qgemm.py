@@ -7,11 +7,9 @@ kernel keeps the weights packed and widens them in registers (figures in loadtes
 
 kernels/cbuild.py builds it and caches the shared library under ``$PAGEDSERVE_KERNEL_CACHE``
 (default ``~/.cache/pagedserve/kernels``), keyed by the source, the flags and the compiler, so a
-second process (or a tensor-parallel worker) loads it without compiling. The path is chosen from
-/proc/cpuinfo: AVX2+FMA (``-mavx2 -mfma``), else the portable scalar build, with a warning; explicit
-flags, not ``-march=native``, so a cached build stays valid on any CPU with those extensions.
-``PAGEDSERVE_QGEMM_ISA=avx512`` builds the AVX-512 path where the CPU has it (measured no faster,
-see build_flags); ``avx2|scalar`` force a lower path (tests, benchmarks).
+second process (or a tensor-parallel worker) loads it without compiling. kernels/isa.py chooses the
+build: AVX2+FMA, else the portable scalar build, with a warning; ``PAGEDSERVE_ISA=avx512`` builds
+the AVX-512 path where the CPU has it (opt-in: measured no faster), ``avx2|scalar`` a lower one.
 
 On CPUs with AVX-512 VNNI, q8_0 / q4_1 layers are instead re-laid 16 output channels side by side
 and computed by kernels/qgemm_n16.py (VNNI, and AMX bf16 tiles for batches of bf16 rows): 2x the
@@ -23,11 +21,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
-from kernels import cbuild, qgemm_n16
+from kernels import abi, cbuild, qgemm_n16
+from kernels.isa import choose
 
 logger = logging.getLogger(__name__)
 
@@ -40,35 +38,10 @@ FUSED_MAX_M = 16  # above this many rows, dequantize blocks of W and use the BLA
 ALL_ROWS = 1 << 62
 _DEQUANT_ROWS = 2048  # rows of W widened at a time on the large-M path (bounded scratch) ...
 _DEQUANT_BYTES = 4 << 20  # ... or more where they fit in this (one block for the default model's gate_up)
-_SOURCE = "qgemm.c"  # in kernels/csrc
 
 
 class QuantKernelError(cbuild.KernelBuildError):
     """The quantized kernel cannot be built or loaded; the message says what to install or change."""
-
-
-def build_flags(cpu: set[str], forced: str | None = None) -> tuple[str, list[str]]:
-    """(path, extra compiler flags) for a CPU with these /proc/cpuinfo flags: 'avx2' with
-    AVX2+FMA, else 'scalar'. The AVX-512 path (F+BW) is built only when asked for with
-    ``PAGEDSERVE_QGEMM_ISA=avx512`` on a CPU that has it: measured on an AVX-512/AMX box it was
-    no faster for q8_0 and ~20 % slower for q4_1 than the AVX2 path (loadtest/PERF.md), decode
-    being bound by the weight stream and the per-group scaling, not by vector width.
-    ``forced`` may also pick a lower path (tests, benchmarks), never one the CPU lacks."""
-    order = ["scalar", "avx2", "avx512"]
-    have = "scalar"
-    if {"avx2", "fma"} <= cpu:
-        have = "avx512" if {"avx512f", "avx512bw"} <= cpu else "avx2"
-    best = "avx2" if have == "avx512" else have
-    if forced in order:
-        best = forced if order.index(forced) <= order.index(have) else have
-    flags: list[str] = []
-    if best in ("avx2", "avx512"):
-        flags += ["-mavx2", "-mfma"]
-        if "f16c" in cpu:  # every AVX2 CPU so far has it: fp16 scales in one instruction
-            flags.append("-mf16c")
-    if best == "avx512":
-        flags += ["-mavx512f", "-mavx512bw"]
-    return best, flags
 
 
 _ISA_NAMES = {0: "scalar", 2: "avx2", 3: "avx512"}
@@ -77,31 +50,16 @@ _ISA_NAMES = {0: "scalar", 2: "avx2", 3: "avx512"}
 @functools.cache
 def library() -> ctypes.CDLL:
     """The compiled kernel, built on first use. Raises QuantKernelError without a C compiler."""
-    path_name, extra = build_flags(cbuild.cpu_flags(), os.environ.get("PAGEDSERVE_QGEMM_ISA"))
+    choice = choose("qgemm")  # never None: the scalar build needs nothing
+    path_name = choice.level
     try:
-        lib = cbuild.build(_SOURCE, extra)
+        lib = cbuild.build_kernel("qgemm", choice)
     except cbuild.CompilerMissing as e:
         raise QuantKernelError(f"--quantization int8/int4 builds a C kernel on first use: {e}, or use "
                                "--quantization none") from None
     except cbuild.KernelBuildError as e:
         raise QuantKernelError(str(e)) from None
-    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.qg_isa.restype = I
-    lib.qg_isa.argtypes = []
-    for name in ("qg_int8_mm", "qg_q8_mm"):
-        getattr(lib, name).restype = I
-        getattr(lib, name).argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
-    lib.qg_int4_mm.restype = I
-    lib.qg_int4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I, I]
-    for name in ("qg_int8_dequant", "qg_q8_dequant"):
-        getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = [P, P, I64, I64, I64, P, I, I]
-    lib.qg_int4_dequant.restype = None
-    lib.qg_int4_dequant.argtypes = [P, P, P, I64, I64, I64, P, I, I]
-    lib.qg_q8_rows.restype = None
-    lib.qg_q8_rows.argtypes = [P, P, I64, I64, P, I64, P, I]
-    lib.qg_int4_rows.restype = None
-    lib.qg_int4_rows.argtypes = [P, P, P, I64, I64, P, I64, P, I]
+    abi.bind(lib, "qgemm")
     got = _ISA_NAMES.get(lib.qg_isa(), "scalar")
     if got != path_name:
         raise QuantKernelError(f"the quantized kernel built for {path_name} reports {got} ({lib._name})")
@@ -289,7 +247,7 @@ class PackedLinear:
         return y if x2 is x else y.reshape(*x.shape[:-1], self.n)
 
     def fused_entry(self) -> tuple[tuple[torch.Tensor, ...], int, int | None, int] | None:
-        """What the fused decode layer (kernels/fused.py LinearSpec) needs to call this weight's
+        """What the fused decode layer (kernels/abi.py LinearSpec) needs to call this weight's
         kernel itself: (the kernel's weight tensors, small-batch kernel address, AMX kernel address
         or None, the most rows the kernel takes), or None for int8c weights or a bias. The q8_0 and
         q4_1 kernels of both layouts (row and 16-channel) share one signature."""

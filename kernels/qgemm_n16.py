@@ -6,25 +6,22 @@ bf16 matmul at M=16 (loadtest/PERF.md). Re-laying 16 output channels side by sid
 vpdpwssd do 32 multiply-adds straight into per-channel sums, and widens each group of weights
 once for all rows of x.
 
-Used where the CPU has AVX-512 F+BW+VNNI and F16C, unless ``PAGEDSERVE_QGEMM_ISA`` forces a
-path (``avx2``, ``scalar``, ``avx512``: the row-layout kernels, for tests and comparisons;
-``vnni`` asks for this one). The repacked weights are made once per layer at load time.
+Used where the CPU has AVX-512 F+BW+VNNI and F16C (kernels/isa.py), unless ``PAGEDSERVE_ISA``
+caps the kernels below ``vnni`` (``avx512``, ``avx2``, ``scalar``: the row-layout kernels, for tests
+and comparisons). The repacked weights are made once per layer at load time.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
-from kernels import cbuild
+from kernels import abi, cbuild, isa
 
 logger = logging.getLogger(__name__)
 
-NEEDS = frozenset({"avx512f", "avx512bw", "avx512_vnni", "avx2", "fma", "f16c"})
-FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vnni"]
 BLOCK = 16  # output channels per vector
 GROUP = 32
 # Above this many rows qgemm.PackedLinear widens blocks of W for the BLAS matmul instead (measured
@@ -34,61 +31,38 @@ FUSED_MAX_M = 64
 FUSED_MAX_M_AMX = 320
 
 
-def wanted(cpu: set[str], forced: str | None) -> bool:
-    """Whether this CPU (its /proc/cpuinfo flags) runs the n16 kernel: it must have the
-    extensions, and no lower path may be forced."""
-    return NEEDS <= cpu and forced in (None, "", "vnni", "amx")
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled n16 kernel, or None where it is not wanted or cannot be built (the row-layout
     kernel then runs; a build failure is logged, never raised)."""
-    if not wanted(cbuild.cpu_flags(), os.environ.get("PAGEDSERVE_QGEMM_ISA")):
+    choice = isa.choose("qgemm_n16")
+    if choice is None:
         return None
-    lib = cbuild.build_or_none("qgemm_n16.c", FLAGS, "the AVX2 quantized kernel")
+    lib = cbuild.build_or_none("qgemm_n16", choice, "the AVX2 quantized kernel")
     if lib is None:
         return None
-    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.qn_q4_mm.restype = I
-    lib.qn_q4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I, I]
-    lib.qn_q8_mm.restype = I
-    lib.qn_q8_mm.argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
-    lib.qn_q8_dequant_t.restype = lib.qn_q4_dequant_t.restype = None
-    lib.qn_q8_dequant_t.argtypes = [P, P, I64, I64, I64, P, I64, I, I]  # (..., out, out row stride, ...)
-    lib.qn_q4_dequant_t.argtypes = [P, P, P, I64, I64, I64, P, I64, I, I]
-    lib.qn_q8_rows.restype = lib.qn_q4_rows.restype = None
-    lib.qn_q8_rows.argtypes = [P, P, I64, I64, P, I64, P, I]
-    lib.qn_q4_rows.argtypes = [P, P, P, I64, I64, P, I64, P, I]
+    abi.bind(lib, "qgemm_n16")
     logger.info("quantized kernel: AVX-512 VNNI path (16-channel layout)")
     return lib
 
 
-AMX_NEEDS = NEEDS | {"amx_tile", "amx_bf16", "avx512_bf16"}
-AMX_FLAGS = FLAGS + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]
 AMX_MIN_M = 10  # bf16 batches of this many rows or more go to AMX (VNNI won at 8, AMX at 16: PERF.md)
 
 
 @functools.cache
 def amx_library() -> ctypes.CDLL | None:
     """The AMX bf16 kernel on the n16 layout (csrc/qgemm_amx.c), or None where the CPU lacks AMX,
-    Linux refuses the tile state, or ``PAGEDSERVE_QGEMM_ISA`` names another path."""
-    forced = os.environ.get("PAGEDSERVE_QGEMM_ISA")
-    if library() is None or not AMX_NEEDS <= cbuild.cpu_flags() or forced not in (None, "", "amx"):
+    Linux refuses the tile state, or ``PAGEDSERVE_ISA`` caps the kernels below AMX."""
+    choice = isa.choose("qgemm_amx")
+    if library() is None or choice is None:
         return None
-    lib = cbuild.build_or_none("qgemm_amx.c", AMX_FLAGS, "the VNNI quantized kernel")
+    lib = cbuild.build_or_none("qgemm_amx", choice, "the VNNI quantized kernel")
     if lib is None:
         return None
     if not cbuild.amx_tiles_granted():
         logger.warning("quantized kernel: Linux refused the AMX tile state, the VNNI path runs")
         return None
-    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.qa_q4_mm.restype = I
-    lib.qa_q4_mm.argtypes = [P, I64, I64, P, P, P, P, P, I64, I, I]
-    lib.qa_q8_mm.restype = I
-    lib.qa_q8_mm.argtypes = [P, I64, I64, P, P, P, P, I64, I, I]
-    lib.qa_wide_min_m.restype = I
-    lib.qa_wide_min_m.argtypes = []
+    abi.bind(lib, "qgemm_amx")
     logger.info("quantized kernel: AMX bf16 tiles for batches of %d+ rows", AMX_MIN_M)
     return lib
 

@@ -2,40 +2,30 @@
 
 gpu/sampler.py sends here the rows with nothing that changes their logits, no logprobs and no
 top-k / top-p / min-p; everything else, and any row these decline (a NaN, an infinite maximum),
-takes its torch path. Optional like every C kernel: built for AVX-512 (16 lanes) or AVX2+FMA (8 lanes),
+takes its torch path. Optional like every C kernel: built for AVX-512 (16 lanes) or AVX2+FMA (8 lanes)
+(kernels/isa.py),
 None where the CPU has neither or no compiler is found (``PAGEDSERVE_SAMPLE_C=0`` turns it off).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
-from kernels import cbuild
+from contracts import env
+from kernels import abi, cbuild, isa
 
-# (CPU flags needed, compiler flags), best first
-BUILDS = ((frozenset({"avx512f", "avx512bw", "avx512vl", "fma"}), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
-          (frozenset({"avx2", "fma"}), ["-mavx2", "-mfma"]))
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDSERVE_SAMPLE_C", "1") == "0":
+    choice = isa.choose("sample_cpu")
+    if not env.SAMPLE_C.get() or choice is None:
         return None
-    cpu = cbuild.cpu_flags()
-    flags = next((f for needs, f in BUILDS if needs <= cpu), None)
-    if flags is None:
-        return None
-    lib = cbuild.build_or_none("sample_cpu.c", flags, "torch's sampling ops")
-    if lib is None:
-        return None
-    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.sp_greedy.restype, lib.sp_greedy.argtypes = I64, [P, I64, P, I64, I64, I, P, I]
-    lib.sp_draw.restype, lib.sp_draw.argtypes = I64, [P, I64, P, I64, I64, I, P, P, P, I]
-    return lib
+    lib = cbuild.build_or_none("sample_cpu", choice, "torch's sampling ops")
+    return None if lib is None else abi.bind(lib, "sample_cpu")
 
 
 def _readable(logits: torch.Tensor) -> bool:

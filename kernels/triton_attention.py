@@ -23,6 +23,7 @@ from kernels.metadata import AttentionMetadata
 
 # The interpreter (3.x) runs tl.dot on bf16 operands as raw uint16 numbers, so when interpreting
 # the attention kernel upcasts its dot operands to fp32. Compiled kernels keep native bf16 dots.
+# (TRITON_INTERPRET is Triton's own switch, read as Triton reads it; contracts/env.py declares ours only.)
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from contracts import env
 from gpu.forward_context import get_forward_context
 from kernels import cpu_attention, fused, qgemm_n16
+from kernels.abi import LayerSpec, LinearSpec
 from kernels.attention import paged_attention
 from kernels.kv_cache_dtype import FP8
 
@@ -44,7 +45,7 @@ class BoundLinear:
 
     __slots__ = ("spec", "address", "out_features", "max_rows")
 
-    def __init__(self, spec: fused.LinearSpec, out_features: int, max_rows: int):
+    def __init__(self, spec: LinearSpec, out_features: int, max_rows: int):
         self.spec, self.out_features, self.max_rows = spec, out_features, max_rows
         self.address = ctypes.addressof(spec)  # the module keeps the tensors it points at alive
 
@@ -68,7 +69,7 @@ def bind_linear(module: nn.Module, dtype: torch.dtype) -> BoundLinear | None:
         if dtype is torch.float32:  # the layer's norms, rotary and SiLU run on one thread: decode-sized
             rows = min(rows, FP32_LAYER_MAX_ROWS)  # batches, even where the kernel takes every M (AVX2)
         ptrs = [t.data_ptr() for t in tensors] + [None] * (3 - len(tensors))
-        spec = fused.LinearSpec(kind, qgemm_n16.AMX_MIN_M if big else 0, *ptrs, small, big)
+        spec = LinearSpec(kind, qgemm_n16.AMX_MIN_M if big else 0, *ptrs, small, big)
         return BoundLinear(spec, qweight.out_features, rows)
     most = fused.GEMV_MAX_M if dtype is torch.bfloat16 else fused.GEMV_F32_MAX_M
     pw = getattr(module, "pweight", None)  # optional: a packed layer's weight
@@ -78,7 +79,7 @@ def bind_linear(module: nn.Module, dtype: torch.dtype) -> BoundLinear | None:
         weight, rows = module.weight, most
     if weight is None or weight.dtype is not dtype or not weight.is_contiguous() or not rows:
         return None
-    spec = fused.LinearSpec(fused.KIND_PLAIN, 0, weight.data_ptr(), None, None, None, None)
+    spec = LinearSpec(fused.KIND_PLAIN, 0, weight.data_ptr(), None, None, None, None)
     return BoundLinear(spec, weight.shape[0], min(rows, most))
 
 
@@ -171,7 +172,7 @@ class FastDecodeStack:
         key = (id(kv_caches), tuple(w._version for w in self._norm_weights))  # a reload copy_()s into them
         if self._specs is not None and self._specs[0] == key:
             return self._specs[1]
-        specs = (fused.LayerSpec * len(self.layers))()
+        specs = (LayerSpec * len(self.layers))()
         keep = []
         for spec, layer in zip(specs, self.layers):
             k_cache, v_cache = kv_caches[layer.layer_idx]

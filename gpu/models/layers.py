@@ -289,7 +289,7 @@ class SiluAndMul(nn.Module):
     """silu(gate) * up over the two halves of a fused gate/up output. On CPU the fused decode
     layer's own C loop, so a row gets the same bits whether its step runs fused or eager (batch
     invariance): bf16 on AVX512-BF16 CPUs (torch's bf16 results bit for bit, 1.6x faster: 256 x
-    1536 137 -> 84 us), fp32 with the vectorised exp of csrc/exp256.h (a scalar-expf kernel had
+    1536 137 -> 84 us), fp32 with the vectorised exp of csrc/exp.h (a scalar-expf kernel had
     measured 1.5-14x slower than torch, loadtest/PERF.md); torch's ops elsewhere."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define FP8_MAX_BITS 0x43e00000u  /* 448.0f */
 #define FP8_MIN_NORMAL 0x3c800000u /* 2^-6 */
 
@@ -105,8 +107,7 @@ static inline void fp8_encode_row(const void *src, int src_bf16, int64_t n, uint
     for (; i + 16 <= n; i += 16) {
         __m512 x;
         if (src_bf16) {
-            __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
-            x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            x = bf16x16_to_ps((const uint16_t *)src + i);
         } else {
             x = _mm512_loadu_ps((const float *)src + i);
         }

@@ -21,7 +21,10 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp.h"
+#include "exports.h"
 #include "fp8.h"
+#include "simd.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -258,13 +261,6 @@ int fz_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int
  * fz_gemv_bf16: the step's weights are read once from memory, and again from L1/L2 for each further
  * pair of rows. Rows of W split over threads in FZ_CHUNK_F32 runs. */
 #if defined(__AVX2__) && defined(__FMA__)
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* weight row n against x rows m .. m+MR (MR 1 or 2) */
 static inline __attribute__((always_inline)) void gemv_f32_row(const float *x, int64_t K, const float *W, int64_t N,
                                                                float *y, int64_t n, int64_t m, int MR) {
@@ -322,29 +318,6 @@ int fz_gemv_f32(const float *x, int64_t M, int64_t K, const float *W, int64_t N,
  * its 30 layers (loadtest/PERF.md); these two calls do a Llama layer's work before and after
  * attention with the same C pieces the eager path calls one by one (so the same roundings). */
 #if FZ_BF16_GEMV
-/* e^x: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6 (rel. error ~2e-7, far below
- * bf16's 4e-3). Past ~88.7 scalef overflows to +inf as expf does (so silu(-100) is -0 as in torch);
- * below -88 the result stays at e^-88. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(127.0f)), _mm512_set1_ps(-88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 static inline void store16_bf16(uint16_t *p, __m512 v, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
@@ -356,10 +329,10 @@ static void silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a) 
         const uint16_t *g = h + m * 2 * I, *u = g + I;
         for (int64_t i = 0; i < I; i += 16) {
             __mmask16 k = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
-            __m512 gv = load16_bf16(g + i, k);
+            __m512 gv = bf16x16_maskz_to_ps(k, g + i);
             __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s)), 16));
-            store16_bf16(a + m * I + i, _mm512_mul_ps(s, load16_bf16(u + i, k)), k);
+            s = bf16w16_to_ps((__m256i)_mm512_cvtneps_pbh(s));
+            store16_bf16(a + m * I + i, _mm512_mul_ps(s, bf16x16_maskz_to_ps(k, u + i)), k);
         }
     }
 }
@@ -378,10 +351,6 @@ int fz_silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a, int n
     return -1;
 #endif
 }
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include "exp256.h"
-#endif
 
 /* a[M][I] = silu(h[:, :I]) * h[:, I:] in fp32 (the fp32 decode stack's activation). */
 static void silu_mul_f32(const float *h, int64_t M, int64_t I, float *a) {
@@ -419,12 +388,7 @@ typedef int (*fz_q8_fn)(const void *, int64_t, int64_t, const void *, const void
                         int64_t, int, int);
 typedef int (*fz_q4_fn)(const void *, int64_t, int64_t, const void *, const void *, const void *,
                         const float *, void *, int64_t, int, int);
-typedef struct {
-    int64_t kind;     /* 0 bf16, 1 q8_0, 2 q4_1 */
-    int64_t big_rows; /* from this many rows `big` runs instead of `small` (0: never) */
-    const void *w, *d, *mn;
-    void *small, *big;
-} fz_linear;
+/* (fz_linear: csrc/exports.h) */
 
 #define FZ_KERNEL_FAILED (-3) /* the quantized kernel could not allocate its activation scratch */
 
@@ -499,13 +463,7 @@ typedef int (*fz_attn_fn)(const void *, int64_t, const void *, const void *, con
                           const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float, void *, int64_t, int,
                           int64_t, int);
 
-/* One decoder layer's weights and caches as fz_decode_stack reads them (kernels/fused.py LayerSpec). */
-typedef struct {
-    const float *w_in_norm, *w_post_norm;
-    float eps_in, eps_post;
-    const fz_linear *qkv, *o, *gu, *down;
-    void *k_cache, *v_cache;
-} fz_layer;
+/* fz_layer, one decoder layer's weights and caches as fz_decode_stack reads them: csrc/exports.h. */
 
 #define FZ_ATTN_FAILED (-4) /* the attention kernel rejected its arguments or had no memory */
 

@@ -26,7 +26,10 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp.h"
+#include "exports.h"
 #include "fp8.h"
+#include "simd.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -61,16 +64,12 @@ int pa_max_head_dim(void) { return PA_MAX_D; }
 /* ------------------------------------------------------------------ vector primitives */
 
 #if PA_ISA == 3
-#include "exp512.h"
 typedef __m512 vf;
 static inline vf v_zero(void) { return _mm512_setzero_ps(); }
 static inline vf v_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf v_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void v_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
-static inline vf v_load_bf16(const uint16_t *p) {
-    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
+static inline vf v_load_bf16(const uint16_t *p) { return bf16x16_to_ps(p); }
 static inline vf v_load_fp8(const uint8_t *p) { return fp8x16_to_ps(p); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -78,27 +77,18 @@ static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline float v_hsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline vf v_exp(vf x) { return exp512_nonpos(x); } /* x <= 0 */
 #elif PA_ISA == 2
-#include "exp256.h"
 typedef __m256 vf;
 static inline vf v_zero(void) { return _mm256_setzero_ps(); }
 static inline vf v_set1(float x) { return _mm256_set1_ps(x); }
 static inline vf v_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void v_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
-static inline vf v_load_bf16(const uint16_t *p) {
-    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
+static inline vf v_load_bf16(const uint16_t *p) { return bf16x8_to_ps(p); }
 static inline vf v_load_fp8(const uint8_t *p) { return fp8x8_to_ps(p); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-static inline float v_hsum(vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline vf v_exp(vf x) { return exp256(x); } /* x <= 0: csrc/exp256.h's upper clamp changes nothing */
+static inline float v_hsum(vf v) { return hsum256(v); }
+static inline vf v_exp(vf x) { return exp256(x); } /* x <= 0: exp256's upper clamp changes nothing */
 #else
 typedef float vf;
 static inline vf v_zero(void) { return 0.0f; }

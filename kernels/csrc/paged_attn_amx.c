@@ -35,7 +35,8 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "exp512.h"
+#include "exp.h"
+#include "exports.h"
 #include "fp8.h"
 
 #define PAM_MAX_G 16 /* Q^T tile: 4G bytes a row */

@@ -26,6 +26,8 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exports.h"
+#include "simd.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -98,15 +100,6 @@ static const float *x_as_f32(const void *x, int64_t M, int64_t K, int flags, flo
     *owned = f;
     return f;
 }
-
-#if QG_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 /* Activations are rounded to int16 per row (x[i][k] ~= xq[i][k] * xs[i]). With 15 bits the
  * rounding error is at most 3e-5 of the row's largest value, far below the int8 weight rounding
@@ -215,7 +208,7 @@ static void i8_row(const int16_t *xq, int64_t Kp, int64_t K, const int8_t *wr, i
                 b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(v0, _mm256_loadu_si256((const __m256i *)(x1 + k))));
                 b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(v1, _mm256_loadu_si256((const __m256i *)(x1 + k + 16))));
             }
-            out[1] += hsum8(_mm256_add_ps(_mm256_cvtepi32_ps(b0), _mm256_cvtepi32_ps(b1)));
+            out[1] += hsum256(_mm256_add_ps(_mm256_cvtepi32_ps(b0), _mm256_cvtepi32_ps(b1)));
         } else {
             for (int64_t k = kc; k < ke; k += 32) {
                 if (!(k & 63)) _mm_prefetch((const char *)(wr + k + QG_PREFETCH), _MM_HINT_T0);
@@ -224,7 +217,7 @@ static void i8_row(const int16_t *xq, int64_t Kp, int64_t K, const int8_t *wr, i
                                                             _mm256_loadu_si256((const __m256i *)(x0 + k + 16))));
             }
         }
-        out[0] += hsum8(_mm256_add_ps(_mm256_cvtepi32_ps(a0), _mm256_cvtepi32_ps(a1)));
+        out[0] += hsum256(_mm256_add_ps(_mm256_cvtepi32_ps(a0), _mm256_cvtepi32_ps(a1)));
     }
     for (int i = 0; i < mr; i++) { /* the K tail, fewer than 32 values */
         const int16_t *xr = xq + (m0 + i) * Kp;
@@ -350,7 +343,7 @@ int qg_q8_mm(const void *x, int64_t M, int64_t K, const int8_t *w8, const uint16
                     a1 = _mm256_fmadd_ps(dg, _mm256_cvtepi32_ps(p), a1);
                 }
             }
-            float r0 = hsum8(a0), r1 = hsum8(a1);
+            float r0 = hsum256(a0), r1 = hsum256(a1);
 #endif
             float b = bias ? bias[n] : 0.0f;
             put(y, i * N + n, r0 * s.xs[i] + b, flags);
@@ -520,8 +513,8 @@ int qg_int4_mm(const void *x, int64_t M, int64_t K, const uint8_t *w4, const uin
                 m0 += h2f(mr[g]) * xsum[i * G + g];
                 m1 += h2f(mr[g]) * xsum[(i + 1) * G + g];
             }
-            put(y, i * N + n, hsum8(a0) * xs[i] + m0 + b, flags);
-            put(y, (i + 1) * N + n, hsum8(a1) * xs[i + 1] + m1 + b, flags);
+            put(y, i * N + n, hsum256(a0) * xs[i] + m0 + b, flags);
+            put(y, (i + 1) * N + n, hsum256(a1) * xs[i + 1] + m1 + b, flags);
         }
         for (; i < M; i++) {
             const int16_t *x0 = xq + i * K;
@@ -542,7 +535,7 @@ int qg_int4_mm(const void *x, int64_t M, int64_t K, const uint8_t *w4, const uin
             }
             float m0 = 0.0f;
             for (g = 0; g < G; g++) m0 += h2f(mr[g]) * xsum[i * G + g];
-            put(y, i * N + n, hsum8(_mm256_add_ps(a0, a1)) * xs[i] + m0 + b, flags);
+            put(y, i * N + n, hsum256(_mm256_add_ps(a0, a1)) * xs[i] + m0 + b, flags);
         }
 #else
         for (; i < M; i++) {

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exports.h"
 
 #define QA_GROUP 32
 #define QA_Y_BF16 2

@@ -76,8 +76,7 @@ static void qa_prepare(const void *x, int64_t M, int64_t K, int flags, float *ro
             const uint16_t *h = (const uint16_t *)x + i * K;
             int64_t k = 0;
             for (; k + 8 <= K; k += 8) {
-                __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + k)));
-                _mm256_storeu_ps(row + k, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+                _mm256_storeu_ps(row + k, bf16x8_to_ps(h + k));
             }
             for (; k < K; k++) row[k] = bf16_to_f32(h[k]);
             xr = row;
@@ -98,7 +97,7 @@ static void qa_prepare(const void *x, int64_t M, int64_t K, int flags, float *ro
             const float *p = xr + g * QG_GROUP;
             __m256 v = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
                                      _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-            sums[i * Gp + g] = hsum8(v);
+            sums[i * Gp + g] = hsum256(v);
         }
     }
 }
@@ -156,7 +155,7 @@ static inline __attribute__((always_inline)) void qa_rows(const void *wq, const 
                 acc[r][0] = _mm256_fmadd_ps(q4_group_dot(lo0, hi0, xq + r * K + g * QG_GROUP), s0, acc[r][0]);
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; r++) out[r] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
 /* One pair of groups (g, g+1; g+1 absent when g is the odd last group) into accumulator set `a`. */
@@ -223,7 +222,7 @@ static inline __attribute__((always_inline)) void qa_rows_q4(const uint8_t *wq, 
     }
     for (; g < G; g += 2) qa_pair_q4(wq, d, mn, xq, sums, G, len, Gp, R, g, acc, accm, 0);
     for (int r = 0; r < R; r++) {
-        out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
+        out[r] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
         mins[r] = _mm_cvtss_f32(_mm_add_ss(accm[r], _mm_movehdup_ps(accm[r])));
     }
 }

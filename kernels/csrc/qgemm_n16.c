@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exports.h"
 
 #define QN_GROUP 32
 #define QN_X_BF16 1
@@ -64,8 +65,7 @@ static int xprep_make(xprep *p, const void *x, int64_t M, int64_t K, int flags, 
             const uint16_t *h = (const uint16_t *)x + i * K;
             int64_t k = 0;
             for (; k + 16 <= K; k += 16) {
-                __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + k)));
-                _mm512_storeu_ps(row + k, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+                _mm512_storeu_ps(row + k, bf16x16_to_ps(h + k));
             }
             for (; k < K; k++) {
                 union { uint32_t u; float f; } c;

@@ -19,10 +19,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "exp.h"
+#include "exports.h"
+#include "simd.h"
+
 /* The vector layer: SP_W lanes of fp32 (16 with AVX-512 F/BW/VL, 8 with AVX2+FMA), loads of up
  * to SP_W values from fp32 or bf16 rows with the lanes past the row masked off. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include "exp512.h"
 #define SP_W 16
 typedef __m512 vf;
 typedef __mmask16 vmask;
@@ -31,8 +35,7 @@ static inline vmask tail_mask(int64_t left) { return left >= 16 ? 0xffff : (__mm
 
 static inline vf load_v(const void *row, int dtype, int64_t j, vmask m) {
     if (dtype == 1)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)row + j)), 16));
+        return bf16x16_maskz_to_ps(m, (const uint16_t *)row + j);
     return _mm512_maskz_loadu_ps(m, (const float *)row + j);
 }
 
@@ -59,7 +62,7 @@ static float row_max(const void *row, int dtype, int64_t cols, int64_t *arg, int
     return m;
 }
 
-/* w_j = e^((x_j - m) / T) for the lanes at j; 0 outside the row and below e^-87 (exp512 clamps
+/* w_j = e^((x_j - m) / T) for the lanes at j; 0 outside the row and below e^-87 (exp512_nonpos clamps
  * there; a -inf logit must weigh exactly 0) */
 static inline vf weights_v(const void *row, int dtype, int64_t j, int64_t cols, vf mv, vf inv_t) {
     __mmask16 k = tail_mask(cols - j);
@@ -73,7 +76,6 @@ static inline vf weights_v(const void *row, int dtype, int64_t j, int64_t cols, 
 #define add_v _mm512_add_ps
 #define store_v _mm512_store_ps
 #else /* AVX2 + FMA */
-#include "exp256.h"
 #define SP_W 8
 typedef __m256 vf;
 typedef __m256i vmask;
@@ -87,17 +89,12 @@ static inline vf load_v(const void *row, int dtype, int64_t j, vmask m) {
         uint16_t h[8] = {0};
         int n = __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(m))); /* lanes in the row */
         memcpy(h, (const uint16_t *)row + j, (size_t)n * 2);
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+        return bf16x8_to_ps(h);
     }
     return _mm256_maskload_ps((const float *)row + j, m); /* masked-off lanes read as 0, touch no memory */
 }
 
-static inline float hsum_v(vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+static inline float hsum_v(vf v) { return hsum256(v); }
 
 /* The row's largest value and first index of it; *nan set when the row holds a NaN. */
 static float row_max(const void *row, int dtype, int64_t cols, int64_t *arg, int *nan) {

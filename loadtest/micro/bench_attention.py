@@ -33,9 +33,9 @@ def _once(fn, iters: int) -> tuple[float, float]:
 
 def _set_impl(impl: str) -> None:
     if impl == "torch":
-        os.environ[cpu_attention.IMPL_ENV] = "torch"
+        os.environ["PAGEDSERVE_CPU_ATTENTION"] = "torch"
     else:
-        os.environ.pop(cpu_attention.IMPL_ENV, None)
+        os.environ.pop("PAGEDSERVE_CPU_ATTENTION", None)
 
 
 def _wrapper_overhead(dtype, heads: int, kv_heads: int, dim: int, bs: int, scale: float, iters: int) -> None:

@@ -17,8 +17,6 @@ PRODUCT_ROOMS = ("app", "engine", "gpu", "kernels", "contracts", "loadtest")
 REGISTRY = ROOT / "contracts" / "env.py"
 # kernels/ moves its reads onto the registry in its own change; until that merges these may still
 # read the environment themselves. The lead empties this set at merge: keep it shrinking only.
-KERNELS_PENDING = {"kernels/cbuild.py", "kernels/cpu_attention.py", "kernels/fused.py", "kernels/qgemm.py",
-                   "kernels/qgemm_n16.py", "kernels/sample_cpu.py", "kernels/attn_amx.py"}
 
 
 def product_files() -> list[Path]:
@@ -92,18 +90,12 @@ def test_no_module_but_the_registry_reads_a_switch_from_the_environment():
     offenders = {}
     for path in product_files():
         rel = str(path.relative_to(ROOT))
-        if path == REGISTRY or rel in KERNELS_PENDING:
+        if path == REGISTRY:
             continue
         lines = environment_reads(path.read_text())
         if lines:
             offenders[rel] = lines
     assert not offenders, f"read these through contracts.env (Switch.get()): {offenders}"
-
-
-def test_kernels_pending_lists_only_files_that_still_read():
-    """A kernels module converted to the registry leaves the set (it must only shrink)."""
-    still = {rel for rel in KERNELS_PENDING if environment_reads((ROOT / rel).read_text())}
-    assert still == KERNELS_PENDING, f"remove from KERNELS_PENDING: {sorted(KERNELS_PENDING - still)}"
 
 
 @pytest.mark.parametrize("source", [

@@ -1,5 +1,5 @@
 """The AMX decode kernel (kernels/csrc/paged_attn_amx.c) against the float64 oracle and the torch
-path, and the choice between it and the AVX-512 / AVX2 / scalar kernel (PAGEDSERVE_ATTN_ISA).
+path, and the choice between it and the AVX-512 / AVX2 / scalar kernel (PAGEDSERVE_ISA).
 
 Skipped where the CPU has no AMX; the forced non-AMX path is tested everywhere."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kernels import attn_amx, cpu_attention
+from kernels import attn_amx, cpu_attention, isa
 from kernels.attention import paged_attention
 from kernels.torch_attention import paged_attention_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
@@ -109,7 +109,7 @@ def test_amx_rejects_what_it_does_not_take() -> None:
 
 @pytest.fixture
 def fresh_libraries():
-    """The loaders read PAGEDSERVE_ATTN_ISA once; clear their caches around a test that sets it."""
+    """The loaders read PAGEDSERVE_ISA once; clear their caches around a test that sets it."""
     def clear() -> None:
         attn_amx.library.cache_clear()
         cpu_attention.library.cache_clear()
@@ -123,16 +123,13 @@ def fresh_libraries():
 def test_isa_env_forces_the_path(monkeypatch, fresh_libraries, forced: str | None) -> None:
     """Through kernels.attention: ``amx`` runs the AMX kernel, another build name runs that build and
     never AMX, unset runs AMX where there is one; every choice matches the oracle."""
-    flags = cpu_attention.cbuild.cpu_flags()
-    runnable = [name for name, needs, _ in cpu_attention.cbuild.ISAS if needs <= flags]
-    if attn_amx.NEEDS <= flags:
-        runnable.append("amx")
+    runnable = isa.levels_here("paged_attn") + isa.levels_here("paged_attn_amx")
     if forced is not None and forced not in runnable:
         pytest.skip(f"this CPU cannot run {forced}")
     if forced is None:
-        monkeypatch.delenv(cpu_attention.ISA_ENV, raising=False)
+        monkeypatch.delenv("PAGEDSERVE_ISA", raising=False)
     else:
-        monkeypatch.setenv(cpu_attention.ISA_ENV, forced)
+        monkeypatch.setenv("PAGEDSERVE_ISA", forced)
     batch = make_batch([(37, 1), (130, 1), (5, 1)], 9, 3, 64, 16, dtype=torch.bfloat16, seed=7)
     _poison_unused(batch)
     got = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125)

@@ -7,11 +7,12 @@ import shutil
 
 import pytest
 
-from kernels import cbuild
+from kernels import cbuild, isa
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="no C compiler")
 
 SOURCE = "answer.c"
+ANSWER = isa.Kernel(SOURCE, (isa.Build("scalar", frozenset(), ()),))
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +22,7 @@ def tiny_source(tmp_path, monkeypatch):
     csrc.mkdir()
     (csrc / SOURCE).write_text("int answer(void) { return 42; }\n")
     monkeypatch.setattr(cbuild, "CSRC", csrc)
+    monkeypatch.setitem(isa.KERNELS, "answer", ANSWER)
 
 
 def _build(monkeypatch, cache):
@@ -65,7 +67,7 @@ def test_a_refused_cache_turns_the_kernel_off_not_the_server(tmp_path, monkeypat
     cache.mkdir()
     cache.chmod(0o777)
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(cache))
-    assert cbuild.build_or_none(SOURCE, [], "the torch path") is None
+    assert cbuild.build_or_none("answer", ANSWER.builds[0], "the torch path") is None
     assert not list(cache.glob("*.so"))  # nothing was built into (or loaded from) it
 
 

@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from kernels import cbuild, cpu_attention
+from kernels import cpu_attention, isa
 from kernels.attention import paged_attention
 from tests.kernels.paged_batch import make_batch, naive_attention
 
-ISAS = [name for name, needs, _ in cbuild.ISAS if needs <= cbuild.cpu_flags()]
+ISAS = isa.levels_here("paged_attn")
 
 
 def _poison_unused(batch) -> None:
@@ -128,7 +128,7 @@ def test_step_call_built_once_per_step() -> None:
 
 def test_torch_env_selects_the_torch_path(monkeypatch) -> None:
     batch = make_batch([(30, 1), (5, 1)], 4, 2, 16, 8, seed=2)
-    monkeypatch.setenv(cpu_attention.IMPL_ENV, "torch")
+    monkeypatch.setenv("PAGEDSERVE_CPU_ATTENTION", "torch")
     assert cpu_attention._kernel_for(batch.q.dtype, batch.q.shape[1], batch.k_cache) is None
     got = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25)
     torch.testing.assert_close(got, naive_attention(batch, 0.25).float(), atol=2e-5, rtol=1e-4)

@@ -131,7 +131,7 @@ def test_portable_and_avx2_builds_agree():
     outs = []
     for isa in ("scalar", "avx2", ""):
         path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fused-{isa or 'native'}-{os.getpid()}.pt")
-        env = dict(os.environ, PAGEDSERVE_FUSED_ISA=isa)
+        env = dict(os.environ, PAGEDSERVE_ISA=isa)
         subprocess.run([sys.executable, "-c", "import sys; " + code, path], check=True, env=env)
         outs.append(torch.load(path))
         os.unlink(path)

@@ -116,7 +116,7 @@ def test_writer_stores_torchs_bytes_in_every_build() -> None:
         "print(bad)"
     )
     for isa in ("scalar", "avx2", ""):
-        env = dict(os.environ, PAGEDSERVE_FUSED_ISA=isa)
+        env = dict(os.environ, PAGEDSERVE_ISA=isa)
         out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
         assert out.stdout.strip() == "0", (isa, out.stdout, out.stderr[-2000:])
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kernels import cbuild, qgemm
+from kernels import isa, qgemm
 
 # The kernel rounds activations to 15 bits per row (AVX2 path); the error that adds is about
 # 3e-5 of the row's largest value times sqrt(K) terms, far inside this bound.
@@ -166,8 +166,8 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_the_build_on_this_machine_uses_simd_when_the_cpu_has_it():
-    flags = cbuild.cpu_flags()
-    if os.environ.get("PAGEDSERVE_QGEMM_ISA"):
+    flags = isa.cpu_flags()
+    if os.environ.get("PAGEDSERVE_ISA"):
         pytest.skip("a path is forced")
     assert qgemm.isa() == ("avx2" if {"avx2", "fma"} <= flags else "scalar")
 
@@ -176,17 +176,22 @@ AVX2_BOX = {"avx2", "fma", "f16c", "sse4_2"}
 AVX512_BOX = AVX2_BOX | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16"}
 
 
+def build_flags(cpu: set[str], forced: str | None = None) -> tuple[str, list[str]]:
+    build = isa.choose("qgemm", cpu, cap=forced)
+    return build.level, isa.KERNELS["qgemm"].flags(build)
+
+
 def test_the_path_follows_the_cpu_and_is_never_forced_beyond_it():
     # AVX-512 boxes run the AVX2 path unless asked (measured no faster: loadtest/PERF.md)
-    assert qgemm.build_flags(AVX512_BOX) == ("avx2", ["-mavx2", "-mfma", "-mf16c"])
-    assert qgemm.build_flags(AVX512_BOX, "avx512") == ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f",
+    assert build_flags(AVX512_BOX) == ("avx2", ["-mavx2", "-mfma", "-mf16c"])
+    assert build_flags(AVX512_BOX, "avx512") == ("avx512", ["-mavx2", "-mfma", "-mf16c", "-mavx512f",
                                                                   "-mavx512bw"])
-    assert qgemm.build_flags(AVX2_BOX) == ("avx2", ["-mavx2", "-mfma", "-mf16c"])
-    assert qgemm.build_flags(AVX2_BOX, "avx512")[0] == "avx2"  # never a path the CPU lacks
-    assert qgemm.build_flags({"sse4_2", "avx"}) == ("scalar", [])
-    assert qgemm.build_flags({"sse4_2", "avx"}, "avx2") == ("scalar", [])
-    assert qgemm.build_flags({"avx512f", "avx512bw"}) == ("scalar", [])  # no FMA/AVX2 flags: no SIMD build
-    assert qgemm.build_flags(AVX512_BOX, "scalar") == ("scalar", [])
+    assert build_flags(AVX2_BOX) == ("avx2", ["-mavx2", "-mfma", "-mf16c"])
+    assert build_flags(AVX2_BOX, "avx512")[0] == "avx2"  # never a path the CPU lacks
+    assert build_flags({"sse4_2", "avx"}) == ("scalar", [])
+    assert build_flags({"sse4_2", "avx"}, "avx2") == ("scalar", [])
+    assert build_flags({"avx512f", "avx512bw"}) == ("scalar", [])  # no FMA/AVX2 flags: no SIMD build
+    assert build_flags(AVX512_BOX, "scalar") == ("scalar", [])
 
 
 def check_half_conversion() -> None:
@@ -211,8 +216,7 @@ def test_fp16_scales_convert_exactly():
 @pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
 def test_every_path_is_right(tmp_path, path):
     """Each build (no SIMD, AVX2, opt-in AVX-512) checked in a fresh process where the CPU has it."""
-    cpu = cbuild.cpu_flags()
-    if path != "scalar" and qgemm.build_flags(cpu, path)[0] != path:
+    if path != "scalar" and isa.choose("qgemm", cap=path).level != path:
         pytest.skip(f"this CPU cannot run the {path} path")
     import subprocess
     import sys
@@ -239,7 +243,7 @@ def test_every_path_is_right(tmp_path, path):
         "check_half_conversion()\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "PAGEDSERVE_QGEMM_ISA": path, "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
+    env = {**os.environ, "PAGEDSERVE_ISA": path, "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=root)

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from kernels import cbuild, qgemm, qgemm_n16
+from kernels import isa, qgemm, qgemm_n16
 from tests.kernels.test_qgemm import RTOL, _check, _poisoned_kernel_output
 
 # skipped only where the CPU lacks the extensions or a path is forced: a failed build fails
-needs_n16 = pytest.mark.skipif(not qgemm_n16.wanted(cbuild.cpu_flags(), os.environ.get("PAGEDSERVE_QGEMM_ISA")),
-                               reason="this CPU (or a forced PAGEDSERVE_QGEMM_ISA) runs the row-layout kernel")
+needs_n16 = pytest.mark.skipif(isa.choose("qgemm_n16") is None,
+                               reason="this CPU (or a PAGEDSERVE_ISA cap) runs the row-layout kernel")
 
 
 def _unpack_q4_1(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -148,22 +148,25 @@ def test_n16_nan_row_and_zero_row(layout):
 
 
 def test_the_n16_path_follows_the_cpu_and_the_forced_path():
+    def wanted(cpu: set[str], cap: str | None) -> bool:
+        return isa.choose("qgemm_n16", cpu, cap=cap) is not None
+
     box = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}
-    assert qgemm_n16.wanted(box, None) and qgemm_n16.wanted(box, "vnni")
+    assert wanted(box, None) and wanted(box, "vnni")
     for forced in ("avx2", "scalar", "avx512"):  # a forced row-layout path turns it off
-        assert not qgemm_n16.wanted(box, forced)
-    assert not qgemm_n16.wanted(box - {"avx512_vnni"}, None)  # AVX-512 without VNNI (Skylake-SP)
-    assert not qgemm_n16.wanted({"avx2", "fma", "f16c"}, "vnni")  # never beyond the CPU
+        assert not wanted(box, forced)
+    assert not wanted(box - {"avx512_vnni"}, None)  # AVX-512 without VNNI (Skylake-SP)
+    assert not wanted({"avx2", "fma", "f16c"}, "vnni")  # never beyond the CPU
 
 
 @pytest.mark.parametrize("path", ["avx2", "scalar", "vnni", "amx"])
 def test_forced_paths_pick_their_kernel(tmp_path, path):
-    """A fresh process: PAGEDSERVE_QGEMM_ISA=avx2|scalar run the row-layout kernel (CI boxes
+    """A fresh process: PAGEDSERVE_ISA=avx2|scalar run the row-layout kernel (CI boxes
     without VNNI), vnni the n16 one without AMX, amx both, where the CPU has them; each gives the
     reference's result."""
-    has = qgemm_n16.wanted(cbuild.cpu_flags(), path)
-    amx = path == "amx" and qgemm_n16.AMX_NEEDS <= cbuild.cpu_flags()
-    if path == "avx2" and not {"avx2", "fma"} <= cbuild.cpu_flags():
+    has = isa.choose("qgemm_n16", cap=path) is not None
+    amx = isa.choose("qgemm_amx", cap=path) is not None
+    if path == "avx2" and not {"avx2", "fma"} <= isa.cpu_flags():
         pytest.skip("no AVX2 here")
     code = (
         "import torch\n"
@@ -180,7 +183,7 @@ def test_forced_paths_pick_their_kernel(tmp_path, path):
         "    assert (lin(xb).float() - refb).abs().max() <= 4e-3 * refb.abs().max()\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "PAGEDSERVE_QGEMM_ISA": path, "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
+    env = {**os.environ, "PAGEDSERVE_ISA": path, "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=root)
@@ -222,9 +225,8 @@ def test_only_the_n16_copy_is_kept_and_it_dequantizes_and_looks_up_rows(layout):
         assert torch.equal(rows[:3], full[[0, 36, 17]].to(dt)) and (rows[3:] == 0).all()
 
 
-needs_amx = pytest.mark.skipif(not qgemm_n16.AMX_NEEDS <= cbuild.cpu_flags()
-                               or os.environ.get("PAGEDSERVE_QGEMM_ISA") not in (None, "", "amx"),
-                               reason="no AMX bf16 here (or a path is forced)")
+needs_amx = pytest.mark.skipif(isa.choose("qgemm_amx") is None,
+                               reason="no AMX bf16 here (or a PAGEDSERVE_ISA cap below it)")
 
 
 def _amx_linear(layout: str, m: int, k: int, n: int, seed: int):
