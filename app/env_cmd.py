@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from contracts import env
 
@@ -26,7 +25,7 @@ def render(only_set: bool = False) -> str:
 def _shown(name: str) -> str:
     if not env.SWITCHES[name].is_set():
         return "-"
-    return "(set)" if name == env.API_KEY.name else os.environ[name].strip()  # never print a secret
+    return "(set)" if name == env.API_KEY.name else env.SWITCHES[name].raw()  # never print a secret
 
 
 def run(args: argparse.Namespace) -> int:

@@ -94,6 +94,10 @@ class Switch(Generic[T]):
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name, "").strip())
 
+    def raw(self) -> str:
+        """The value as written (stripped; "" when unset), for ``pagedserve env --set``."""
+        return os.environ.get(self.name, "").strip()
+
     @property
     def values(self) -> str:
         options = getattr(self.parse, "options", None)  # choice() parsers carry their options
