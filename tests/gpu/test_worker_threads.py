@@ -4,6 +4,7 @@ split the CPUs through their configs, never by writing the environment (issue 26
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,10 +58,12 @@ async def test_replicas_keep_a_count_the_user_chose(eight_cpus, monkeypatch, use
 
 
 class _Replica:
-    """What ReplicatedEngine.start needs of a replica: its config and start()."""
+    """What ReplicatedEngine.start needs of a replica: its config, start() and its core's block
+    manager (whether prefix caching is on: here off, so no prefix index is built)."""
 
     def __init__(self, config):
         self.config = config
+        self.core = SimpleNamespace(block_manager=SimpleNamespace(enable_prefix_caching=False))
 
     async def start(self) -> None:
         pass
