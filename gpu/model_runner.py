@@ -139,13 +139,22 @@ class ModelRunner:
                               f"({per_block} bytes each): raise --kv-cache-memory")
         return int(blocks)
 
+    def profile_forward(self):
+        """One forward of ``max_num_batched_tokens`` tokens without a KV cache (the whole batch as
+        one causal sequence), for the peak activation memory on CUDA; the same code on any device.
+        Positions wrap at the model's position table (a budget may exceed it: GPT-2's 1024 < 2048),
+        and a pipeline stage without the embedding starts from zero activations, as if received."""
+        n = self.config.scheduler.max_num_batched_tokens
+        model = self.model
+        positions = torch.arange(n, device=self.device) % model.max_positions
+        intermediate = None if model.stage.first else model.profile_activations(n, self.dtype, self.device)
+        with torch.inference_mode(), forward_context(None, []):
+            return model(torch.zeros(n, dtype=torch.long, device=self.device), positions, intermediate)
+
     def _cuda_kv_budget(self, utilization: float) -> int:
         """Device memory left for KV after weights and the peak of a profile forward."""
         torch.cuda.reset_peak_memory_stats()
-        n = self.config.scheduler.max_num_batched_tokens
-        with torch.inference_mode(), forward_context(None, []):
-            self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                       torch.arange(n, device=self.device))
+        self.profile_forward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         _, total = torch.cuda.mem_get_info()
