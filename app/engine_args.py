@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
               "arrive at once each gets its first token sooner; 0 = fill the token budget "
               "(default: 256 for serve, 0 offline)")
     flag(g, "--kv-cache-memory", type=float, help="KV cache budget in GiB (CPU)")
+    flag(g, "--gpu-memory-utilization", type=float,
+         help="CUDA: the fraction of the GPU's memory this server may use for weights, activations "
+              "and the KV cache, refused when more than that is not free at start (default: %(default)g)")
     flag(g, "--num-gpu-blocks-override", type=int)
     flag(g, "--block-size", type=int)
     flag(g, "--kv-cache-dtype",
