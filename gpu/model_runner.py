@@ -67,6 +67,10 @@ class ModelRunner:
             # The GPU setup_torch (gpu/worker.py) made current for this rank and replica.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._cuda_free_at_start: int | None = None
+        if rank == 0:
+            from gpu.device import describe_device
+
+            logger.info("%s", describe_device(self.device))
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_dtype = kv_cache_dtype.resolve(config.cache.cache_dtype, self.dtype, self.device)
         self.block_size = config.cache.block_size
