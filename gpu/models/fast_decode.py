@@ -21,6 +21,7 @@ fp32 machines and other layouts take the eager path. ``PAGEDSERVE_FAST_DECODE=0`
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 
 import torch
@@ -253,6 +254,8 @@ def bind_fast_decode(model: nn.Module) -> int:
     ops (q8_0 / q4_1 weights through the quantized kernels, plain fp32 rows through fz_gemv_f32)."""
     if not (enabled() and fused.available()):
         return 0
+    if any(t.device.type != "cpu" for t in itertools.chain(model.parameters(), model.buffers())):
+        return 0  # a CUDA model: the C layers would read its device pointers on the host
     from gpu.models.layers import SiluAndMul
     from gpu.models.llama import LlamaDecoderLayer
     from gpu.parallel_state import get_tp_size

@@ -77,6 +77,11 @@ class GPT2LMHeadModel(nn.Module):
         self.num_kv_heads = self.transformer.h[plan.start].num_heads
         self.head_dim = self.transformer.h[plan.start].head_dim
         self._hidden = hidden
+        self.max_positions = int(cfg["n_positions"])  # the learned position table's length
+
+    def profile_activations(self, num_tokens: int, dtype: torch.dtype, device) -> StageActivations:
+        """What a stage without the embedding receives, as zeros (the start-up profile forward)."""
+        return StageActivations(torch.zeros(num_tokens, self._hidden, dtype=dtype, device=device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: StageActivations | None = None):

@@ -39,6 +39,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return packed.linear(x, bias)
     if (x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] <= fused.GEMV_MAX_M
             and weight.dtype is torch.bfloat16 and weight.is_contiguous() and x.device.type == "cpu"
+            and weight.device.type == "cpu"
             and fused.has_bf16_gemv()):
         y = fused.gemv_bf16(x.contiguous(), weight)
         return y if bias is None else y.add_(bias)

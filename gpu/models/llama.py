@@ -181,6 +181,14 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = len(self.model.layers)
         self.num_kv_heads = first.num_kv_heads
         self.head_dim = first.head_dim
+        self.max_positions = self.model.rotary.cos_sin_cache.shape[0]  # rows of the rotary table
+
+    def profile_activations(self, num_tokens: int, dtype: torch.dtype, device) -> StageActivations:
+        """What a stage without the embedding receives, as zeros (the start-up profile forward):
+        the hidden states and the residual stream."""
+        shape = (num_tokens, self.config["hidden_size"])
+        return StageActivations(torch.zeros(shape, dtype=dtype, device=device),
+                                torch.zeros(shape, dtype=dtype, device=device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: StageActivations | None = None):

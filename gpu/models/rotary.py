@@ -74,7 +74,8 @@ class RotaryEmbedding(nn.Module):
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
         """What every layer's ``apply_`` needs for this step, computed once per forward: the
         positions for the fused CPU op (which reads the fp32 table itself), else cos and sin."""
-        if (positions.device.type == "cpu" and dtype in _FUSED_DTYPES and fused.available()
+        if (positions.device.type == "cpu" and self.cos_sin_cache.device.type == "cpu"
+                and dtype in _FUSED_DTYPES and fused.available()
                 and (positions.numel() == 0 or int(positions.max()) < self.cos_sin_cache.shape[0])):
             return (None, None, positions.to(torch.int64).contiguous())  # out of range: eager raises
         cos, sin = self.cos_sin(positions, dtype)

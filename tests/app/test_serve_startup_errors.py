@@ -31,3 +31,19 @@ def test_data_parallel_needs_worker_processes():
         assert proc.returncode == 1 and "Traceback" not in out, out
         errors = [line for line in out.splitlines() if " ERROR " in line]
         assert len(errors) == 1 and reason in errors[0], out
+
+
+def test_device_cuda_without_cuda_is_one_line_saying_why():
+    """Issue 24 fault 5: refused before any worker starts, naming what torch lacks."""
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this box has CUDA")
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--device", "cuda", "--host", "127.0.0.1",
+                           "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    errors = [line for line in out.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "--device cuda: CUDA is not available: torch" in errors[0], out
