@@ -94,6 +94,15 @@ class Switch(Generic[T]):
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name, "").strip())
 
+    def put(self, value: str | None) -> None:
+        """Set (None: unset) the variable for this process and its children: the in-process
+        benchmarks that compare a switch's two sides (loadtest/micro) write it only through here."""
+        if value is None:
+            os.environ.pop(self.name, None)
+        else:
+            self.parse(value)  # a value that would not parse is refused here, not at the next read
+            os.environ[self.name] = value
+
     def raw(self) -> str:
         """The value as written (stripped; "" when unset), for ``pagedserve env --set``."""
         return os.environ.get(self.name, "").strip()

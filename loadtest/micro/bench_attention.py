@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from contracts import env
 from kernels import cpu_attention
 from kernels.attention import paged_attention, write_kv_cache
 from loadtest.micro.paged_batch import make_batch
@@ -32,10 +33,7 @@ def _once(fn, iters: int) -> tuple[float, float]:
 
 
 def _set_impl(impl: str) -> None:
-    if impl == "torch":
-        os.environ["PAGEDSERVE_CPU_ATTENTION"] = "torch"
-    else:
-        os.environ.pop("PAGEDSERVE_CPU_ATTENTION", None)
+    env.CPU_ATTENTION.put("torch" if impl == "torch" else None)
 
 
 def _wrapper_overhead(dtype, heads: int, kv_heads: int, dim: int, bs: int, scale: float, iters: int) -> None:
