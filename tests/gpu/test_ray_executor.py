@@ -269,7 +269,7 @@ def test_three_ranks_on_a_two_core_box_start_their_own_sized_ray():
         ray._private.services.find_gcs_addresses = no_gcs
         ray._private.services.find_bootstrap_address = lambda temp_dir: None
         from contracts.config import EngineConfig
-        from gpu.ray_executor import create_ray_executor
+        from gpu.executor_factory import create_ray_executor
         from tests.gpu.test_mp_executor import _step
         config = EngineConfig.from_options(tensor_parallel_size=3, distributed_executor_backend="ray",
                                            num_blocks=77)
