@@ -272,7 +272,7 @@ def test_three_ranks_on_a_two_core_box_start_their_own_sized_ray():
         from gpu.executor_factory import create_ray_executor
         from tests.gpu.test_mp_executor import _step
         config = EngineConfig.from_options(tensor_parallel_size=3, distributed_executor_backend="ray",
-                                           num_blocks=77)
+                                           num_gpu_blocks_override=77)
         ex = create_ray_executor(config, runner_factory={FAKE!r}, startup_timeout=120)
         try:
             print("cpus", ray.cluster_resources()["CPU"], "ranks", len(ex.worker_pids))
