@@ -130,13 +130,13 @@ AUTO_FLOOR = 0.9  # fp32: greedy agreement of the packed default model with its 
 BF16_MARGIN = 0.15  # bf16: at most this far below plain bf16's own agreement with fp32
 
 
-def _greedy(mode: str, dtype: str):
+def _greedy(mode: str, dtype: str, prompts: int = 4, tokens: int = 16):
     from engine.llm import LLM
     from loadtest.micro.quant_accuracy import PROMPTS, greedy_tokens
 
     llm = LLM(dtype=dtype, quantization=mode, kv_cache_memory=1 / 16)
     try:
-        return greedy_tokens(llm, PROMPTS[:4], 16)
+        return greedy_tokens(llm, PROMPTS[:prompts], tokens)
     finally:
         llm.shutdown()
 
@@ -152,12 +152,15 @@ def test_default_model_as_the_file_says_decodes_like_the_dequantized_model():
 
 def test_default_model_as_the_file_says_in_bf16_is_as_close_to_fp32_as_plain_bf16():
     """bf16 rounding alone moves greedy tokens (plain bf16 agrees ~0.7 with fp32 over 16x32), so
-    the packed model in bf16 is held to plain bf16's agreement, less a margin."""
+    the packed model in bf16 is held to plain bf16's agreement, less a margin. Over all 16 prompts x
+    32 tokens: two agreements of 64 tokens each (4 x 16) were mostly noise — one flipped prompt
+    moved them by up to 0.25 (plain bf16 1.000 on 4 x 16 but 0.666 on 16 x 32 on an AVX2 box,
+    packed 0.844 vs 0.725; loadtest/PERF.md, tenth session)."""
     from loadtest.micro.quant_accuracy import agreement
 
-    reference = _greedy("none", "float32")
-    plain, _ = agreement(reference, _greedy("none", "bfloat16"))
-    packed, _ = agreement(reference, _greedy("auto", "bfloat16"))
+    reference = _greedy("none", "float32", 16, 32)
+    plain, _ = agreement(reference, _greedy("none", "bfloat16", 16, 32))
+    packed, _ = agreement(reference, _greedy("auto", "bfloat16", 16, 32))
     assert packed >= plain - BF16_MARGIN, f"auto/bf16 {packed:.3f} vs plain bf16 {plain:.3f}"
 
 
