@@ -99,6 +99,12 @@ def _connect(ray, address: str | None, world_size: int = 1) -> bool:
     return started
 
 
+# How long release() waits for killed actors on this node to exit; it returns as soon as they
+# have. 5 s was too short on a busy 2-core box (a full suite beside other work left an actor
+# alive after shutdown); a killed process ends unless the machine is starved.
+ACTOR_EXIT_WAIT_S = 30.0
+
+
 @dataclass
 class PlacedWorkers:
     """One actor per rank in a placement group; ``release`` kills them and removes the group."""
@@ -137,7 +143,7 @@ class PlacedWorkers:
             remove_placement_group(self.pg)
         except Exception as e:
             logger.warning("could not remove the placement group: %s", e)
-        self._wait_local_exits(5.0)
+        self._wait_local_exits(ACTOR_EXIT_WAIT_S)
 
     def _wait_local_exits(self, timeout: float) -> None:
         """ray.kill returns before the process ends: wait for this node's actors to be gone."""
