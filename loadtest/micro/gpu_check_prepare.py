@@ -28,10 +28,12 @@ import sys
 from pathlib import Path
 
 # What the GPU machine's image lacks (KINDS.md lists what it holds), with what these need and it
-# lacks or holds too old: pydantic's core, annotated-types, typing-inspection and a typing-extensions
-# as new as pydantic asks; xgrammar's apache-tvm-ffi.
+# lacks or may hold too old: pydantic's core, annotated-types, typing-inspection and a
+# typing-extensions as new as pydantic asks; xgrammar's apache-tvm-ffi; an anyio as new as
+# sse-starlette asks (the image's version is not recorded).
 PACKAGES = ("starlette", "uvicorn", "sse-starlette", "orjson", "pydantic", "pydantic-core", "annotated-types",
-            "typing-inspection", "typing-extensions", "msgspec", "httptools", "gguf", "xgrammar", "apache-tvm-ffi")
+            "typing-inspection", "typing-extensions", "msgspec", "httptools", "gguf", "xgrammar", "apache-tvm-ffi",
+            "anyio")
 PYTHON_VERSION = "3.12"  # the machine's python3 (KINDS.md: Python 3.12.3)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
