@@ -37,3 +37,28 @@ def test_dry_run_every_phase_passes_or_states_its_skip(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert out.with_suffix(".log").is_file()
     assert seconds < 120
+
+
+def test_a_phase_past_its_timeout_is_killed_with_what_it_started() -> None:
+    import os
+
+    from loadtest.micro.gpu_check import run_with_timeout
+
+    # The phase prints, starts a grandchild (as a phase starts `serve`) and hangs.
+    script = ("import subprocess, sys, time; print('started', flush=True); "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "print(p.pid, flush=True); time.sleep(60)")
+    t0 = time.monotonic()
+    output, code = run_with_timeout([sys.executable, "-c", script], dict(os.environ), timeout=3)
+    assert code is None and time.monotonic() - t0 < 20
+    assert output.startswith("started")
+    grandchild = int(output.split()[1])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the phase's child {grandchild} outlived the timeout")
