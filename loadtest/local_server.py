@@ -90,7 +90,9 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "app.cli", "serve", *args, "--host", "127.0.0.1",
                "--port", str(self.port)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDSERVE_API_KEY": ""}
+        # The inherited PYTHONPATH stays after the checkout (packages carried to a GPU machine live there).
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "PAGEDSERVE_API_KEY": ""}
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{log_prefix}{self.port}-",
                                                suffix=".log", delete=False)
         logger.info("starting %s (log %s)", " ".join(cmd), self.log.name)
