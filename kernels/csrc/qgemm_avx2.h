@@ -158,45 +158,6 @@ static inline __attribute__((always_inline)) void qa_rows(const void *wq, const 
     for (int r = 0; r < R; r++) out[r] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-/* One pair of groups (g, g+1; g+1 absent when g is the odd last group) into accumulator set `a`, its
- * own scales and minima widened here: the last 1..7 groups of a row, after the runs of eight. */
-static inline __attribute__((always_inline)) void qa_pair_q4(const uint8_t *wq, const uint16_t *d, const uint16_t *mn,
-                                                             const int16_t *xq, const float *sums, int64_t G,
-                                                             int64_t len, int64_t Gp, int R, int64_t g,
-                                                             __m256 acc[][2], __m128 *accm, int a) {
-    const __m256i m4 = _mm256_set1_epi16(0x000F), halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    __m256i v;
-    __m128i dh, mh;
-    if (g + 2 <= G) {
-        _mm_prefetch((const char *)(wq + g * 16 + QG_PREFETCH), _MM_HINT_T0);
-        v = _mm256_loadu_si256((const __m256i *)(wq + g * 16));
-        int32_t d2, m2;
-        memcpy(&d2, d + g, 4);
-        memcpy(&m2, mn + g, 4);
-        dh = _mm_cvtsi32_si128(d2);
-        mh = _mm_cvtsi32_si128(m2);
-    } else { /* the odd last group; its pair's other half is zero codes, zero x, zero sums */
-        v = _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)(wq + g * 16)), 0);
-        dh = _mm_cvtsi32_si128(d[g]);
-        mh = _mm_cvtsi32_si128(mn[g]);
-    }
-    __m256i e0 = _mm256_and_si256(v, m4), e1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    __m256i e2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), m4), e3 = _mm256_srli_epi16(v, 12);
-    __m256 sc = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(dh)), halves);
-    __m128 mf = _mm_cvtph_ps(mh); /* lanes 0, 1: the pair's minima; 2, 3: zero */
-    for (int r = 0; r < R; r++) {
-        const int16_t *xp = xq + r * len + (g >> 1) * 64;
-        __m256i t = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_madd_epi16(e0, _mm256_loadu_si256((const __m256i *)xp)),
-                             _mm256_madd_epi16(e1, _mm256_loadu_si256((const __m256i *)(xp + 16)))),
-            _mm256_add_epi32(_mm256_madd_epi16(e2, _mm256_loadu_si256((const __m256i *)(xp + 32))),
-                             _mm256_madd_epi16(e3, _mm256_loadu_si256((const __m256i *)(xp + 48)))));
-        acc[r][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r][a]);
-        __m128 s2 = _mm_castpd_ps(_mm_load_sd((const double *)(sums + r * Gp + g)));
-        accm[r] = _mm_fmadd_ps(mf, s2, accm[r]);
-    }
-}
-
 /* Two groups g, g+1 of one pair (32 bytes of codes at wp) into accumulator set `a` with their scales
  * `sc` (lanes 0-3 group g, 4-7 group g+1) already laid out: the codes' int32 dot products with R
  * rows of permuted x. */
@@ -215,6 +176,37 @@ static inline __attribute__((always_inline)) void qa_pair_dots(const uint8_t *wp
             _mm256_add_epi32(_mm256_madd_epi16(e2, _mm256_loadu_si256((const __m256i *)(xp + 32))),
                              _mm256_madd_epi16(e3, _mm256_loadu_si256((const __m256i *)(xp + 48)))));
         acc[r][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sc, acc[r][a]);
+    }
+}
+
+/* One pair of groups (g, g+1; g+1 absent when g is the odd last group) into accumulator set `a`, its
+ * own scales and minima widened here: the last 1..7 groups of a row, after the runs of eight. */
+static inline __attribute__((always_inline)) void qa_pair_q4(const uint8_t *wq, const uint16_t *d, const uint16_t *mn,
+                                                             const int16_t *xq, const float *sums, int64_t G,
+                                                             int64_t len, int64_t Gp, int R, int64_t g,
+                                                             __m256 acc[][2], __m128 *accm, int a) {
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const uint8_t *wp = wq + g * 16;
+    uint8_t pad[32];
+    __m128i dh, mh;
+    if (g + 2 <= G) {
+        int32_t d2, m2;
+        memcpy(&d2, d + g, 4);
+        memcpy(&m2, mn + g, 4);
+        dh = _mm_cvtsi32_si128(d2);
+        mh = _mm_cvtsi32_si128(m2);
+    } else { /* the odd last group; its pair's other half is zero codes, zero x, zero sums */
+        memset(pad + 16, 0, 16);
+        memcpy(pad, wp, 16);
+        wp = pad;
+        dh = _mm_cvtsi32_si128(d[g]);
+        mh = _mm_cvtsi32_si128(mn[g]);
+    }
+    qa_pair_dots(wp, xq, len, R, g, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(dh)), halves), acc, a);
+    __m128 mf = _mm_cvtph_ps(mh); /* lanes 0, 1: the pair's minima; 2, 3: zero */
+    for (int r = 0; r < R; r++) {
+        __m128 s2 = _mm_castpd_ps(_mm_load_sd((const double *)(sums + r * Gp + g)));
+        accm[r] = _mm_fmadd_ps(mf, s2, accm[r]);
     }
 }
 
