@@ -68,7 +68,7 @@ class ChoiceFanOut:
         choice asks the engine for prompt logprobs (a full prefill without the prefix cache);
         the route copies them to its siblings (``share_prompt_logprobs``) once they are done."""
         if BEAM_KEY in base_kwargs:  # use_beam_search: one engine request per prompt (app/beam_requests.py)
-            from engine.beam_search import BeamSearchParams
+            from engine.sampling_params import BeamSearchParams
 
             return [Choice(index=p * n + i, prompt_idx=p, sample_idx=i, request_id=f"{request_id}-{p}",
                            prompt_ids=ids, prompt_text=text,

@@ -26,18 +26,16 @@ from app.admission import AdmissionLimits
 from app.auth import APIKeyMiddleware
 from app.chat_prompt import ChatPrompts
 from app.chat_route import ChatRoute
-from app.completions_route import COMPLETIONS_DEFAULT_MAX_TOKENS  # noqa: F401  (re-exported)
 from app.completions_route import CompletionsRoute
 from app.embeddings_route import EmbeddingsRoute
 from app.errors import APIError, to_api_error
-from app.fanout import (  # noqa: F401  (re-exported)
-    Choice, ChoiceFanOut, ClientDisconnected, end_unfinished, normalize_logprob, shutdown_error)
+from app.fanout import ChoiceFanOut, ClientDisconnected, shutdown_error
 from app.info_routes import InfoRoutes, openapi_route
 from app.logprob_format import LogprobFormat
 from app.metrics import HTTPErrorCounter, ServerMetrics
 from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
-from app.responses import ORJSONResponse, error_response  # noqa: F401  (re-exported)
+from app.responses import error_response
 from app.request_checks import RequestChecks
 from app.tools.plan import ToolConfig
 from engine.client import EngineClient

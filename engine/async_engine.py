@@ -33,7 +33,7 @@ from engine.core import INTERNAL_REQUEST_ERROR
 from engine.errors import (SHUTDOWN_ABORT_MESSAGE, EngineDeadError, EngineError, EngineOverloadedError,
                            EngineRestartingError)
 from engine.output_collector import OutputCollector
-from engine.prep_pools import DeadlinePool, PrepDeadlineError
+from engine.prep_pools import DeadlinePool
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream, StreamEnd
 from engine.restart_policy import RestartPolicy

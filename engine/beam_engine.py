@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, Protocol
 
-from engine.beam_search import BeamSearchParams, Hypothesis, LiveBeam, score, select
+from engine.beam_search import Hypothesis, LiveBeam, score, select
+from engine.sampling_params import BeamSearchParams
 from engine.errors import RequestRejectedError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, Sequence, SeqStatus

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The parameters live with SamplingParams (as vLLM keeps them in vllm.sampling_params).
-from engine.sampling_params import MAX_BEAM_WIDTH, BeamSearchParams  # noqa: F401
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from engine import beam_engine
-from engine.beam_search import BeamSearchParams
+from engine.sampling_params import BeamSearchParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, RequestRejectedError, SamplingParamsError
 from engine.kv_blocks import BlockManager, model_hash_seed

@@ -17,7 +17,6 @@ import abc
 import asyncio
 import concurrent.futures
 from contracts.config import EngineConfig
-from contracts.errors import ExecutorError
 from contracts.messages import StepInput, StepOutput
 
 

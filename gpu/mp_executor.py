@@ -38,8 +38,9 @@ import msgspec
 
 from contracts import env
 from contracts.config import EngineConfig
-from gpu.executor import Executor, ExecutorError
-from contracts.messages import STEP_OUTPUT_DECODER, StepEncodeError, StepInput, StepOutput
+from contracts.errors import ExecutorError
+from gpu.executor import Executor
+from contracts.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
 from gpu.pipeline_tokens import SampledTokenRelay
 from gpu.shm_ring import RingPeerDied, RingTimeout
 from gpu.transport import create_channel

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import msgspec
 
 from contracts.config import EngineConfig
-from gpu.executor import Executor, ExecutorError
+from contracts.errors import ExecutorError
+from gpu.executor import Executor
 from contracts.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
 from contracts import env
 from gpu.mp_executor import next_step_timeout

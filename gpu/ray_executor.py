@@ -32,7 +32,7 @@ import time
 import weakref
 
 from contracts.config import EngineConfig
-from gpu.executor import ExecutorError
+from contracts.errors import ExecutorError
 from gpu.mp_executor import RING_SLOT_SIZE, RING_SLOTS, MultiprocExecutor
 from gpu.ray_cluster import PlacedWorkers, import_ray
 from gpu.ring_errors import RingError

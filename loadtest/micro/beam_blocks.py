@@ -26,7 +26,7 @@ def peak_blocks(llm, add) -> int:
 
 
 def main() -> None:
-    from engine.beam_search import BeamSearchParams
+    from engine.sampling_params import BeamSearchParams
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
     from contracts.config import default_model_path

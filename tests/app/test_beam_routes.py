@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from app.server import build_app
-from engine.beam_search import BeamSearchParams
+from engine.sampling_params import BeamSearchParams
 from tests.app.conftest import assert_openai_error
 from tests.tiny import TINY_CONFIG
 

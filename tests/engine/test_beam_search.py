@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.beam_search import BeamSearchParams, Hypothesis, LiveBeam, select
+from engine.beam_search import Hypothesis, LiveBeam, select
+from engine.sampling_params import BeamSearchParams
 from engine.errors import RequestRejectedError, SamplingParamsError
 from tests.engine.beam_fakes import fake_top, reference_beam_search
 from tests.engine.fakes import BYTE0, EOS, make_core, run_to_completion

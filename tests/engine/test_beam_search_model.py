@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from engine.beam_search import BeamSearchParams
+from engine.sampling_params import BeamSearchParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
 NEW_TOKENS = 12

@@ -8,6 +8,7 @@ import pytest
 
 import engine.bootstrap
 import gpu.executor_factory
+from contracts.errors import ExecutorError
 from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
 
 WAIT_S = 10.0  # generous: only a sequential start (a bug) ever waits this long
@@ -76,11 +77,11 @@ def test_executor_failure_waits_for_the_tokenizer_and_raises(monkeypatch):
         return FakeTokenizer()
 
     def create_executor(config, cancel=None):
-        raise gpu.executor.ExecutorError("worker 0 failed to start")
+        raise ExecutorError("worker 0 failed to start")
 
     monkeypatch.setattr(engine.bootstrap, "load_tokenizer", load_tokenizer)
     monkeypatch.setattr(gpu.executor_factory, "create_executor", create_executor)
-    with pytest.raises(gpu.executor.ExecutorError, match="failed to start"):
+    with pytest.raises(ExecutorError, match="failed to start"):
         engine.bootstrap.build_engine(_config())
     assert done.is_set()  # joined, not left running behind the error
 

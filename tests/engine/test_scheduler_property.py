@@ -13,7 +13,7 @@ preemption, chunking, prefix-cache hits and aborts happened on the way.
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.beam_search import BeamSearchParams
+from engine.sampling_params import BeamSearchParams
 from engine.errors import RequestRejectedError
 from engine.request import SeqStatus
 from engine.sampling_params import SamplingParams

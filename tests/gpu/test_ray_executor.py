@@ -17,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from contracts.config import EngineConfig  # noqa: E402
-from gpu.executor import ExecutorError  # noqa: E402
+from contracts.errors import ExecutorError  # noqa: E402
 from gpu.executor_factory import create_executor  # noqa: E402
 from tests.gpu.test_mp_executor import (  # noqa: E402,F401  (own_segments is a fixture)
     FAILING_STEP, HERE, NAP_STEP, SLOW_STEP, _existing, _gone, _step, own_segments)
@@ -217,7 +217,7 @@ def test_everything_but_the_ray_executor_works_without_ray():
         sys.modules["ray"] = None  # as if Ray were not installed
         import app.cli, engine.async_engine, engine.llm, gpu.executor, gpu.ray_executor
         from contracts.config import EngineConfig
-        from gpu.executor import ExecutorError
+        from contracts.errors import ExecutorError
         from gpu.executor_factory import create_executor
         try:
             create_executor(EngineConfig.from_options(executor="ray", load_format="dummy"))
