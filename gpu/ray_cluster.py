@@ -112,9 +112,10 @@ class PlacedWorkers:
     pg: object
     actors: list
     nodes: list[str]  # Ray node id of each rank
-    pids: list[int]  # process id of each rank (meaningful on its own node)
+    pids: list[int]  # process id of each rank (meaningful where its pid space is ours)
     driver_node: str
     started_ray: bool
+    pid_spaces: list[str] = field(default_factory=list)  # pid_space() of each rank
     released: bool = False
     left_ray: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -146,10 +147,14 @@ class PlacedWorkers:
         self._wait_local_exits(ACTOR_EXIT_WAIT_S)
 
     def _wait_local_exits(self, timeout: float) -> None:
-        """ray.kill returns before the process ends: wait for this node's actors to be gone."""
+        """ray.kill returns before the process ends: wait for the actors whose pids mean something
+        here to be gone: the driver's node, and other Ray nodes of this host and pid namespace
+        (two raylets on one machine). Actors on other hosts are Ray's to reap."""
         deadline = time.monotonic() + timeout
-        for node, pid in zip(self.nodes, self.pids):
-            if node != self.driver_node:
+        here = pid_space()
+        spaces = self.pid_spaces or [""] * len(self.pids)
+        for node, pid, space in zip(self.nodes, self.pids, spaces):
+            if node != self.driver_node and space != here:
                 continue
             try:
                 fd = os.pidfd_open(pid)
@@ -166,6 +171,17 @@ class PlacedWorkers:
             if self.started_ray and not self.left_ray:
                 self.left_ray = True
                 leave_local_ray()
+
+
+def pid_space() -> str:
+    """Which pids this process can see: the kernel boot and the pid namespace. Two processes with
+    the same value share pid numbers (one machine, one container), whatever their Ray node."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:  # not Linux: only the driver's own node counts
+        return f"unknown-{os.getpid()}"
 
 
 def bundle_for(config: EngineConfig) -> dict[str, float]:
@@ -213,6 +229,7 @@ def place_workers(config: EngineConfig, world_size: int) -> PlacedWorkers:
         where = ray.get([a.where.remote() for a in placed.actors], timeout=placement_timeout)
         placed.nodes = [w[0] for w in where]
         placed.pids = [w[1] for w in where]
+        placed.pid_spaces = [w[2] for w in where]
     except BaseException as e:
         placed.release()
         placed.leave_ray()

@@ -51,11 +51,14 @@ class RayWorker:
 
     # ---------------------------------------------------------------- placement
 
-    def where(self) -> tuple[str, int]:
-        """(Ray node id, pid): the driver uses the ring only with actors on its own node."""
+    def where(self) -> tuple[str, int, str]:
+        """(Ray node id, pid, pid space): the driver uses the ring only with actors on its own
+        node, and waits at release for the exit of those whose pids it can see."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), os.getpid()
+        from gpu.ray_cluster import pid_space
+
+        return ray.get_runtime_context().get_node_id(), os.getpid(), pid_space()
 
     def rendezvous_address(self, local: bool) -> str:
         """A free TCP port on this node, for torch.distributed's rendezvous (asked of rank 0)."""
