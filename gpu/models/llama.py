@@ -1,5 +1,6 @@
-"""The Llama family in one class: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm). Differences are config switches, not subclasses.
+"""The Llama family in one class: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3
+(per-head q/k RMSNorm) and their mixture-of-experts forms, Mixtral and Qwen3-MoE (the MLP of some
+layers is gpu/models/moe.py's SparseMoeBlock). Differences are config switches, not subclasses.
 
 The forward path calls submodules' ``.forward`` directly: ``nn.Module.__call__`` costs a few
 microseconds of hook bookkeeping per call, ~300 calls a step, and no hooks are used here.
@@ -18,6 +19,7 @@ from gpu.models.attention import Attention
 from contracts.errors import ModelLoadError
 from gpu.models.layers import (GatedMLP, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
                                VocabParallelEmbedding)
+from gpu.models.moe import EXPERT_PROJECTIONS, SparseMoeBlock, is_sparse_layer
 from gpu.models.rotary import RotaryEmbedding, rope_params_from_config
 from gpu.models.stages import MissingLayer, StageActivations, StagePlan
 from gpu.parallel_state import is_last_stage
@@ -28,6 +30,16 @@ _STACKED = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+
+
+def _expert_tensor(name: str) -> tuple[int, int, str] | None:
+    """(layer, expert, projection) of a checkpoint expert weight
+    (``model.layers.L.mlp.experts.E.PROJ.weight``), else None."""
+    parts = name.split(".")
+    if (len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[3:5] == ["mlp", "experts"]
+            and parts[6] in EXPERT_PROJECTIONS and parts[7] == "weight"):
+        return int(parts[2]), int(parts[5]), parts[6]
+    return None
 
 
 def _cfg(cfg: dict, *names, default=None):
@@ -76,13 +88,18 @@ class LlamaAttentionBlock(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: dict, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 rotary_emb: RotaryEmbedding):
+                 rotary_emb: RotaryEmbedding, architecture: str = "LlamaForCausalLM"):
         super().__init__()
         eps = float(_cfg(cfg, "rms_norm_eps", default=1e-6))
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.self_attn = LlamaAttentionBlock(cfg, layer_idx, qkv_bias, o_bias, qk_norm, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], bias=bool(cfg.get("mlp_bias")))
+        if is_sparse_layer(cfg, layer_idx, architecture):
+            # Mixtral always renormalises the top-k weights; Qwen3-MoE when norm_topk_prob says so
+            renormalize = architecture == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False))
+            self.mlp = SparseMoeBlock(cfg, renormalize)
+        else:
+            self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], bias=bool(cfg.get("mlp_bias")))
 
     fast_decode = None  # a gpu.models.fast_decode.FastDecodeLayer: small bf16 batches in two C calls
 
@@ -103,7 +120,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool, keep_embedding: bool = False):
+    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool, keep_embedding: bool = False,
+                 architecture: str = "LlamaForCausalLM"):
         """On a pipeline stage (gpu/models/stages.py) only the stage's layers are built; the
         embedding sits on the first stage (and on the last when ``keep_embedding``: a tied head)."""
         super().__init__()
@@ -118,7 +136,8 @@ class LlamaModel(nn.Module):
                                  int(_cfg(cfg, "max_position_embeddings", default=2048)), theta, scaling)
         self.rotary = rotary
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary) if plan.owns_layer(i) else MissingLayer()
+            LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary, architecture) if plan.owns_layer(i)
+            else MissingLayer()
             for i in range(num_layers))
         self._own_layers = list(self.layers)[plan.start:plan.end]
         self.norm = (RMSNorm(cfg["hidden_size"], float(_cfg(cfg, "rms_norm_eps", default=1e-6)))
@@ -155,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
         "MistralForCausalLM": (False, False, False),
         "Qwen2ForCausalLM": (True, False, False),
         "Qwen3ForCausalLM": (None, None, True),
+        "MixtralForCausalLM": (False, False, False),
+        "Qwen3MoeForCausalLM": (None, None, True),
     }
 
     def __init__(self, cfg: dict, architecture: str = "LlamaForCausalLM"):
@@ -171,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
                            window)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.model = LlamaModel(cfg, qkv_bias, o_bias, qk_norm, keep_embedding=self.tie_word_embeddings
-                                and is_last_stage())
+                                and is_last_stage(), architecture=architecture)
         self.stage = self.model.stage
         self.lm_head = (ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"]) if self.stage.last
                         else MissingLayer())
@@ -204,6 +225,16 @@ class LlamaForCausalLM(nn.Module):
             return None  # the tied embedding is loaded under its own name
         if not self.stage.whole and not self._on_this_stage(name):
             return None
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the expert block
+        expert = _expert_tensor(name)
+        if expert is not None:
+            layer, index, projection = expert
+            moe = self.model.layers[layer].mlp
+            if not isinstance(moe, SparseMoeBlock):
+                raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} is not a mixture-of-experts "
+                                     "layer in this config")
+            param, shard = moe.map_expert_weight(f"model.layers.{layer}.mlp", index, projection)
+            return [(param, shard, None)]
         parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
         if len(parts) == 3 and parts[1] in _STACKED:
             fused, shard = _STACKED[parts[1]]

@@ -10,6 +10,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
     "GPT2LMHeadModel": ("gpu.models.gpt2", "GPT2LMHeadModel"),
 }
 
