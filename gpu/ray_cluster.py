@@ -150,6 +150,8 @@ class PlacedWorkers:
         """ray.kill returns before the process ends: wait for the actors whose pids mean something
         here to be gone: the driver's node, and other Ray nodes of this host and pid namespace
         (two raylets on one machine). Actors on other hosts are Ray's to reap."""
+        from gpu.ray_worker import pid_space
+
         deadline = time.monotonic() + timeout
         here = pid_space()
         spaces = self.pid_spaces or [""] * len(self.pids)
@@ -171,17 +173,6 @@ class PlacedWorkers:
             if self.started_ray and not self.left_ray:
                 self.left_ray = True
                 leave_local_ray()
-
-
-def pid_space() -> str:
-    """Which pids this process can see: the kernel boot and the pid namespace. Two processes with
-    the same value share pid numbers (one machine, one container), whatever their Ray node."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:  # not Linux: only the driver's own node counts
-        return f"unknown-{os.getpid()}"
 
 
 def bundle_for(config: EngineConfig) -> dict[str, float]:

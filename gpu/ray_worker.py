@@ -42,6 +42,17 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
+def pid_space() -> str:
+    """Which pids this process can see: the kernel boot and the pid namespace. Two processes with
+    the same value share pid numbers (one machine, one container), whatever their Ray node."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:  # not Linux: only the driver's own node counts
+        return f"unknown-{os.getpid()}"
+
+
 class RayWorker:
     def __init__(self):
         self.args: WorkerArgs | None = None
@@ -55,8 +66,6 @@ class RayWorker:
         """(Ray node id, pid, pid space): the driver uses the ring only with actors on its own
         node, and waits at release for the exit of those whose pids it can see."""
         import ray
-
-        from gpu.ray_cluster import pid_space
 
         return ray.get_runtime_context().get_node_id(), os.getpid(), pid_space()
 
