@@ -15,6 +15,7 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -117,7 +118,7 @@ def gguf_to_hf_config(path: str, reader=None) -> dict:
         vocab = array_length((reader or open_gguf(path)).fields["tokenizer.ggml.tokens"])
     cfg = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": "llama" if arch == "llama" else arch,
+        "model_type": {"qwen3moe": "qwen3_moe"}.get(arch, arch),
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "num_hidden_layers": int(get("block_count")),
@@ -137,6 +138,14 @@ def gguf_to_hf_config(path: str, reader=None) -> dict:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    experts = int(get("expert_count", 0) or 0)
+    if experts:  # a mixture of experts: qwen3moe, or Mixtral written as "llama" with experts
+        if arch == "llama":
+            cfg["architectures"], cfg["model_type"] = ["MixtralForCausalLM"], "mixtral"
+        cfg.update(num_local_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
+                   moe_intermediate_size=int(get("expert_feed_forward_length", cfg["intermediate_size"])),
+                   norm_topk_prob=bool(get("expert_weights_norm", True)), decoder_sparse_step=1,
+                   mlp_only_layers=[])
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear" and get("rope.scaling.factor"):
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}

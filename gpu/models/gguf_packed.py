@@ -173,9 +173,12 @@ def plan_layouts(model, reader, mode: str) -> dict[str, str]:
 
 # ------------------------------------------------------------------ loading
 
-def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str]) -> dict[str, int]:
+def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str],
+         take=None) -> dict[str, int]:
     """Load every tensor of ``reader``: the planned modules' weights packed, the rest through
-    ``tracker`` in full precision. Returns {layout: modules packed}."""
+    ``tracker`` in full precision; ``take(t)`` is asked first and loads the tensors it answers
+    True for itself (a mixture of experts' expert tensors: gpu/models/gguf_experts.py). Returns
+    {layout: modules packed}."""
     from gpu.models.gguf_loader import iter_gguf_weights
     from gpu.models.quantization import QuantizedWeight, attach, quantizable_types
     from gpu.models.weights import _one_cpu_thread
@@ -188,7 +191,9 @@ def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str
     full_names: list[str] = []
     with _one_cpu_thread():  # per-tensor conversions: on a busy box 2 threads ran 5x slower
         for t in reader.tensors:
-            if _load_one(t, model, modules, plan, slots, full_names, tracker, path, arch, heads):
+            if take is not None and take(t):
+                _release(reader, t)
+            elif _load_one(t, model, modules, plan, slots, full_names, tracker, path, arch, heads):
                 _release(reader, t)
     if full_names:
         wanted = set(full_names)

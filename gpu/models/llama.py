@@ -42,6 +42,16 @@ def _expert_tensor(name: str) -> tuple[int, int, str] | None:
     return None
 
 
+def _stacked_expert_tensor(name: str) -> tuple[int, str] | None:
+    """(layer, projection) of a 3D all-experts tensor (``model.layers.L.mlp.experts.PROJ.weight``,
+    GGUF's layout under our names), else None."""
+    parts = name.split(".")
+    if (len(parts) == 7 and parts[:2] == ["model", "layers"] and parts[3:5] == ["mlp", "experts"]
+            and parts[5] in EXPERT_PROJECTIONS and parts[6] == "weight"):
+        return int(parts[2]), parts[5]
+    return None
+
+
 def _cfg(cfg: dict, *names, default=None):
     for n in names:
         if cfg.get(n) is not None:
@@ -226,13 +236,14 @@ class LlamaForCausalLM(nn.Module):
         if not self.stage.whole and not self._on_this_stage(name):
             return None
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the expert block
+        stacked = _stacked_expert_tensor(name)
+        if stacked is not None:  # GGUF: one projection of all experts
+            layer, projection = stacked
+            return self._moe_block(name, layer).map_stacked_weight(f"model.layers.{layer}.mlp", projection)
         expert = _expert_tensor(name)
         if expert is not None:
             layer, index, projection = expert
-            moe = self.model.layers[layer].mlp
-            if not isinstance(moe, SparseMoeBlock):
-                raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} is not a mixture-of-experts "
-                                     "layer in this config")
+            moe = self._moe_block(name, layer)
             param, shard = moe.map_expert_weight(f"model.layers.{layer}.mlp", index, projection)
             return [(param, shard, None)]
         parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
@@ -240,6 +251,13 @@ class LlamaForCausalLM(nn.Module):
             fused, shard = _STACKED[parts[1]]
             return [(f"{parts[0]}.{fused}.{parts[2]}", shard, None)]
         return [(name, None, None)]
+
+    def _moe_block(self, name: str, layer: int) -> SparseMoeBlock:
+        moe = self.model.layers[layer].mlp
+        if not isinstance(moe, SparseMoeBlock):
+            raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} is not a mixture-of-experts layer "
+                                 "in this config")
+        return moe
 
     def _on_this_stage(self, name: str) -> bool:
         if name.startswith("model.embed_tokens."):

@@ -138,12 +138,17 @@ def _load_gguf(model, reader, path: str, tracker: WeightTracker, quantization: s
     if quantization != "none":
         from gpu.models import gguf_packed
 
+        from gpu.models import gguf_experts
+
         plan = gguf_packed.plan_layouts(model, reader, quantization)
-        if plan:
+        if plan or gguf_experts.has_expert_tensors(reader):
             from kernels import qgemm
 
             qgemm.library()  # a missing compiler fails here, naming what to install
-            return gguf_packed.load(model, reader, path, model.config, tracker, plan)
+            counts = gguf_packed.load(model, reader, path, model.config, tracker, plan, take=lambda t: (
+                gguf_experts.load_expert_tensor(t, model, quantization, tracker, path)))
+            gguf_experts.finish(model)
+            return counts
     tracker.load_all(iter_gguf_weights(path, model.config, reader), source=path)
     return {}
 

@@ -14,7 +14,12 @@ The router is replicated and computed in fp32 (as transformers does), so every r
 
 Checkpoint names (Hugging Face): Qwen3-MoE ``mlp.experts.E.{gate,up,down}_proj.weight`` and
 ``mlp.gate.weight``; Mixtral ``block_sparse_moe.experts.E.{w1,w3,w2}.weight`` and
-``block_sparse_moe.gate.weight`` (w1 gate, w3 up, w2 down).
+``block_sparse_moe.gate.weight`` (w1 gate, w3 up, w2 down). GGUF stores each projection of all
+experts as one 3D tensor (``blk.N.ffn_{gate,up,down}_exps``), loaded expert by expert.
+
+Quantized experts (GGUF q8_0 / q4_x kept packed, or ``--quantization int8|int4``): each expert
+holds two packed weights (gate and up rows stacked, and down) computed by the CPU kernel of
+kernels/qgemm.py, and the full-precision stacks are freed.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contracts.errors import ModelLoadError
+from gpu.models.quantization import QuantizedWeight, SelfQuantizing, layout_for
 from gpu.models.layers import _copy_checked, _new_param, default_weight_loader
 from gpu.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_reduce
 
@@ -46,7 +52,7 @@ def is_sparse_layer(cfg: dict, layer_idx: int, architecture: str) -> bool:
     return layer_idx not in (cfg.get("mlp_only_layers") or []) and (layer_idx + 1) % step == 0
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(nn.Module, SelfQuantizing):
     def __init__(self, cfg: dict, renormalize: bool):
         super().__init__()
         hidden = cfg["hidden_size"]
@@ -93,6 +99,86 @@ class SparseMoeBlock(nn.Module):
             return f"{prefix}.w2", expert
         return f"{prefix}.w13", (expert, part)
 
+    def map_stacked_weight(self, prefix: str, projection: str) -> list:
+        """The (parameter, shard id, cut) triples of a 3D all-experts tensor (GGUF's layout)."""
+        def cut(t: torch.Tensor, e: int) -> torch.Tensor:
+            if t.dim() != 3 or t.shape[0] != self.num_experts:
+                raise ModelLoadError(f"stacked {projection} of shape {tuple(t.shape)}: expected "
+                                     f"{self.num_experts} experts first")
+            return t[e]
+        return [(*self.map_expert_weight(prefix, e, projection), lambda t, e=e: cut(t, e))
+                for e in range(self.num_experts)]
+
+    # ------------------------------------------------------------------ packed experts
+
+    packed: list | None = None  # per expert [gate_up, down] QuantizedWeight once quantized
+
+    def _packed_slots(self) -> list:
+        if self.packed is None:
+            self.packed = [[None, None, None] for _ in range(self.num_experts)]  # gate, up, down parts
+        return self.packed
+
+    def load_packed_part(self, expert: int, part: int, layout: str, tensors: tuple[torch.Tensor, ...]) -> None:
+        """One expert's gate (0), up (1) or down (2) weight, already in a packed ``layout`` (the full
+        checkpoint rows and columns): this rank's rows (gate, up) or columns (down) are kept."""
+        n, tp, r = self.inter, self.tp_size, self.tp_rank
+        rows, cols = (n * tp, self.hidden) if part < 2 else (self.hidden, n * tp)
+        from kernels import qgemm
+
+        want = qgemm.packed_shapes(layout, rows, cols)
+        if [tuple(t.shape) for t in tensors] != [tuple(w) for w in want]:
+            raise ModelLoadError(f"expert {expert} part {part}: packed shapes {[tuple(t.shape) for t in tensors]}, "
+                                 f"model expects {want}")
+        if tp > 1:
+            if part < 2:
+                tensors = tuple(t.narrow(0, r * n, n).contiguous() for t in tensors)
+            else:
+                if n % qgemm.GROUP:
+                    raise ModelLoadError(f"packed experts under tensor parallelism need the per-rank expert size "
+                                         f"({n}) to be a multiple of {qgemm.GROUP}")
+                tensors = tuple(t.narrow(1, r * t.shape[1] // tp, t.shape[1] // tp).contiguous() for t in tensors)
+        slots = self._packed_slots()[expert]
+        slots[part] = (layout, tensors)
+        if part < 2 and slots[1 - part] is not None:
+            (la, ga), (lb, ub) = slots[0], slots[1]
+            if la != lb:
+                raise ModelLoadError(f"expert {expert}: gate ({la}) and up ({lb}) packed differently")
+            slots[0] = QuantizedWeight(la, tuple(torch.cat([g, u]) for g, u in zip(ga, ub)), None, self.w13.dtype)
+            slots[1] = "merged"
+        elif part == 2:
+            slots[2] = QuantizedWeight(layout, tensors, None, self.w2.dtype)
+
+    def finish_packed(self) -> None:
+        """After loading: every expert packed (then the full-precision stacks go), or none."""
+        if self.packed is None:
+            return
+        if any(s[1] != "merged" or not isinstance(s[2], QuantizedWeight) for s in self.packed):
+            raise ModelLoadError("some experts of a layer arrived packed and others did not")
+        self.packed = [(s[0], s[2]) for s in self.packed]
+        self._drop_dense()
+
+    def quantize(self, mode: str) -> tuple[int, int]:
+        """--quantization int8|int4 on full-precision experts: (bytes before, bytes after)."""
+        if self.packed is not None:
+            return 0, 0
+        packed, before, after = [], 0, 0
+        for e in range(self.num_experts):
+            gu = QuantizedWeight.from_float(self.w13[e], layout_for(mode, self.hidden))
+            down = QuantizedWeight.from_float(self.w2[e], layout_for(mode, self.inter))
+            packed.append((gu, down))
+            after += gu.nbytes() + down.nbytes()
+        before = (self.w13.numel() + self.w2.numel()) * self.w13.element_size()
+        self.packed = packed
+        self._drop_dense()
+        return before, after
+
+    def _drop_dense(self) -> None:
+        for name in ("w13", "w2"):
+            old = getattr(self, name)
+            p = nn.Parameter(torch.empty(0, dtype=old.dtype, device=old.device), requires_grad=False)
+            p.weight_loader, p.shard_ids = old.weight_loader, old.shard_ids
+            setattr(self, name, p)
+
     # ------------------------------------------------------------------ forward
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,13 +201,19 @@ class SparseMoeBlock(nn.Module):
         xs = x.index_select(0, tokens)
         out = torch.empty((T * self.top_k, self.hidden), dtype=x.dtype, device=x.device)
         start = 0
+        packed = self.packed
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
             end = start + n
-            h = F.linear(xs[start:end], self.w13[expert])
-            gate, up = h.split(self.inter, dim=-1)
-            out[start:end] = F.linear(F.silu(gate) * up, self.w2[expert])
+            if packed is None:
+                h = F.linear(xs[start:end], self.w13[expert])
+                gate, up = h.split(self.inter, dim=-1)
+                out[start:end] = F.linear(F.silu(gate) * up, self.w2[expert])
+            else:
+                gate_up, down = packed[expert]
+                gate, up = gate_up.linear(xs[start:end]).split(self.inter, dim=-1)
+                out[start:end] = down.linear((F.silu(gate) * up).contiguous())
             start = end
         y = torch.zeros_like(x).index_add_(0, tokens, out.mul_(pair_weights))
         if self.tp_size > 1:

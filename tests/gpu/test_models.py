@@ -262,7 +262,8 @@ def _tp_worker(rank: int, world: int, init_file: str, dirs: list[str], out_file:
     ids = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(5))
     for d in dirs:
         model = load_ours(d)
-        assert dense_weight(model.lm_head).shape[0] == 49  # really sharded: 97 vocab rows -> 49 per rank
+        head = model.lm_head  # really sharded: 97 vocab rows -> 49 per rank (packed from GGUF, or not)
+        assert (dense_weight(head).shape[0] if head.qweight is None else head.qweight.out_features) == 49
         with torch.inference_mode(), forward_context(None, []):
             full = model.compute_logits(model(ids, torch.arange(11)))
         caches = make_caches(model)
