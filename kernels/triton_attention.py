@@ -5,11 +5,18 @@ be set before triton is first imported (``triton.jit`` reads it at decoration, a
 triton.language's own helpers) and while kernels run. tests/kernels/test_triton_compile.py
 compiles them for sm_80 down to cubin without a GPU.
 
-Attention: one program per (query token, KV head). The program holds the query vectors of the
-G heads that share that KV head (GQA), walks the request's keys in tiles of ``BLOCK_N`` tokens
-(each token's physical slot looked up through the block table, so any block size works) and
-keeps an online softmax, so memory use does not grow with the context. Tokens past
-``meta.num_tokens`` (static-shape padding) get zeros.
+Attention: one program per (query token, KV head, context split). The program holds the query
+vectors of the G heads that share that KV head (GQA), walks its split of the request's keys in
+tiles of ``BLOCK_N`` tokens (each token's physical slot looked up through the block table, so any
+block size works) and keeps an online softmax, so memory use does not grow with the context.
+Tokens past ``meta.num_tokens`` (static-shape padding) get zeros.
+
+Split-K (flash-decoding): a decode step has one query token per request, so one program per
+(token, KV head) gave a batch-1 decode of the default model 3 programs for 132 SMs. With
+``num_splits`` > 1 each program takes one contiguous share of the keys and writes its running
+max, sum and unnormalised output to a scratch buffer; a second kernel merges the shares per
+(token, head). The split count depends only on the token count and the GPU (``choose_splits``),
+so a captured graph replays with the count it was captured with.
 """
 from __future__ import annotations
 
@@ -117,9 +124,14 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
 ):
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     request = tl.load(token_request_ptr + token)
     is_real = request < num_requests  # padding tokens map past the last request
     request = tl.minimum(request, num_requests - 1).to(tl.int64)
@@ -141,9 +153,13 @@ def _paged_attention_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     table = block_tables_ptr + request * stride_table
-    for start in range(0, num_keys, BLOCK_N):
+    # This program's share of the keys: whole BLOCK_N tiles, the last share possibly short or empty.
+    share = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    first = split * share
+    last = tl.minimum(first + share, num_keys)
+    for start in range(first, last, BLOCK_N):
         key_pos = start + tl.arange(0, BLOCK_N)
-        key_mask = key_pos < num_keys
+        key_mask = key_pos < last
         block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
         row = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
         kv_mask = key_mask[:, None] & (d < HEAD_DIM)[None, :]
@@ -161,12 +177,49 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys (padding token) -> zeros
-    tl.store(
-        out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask,
-    )
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys (padding token) -> zeros
+        tl.store(
+            out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
+    else:  # this share's max, sum and unnormalised output: [token, head, split(, dim)]
+        part = (token * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=g < GROUP)
+        tl.store(part_l_ptr + part, l_i, mask=g < GROUP)
+        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """One (token, head): the shares' outputs weighted by exp(their max - the overall max)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, DIM_PAD)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + s
+    m = tl.load(part_m_ptr + part)
+    l_s = tl.load(part_l_ptr + part)
+    m_all = tl.max(m, 0)
+    m_all = tl.where(m_all > float("-inf"), m_all, 0.0)  # every share empty (a padding token)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # an empty share: weight 0
+    total = tl.sum(w * l_s, 0)
+    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :])
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 def attention_constexprs(
@@ -190,6 +243,26 @@ def attention_constexprs(
     }
 
 
+MAX_SPLITS = 16
+
+
+def choose_splits(num_tokens: int, num_kv_heads: int, device: torch.device) -> int:
+    """Context splits per (token, KV head): enough programs to fill the GPU about twice (a power of
+    two, at most MAX_SPLITS); 1 when the tokens alone fill it, and off CUDA (the interpreter).
+    Depends only on the token count and the device, never on lengths read from the device."""
+    if device.type != "cuda":
+        return 1
+    return splits_for(num_tokens * num_kv_heads, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def splits_for(programs: int, sms: int) -> int:
+    """``choose_splits`` for ``programs`` (token, KV head) pairs on ``sms`` multiprocessors."""
+    programs = max(1, programs)
+    if programs >= sms:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * sms // programs)))
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -197,10 +270,12 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of the flat batch ``q [T, H, D]`` over the paged cache -> ``[T, H, D]``.
 
     No host synchronisation: every length is read on the device, so it can be graph-captured.
+    ``num_splits``: context splits (a power of two; None = ``choose_splits``).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -214,9 +289,20 @@ def paged_attention_triton(
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
+    splits = choose_splits(num_tokens, num_kv_heads, q.device) if num_splits is None else num_splits
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {splits}")
+    constexprs = attention_constexprs(num_heads, num_kv_heads, head_dim, block_size, q.dtype)
+    if splits > 1:
+        part_m = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_tokens, num_heads, splits, constexprs["DIM_PAD"]), dtype=torch.float32,
+                               device=q.device)
+    else:  # unused by the kernel
+        part_m = part_l = part_acc = out
     tokens = torch.arange(num_tokens, device=q.device, dtype=meta.query_start_loc.dtype)
     token_request = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True, out_int32=True)
-    _paged_attention_kernel[(num_tokens, num_kv_heads)](
+    _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
         out,
         q,
         k_cache,
@@ -235,6 +321,15 @@ def paged_attention_triton(
         k_cache.stride(1),
         k_cache.stride(2),
         meta.block_tables.stride(0),
-        **attention_constexprs(num_heads, num_kv_heads, head_dim, block_size, q.dtype),
+        **constexprs,
+        NUM_SPLITS=splits,
+        part_m_ptr=part_m,
+        part_l_ptr=part_l,
+        part_acc_ptr=part_acc,
     )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_m, part_l, part_acc, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_PAD=constexprs["DIM_PAD"], NUM_SPLITS=splits,
+        )
     return out

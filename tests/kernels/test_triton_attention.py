@@ -176,3 +176,34 @@ def test_random_batches_match_torch(seed: int) -> None:
     reqs += [(rng.choice([0, rng.randint(1, 40)]), rng.randint(2, 5)) for _ in range(rng.randint(1, 2))]
     batch = make_batch(reqs, num_heads, num_kv_heads, 16, block_size, seed=seed, pad_tokens=1)
     torch.testing.assert_close(_triton(batch, 0.3), _torch(batch, 0.3), atol=2e-5, rtol=1e-4)
+
+
+@in_process
+@pytest.mark.parametrize("splits", [2, 4, 16])
+def test_context_splits_match_one_split_and_torch(splits: int) -> None:
+    """Split-K decode: every share of the context merged equals the whole context at once; shares
+    that get no keys (short contexts, more splits than tiles) and padding tokens stay exact."""
+    reqs = [(0, 1), (5, 1), (70, 1), (130, 1), (31, 3), (0, 4)]  # decodes (one with no past), prefills
+    batch = make_batch(reqs, 9, 3, 24, 16, seed=splits, pad_tokens=2)
+    scale = 24 ** -0.5
+    one = torch.full_like(batch.q, float("nan"))
+    triton_attention.paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=one,
+                                            num_splits=1)
+    many = torch.full_like(batch.q, float("nan"))
+    triton_attention.paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=many,
+                                            num_splits=splits)
+    assert not many.isnan().any() and (many[batch.meta.num_tokens:] == 0).all()
+    torch.testing.assert_close(many, one, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(many, _torch(batch, scale), atol=2e-5, rtol=1e-4)
+
+
+@in_process
+def test_split_count_depends_on_tokens_and_device_only() -> None:
+    assert triton_attention.choose_splits(1, 3, torch.device("cpu")) == 1
+    # an H100's 132 SMs: batch-1 decode of the default model (3 KV heads) -> 16 splits; 16 requests
+    # -> 8; 64 requests x 8 KV heads already fill the GPU -> 1
+    assert [triton_attention.splits_for(p, 132) for p in (3, 48, 512, 0)] == [16, 8, 1, 16]
+    with pytest.raises(ValueError, match="power of two"):
+        batch = make_batch([(5, 1)], 4, 2, 16, 8, seed=1)
+        triton_attention.paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25,
+                                                num_splits=3)

@@ -38,7 +38,8 @@ def compile_all() -> list[str]:
     torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
     def build(fn, pointer_args: dict[str, str], int_args: dict[str, str], consts: dict[str, object]):
-        sig = {**pointer_args, **int_args, **{k: "constexpr" for k in consts}}
+        given = {**pointer_args, **int_args, **{k: "constexpr" for k in consts}}
+        sig = {n: given[n] for n in fn.arg_names}  # in the kernel's parameter order
         names = list(sig)
         constexprs = {(names.index(k),): v for k, v in consts.items()}
         return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=target)
@@ -51,8 +52,14 @@ def compile_all() -> list[str]:
         for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cache_block", "stride_cache_slot",
                   "stride_cache_head", "stride_table"):
             scalars[n] = "i64"
+        pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr")}
         consts = ta.attention_constexprs(heads, kv_heads, dim, block, torch_dtypes[dt])
-        kinds = list(build(ta._paged_attention_kernel, pointers, scalars, consts).asm)
+        for splits in (1, 8):  # one program per (token, KV head), and split-K decode
+            kinds = list(build(ta._paged_attention_kernel, pointers, scalars, {**consts, "NUM_SPLITS": splits}).asm)
+        build(ta._merge_splits_kernel, {"out_ptr": f"*{dt}"} | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr",
+                                                                                        "part_acc_ptr")},
+              {"stride_ot": "i64", "stride_oh": "i64"},
+              {"NUM_HEADS": heads, "HEAD_DIM": dim, "DIM_PAD": consts["DIM_PAD"], "NUM_SPLITS": 8})
         pointers = {n: f"*{dt}" for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")} | {"slot_ptr": "*i64"}
         scalars = {n: "i64" for n in ("stride_kt", "stride_kh", "stride_vt", "stride_vh")}
         consts = {"NUM_KV_HEADS": kv_heads, "HEAD_DIM": dim, "ROW_PAD": triton.next_power_of_2(kv_heads * dim)}
