@@ -207,3 +207,21 @@ def test_split_count_depends_on_tokens_and_device_only() -> None:
         batch = make_batch([(5, 1)], 4, 2, 16, 8, seed=1)
         triton_attention.paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25,
                                                 num_splits=3)
+
+
+@in_process
+def test_prefill_in_query_tiles_matches_torch() -> None:
+    """Prefill chunks longer than a tile (16 tokens), after cached context and from position 0,
+    beside decodes and padding: the tiled prefill kernel with the per-token decode kernel."""
+    reqs = [(9, 1), (0, 1), (30, 40), (0, 17), (5, 2)]
+    batch = make_batch(reqs, 9, 3, 24, 8, seed=11, pad_tokens=3)
+    tiles = triton_attention.prefill_tiles(batch.meta)
+    # request 2: 40 tokens from position 30 -> tiles of 16, 16, 8; request 3: 16 + 1; request 4: 2
+    assert [(r, n, p) for r, _, n, p in tiles] == [(2, 16, 30), (2, 16, 46), (2, 8, 62), (3, 16, 0), (3, 1, 16),
+                                                    (4, 2, 5)]
+    scale = 24 ** -0.5
+    got = _triton(batch, scale)
+    assert (got[batch.meta.num_tokens:] == 0).all()
+    torch.testing.assert_close(got, _torch(batch, scale), atol=2e-5, rtol=1e-4)
+    n = batch.meta.num_tokens
+    torch.testing.assert_close(got[:n], naive_attention(batch, scale).float()[:n], atol=2e-5, rtol=1e-4)

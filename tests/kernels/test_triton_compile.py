@@ -56,6 +56,11 @@ def compile_all() -> list[str]:
         consts = ta.attention_constexprs(heads, kv_heads, dim, block, torch_dtypes[dt])
         for splits in (1, 8):  # one program per (token, KV head), and split-K decode
             kinds = list(build(ta._paged_attention_kernel, pointers, scalars, {**consts, "NUM_SPLITS": splits}).asm)
+        tile_ptrs = {n: "*i32" for n in ("block_tables_ptr", "tile_request_ptr", "tile_token_ptr", "tile_count_ptr",
+                                         "tile_first_pos_ptr")}
+        build(ta._prefill_attention_kernel, {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+              | tile_ptrs, {k: v for k, v in scalars.items() if k not in ("num_requests",)},
+              {**consts, "GROUP_PAD": triton.next_power_of_2(consts["GROUP"]), "BLOCK_M": ta.PREFILL_BLOCK_M})
         build(ta._merge_splits_kernel, {"out_ptr": f"*{dt}"} | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr",
                                                                                         "part_acc_ptr")},
               {"stride_ot": "i64", "stride_oh": "i64"},
