@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
+from kernels.triton_prefill import prefill_attention
 
 # The interpreter (3.x) runs tl.dot on bf16 operands as raw uint16 numbers, so when interpreting
 # the attention kernel upcasts its dot operands to fp32. Compiled kernels keep native bf16 dots.
@@ -243,119 +244,6 @@ def attention_constexprs(
     }
 
 
-@triton.jit
-def _prefill_attention_kernel(
-    out_ptr,
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    tile_request_ptr,
-    tile_token_ptr,
-    tile_count_ptr,
-    tile_first_pos_ptr,
-    scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    stride_table,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
-):
-    """One (query tile, KV head): up to BLOCK_M consecutive query tokens of one request, each with
-    the GROUP heads of this KV head, as BLOCK_M * GROUP_PAD rows that read every key tile once
-    (the per-token kernel reads a prefill's keys once per token). Causal per row."""
-    tile = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    request = tl.load(tile_request_ptr + tile).to(tl.int64)
-    token0 = tl.load(tile_token_ptr + tile).to(tl.int64)
-    count = tl.load(tile_count_ptr + tile)
-    pos0 = tl.load(tile_first_pos_ptr + tile)  # position of the tile's first query token
-
-    r = tl.arange(0, BLOCK_M * GROUP_PAD)
-    i = r // GROUP_PAD  # query token within the tile
-    g = r % GROUP_PAD
-    d = tl.arange(0, DIM_PAD)
-    valid = (i < count) & (g < GROUP)
-    pos = tl.where(valid, pos0 + i, -1)  # an invalid row sees no key
-    token = token0 + i
-    heads = kv_head * GROUP + g
-    row_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_mask,
-                other=0.0)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, DIM_PAD], tl.float32)
-    table = block_tables_ptr + request * stride_table
-    num_keys = pos0 + count  # the tile's last token sees keys 0 ..= pos0 + count - 1
-    for start in range(0, num_keys, BLOCK_N):
-        key_pos = start + tl.arange(0, BLOCK_N)
-        key_mask = key_pos < num_keys
-        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        row = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-        kv_mask = key_mask[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(key_pos[None, :] <= pos[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with no key yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask)
-
-
-PREFILL_BLOCK_M = 16  # query tokens a prefill tile holds
-
-
-def prefill_tiles(meta: AttentionMetadata, block_m: int = PREFILL_BLOCK_M) -> list[tuple[int, int, int, int]]:
-    """(request, first token, tokens, first position) of each query tile of the prefill requests
-    (those after the first ``num_decodes``), from the host copy of the metadata."""
-    qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
-    tiles = []
-    for req in range(meta.num_decodes, len(lens)):
-        start, end = qsl[req], qsl[req + 1]
-        first_pos = lens[req] - (end - start)
-        for t in range(start, end, block_m):
-            tiles.append((req, t, min(block_m, end - t), first_pos + t - start))
-    return tiles
-
-
-def _prefill_attention(q, k_cache, v_cache, meta, scale, out, constexprs) -> None:
-    tiles = prefill_tiles(meta)
-    if not tiles:
-        return
-    info = torch.tensor(tiles, dtype=torch.int32).t().contiguous().to(q.device, non_blocking=True)
-    _prefill_attention_kernel[(len(tiles), k_cache.shape[2])](
-        out, q, k_cache, v_cache, meta.block_tables, info[0], info[1], info[2], info[3], scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), meta.block_tables.stride(0), BLOCK_M=PREFILL_BLOCK_M,
-        **{**constexprs, "GROUP_PAD": triton.next_power_of_2(constexprs["GROUP"])})  # BLOCK_M rows fill a dot
-
-
 MAX_SPLITS = 16
 
 
@@ -394,7 +282,7 @@ def paged_attention_triton(
     A decode-only step reads every length on the device (no host synchronisation: it can be
     graph-captured); ``num_splits``: context splits (a power of two; None = ``choose_splits``). A
     step with prefill chunks (never captured) runs its decodes so and its prefill requests in query
-    tiles (``_prefill_attention_kernel``), laid out from the host copy of the metadata.
+    tiles (kernels/triton_prefill.py), laid out from the host copy of the metadata.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -411,7 +299,7 @@ def paged_attention_triton(
     constexprs = attention_constexprs(num_heads, num_kv_heads, head_dim, block_size, q.dtype)
     tiled = meta.num_decodes < meta.num_requests and not _capturing(q.device)
     if tiled:
-        _prefill_attention(q, k_cache, v_cache, meta, scale, out, constexprs)
+        prefill_attention(q, k_cache, v_cache, meta, scale, out, constexprs)
         if num_tokens > meta.num_tokens:
             out[meta.num_tokens:].zero_()  # static-shape padding tokens
         num_tokens = meta.query_start_loc_host[meta.num_decodes]  # the decodes come first

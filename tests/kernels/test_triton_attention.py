@@ -32,6 +32,8 @@ def _import_interpreted():
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
+        if "kernels.triton_prefill" in sys.modules:
+            importlib.reload(sys.modules["kernels.triton_prefill"])
         if "kernels.triton_attention" in sys.modules:
             return importlib.reload(sys.modules["kernels.triton_attention"])
         return importlib.import_module("kernels.triton_attention")
@@ -82,6 +84,9 @@ def _torch(batch, scale: float) -> torch.Tensor:
 def test_kernels_are_interpreted() -> None:
     assert type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction"
     assert type(triton_attention._write_kv_cache_kernel).__name__ == "InterpretedFunction"
+    from kernels import triton_prefill
+
+    assert type(triton_prefill._prefill_attention_kernel).__name__ == "InterpretedFunction"
 
 
 @in_process
@@ -215,7 +220,9 @@ def test_prefill_in_query_tiles_matches_torch() -> None:
     beside decodes and padding: the tiled prefill kernel with the per-token decode kernel."""
     reqs = [(9, 1), (0, 1), (30, 40), (0, 17), (5, 2)]
     batch = make_batch(reqs, 9, 3, 24, 8, seed=11, pad_tokens=3)
-    tiles = triton_attention.prefill_tiles(batch.meta)
+    from kernels.triton_prefill import prefill_tiles
+
+    tiles = prefill_tiles(batch.meta)
     # request 2: 40 tokens from position 30 -> tiles of 16, 16, 8; request 3: 16 + 1; request 4: 2
     assert [(r, n, p) for r, _, n, p in tiles] == [(2, 16, 30), (2, 16, 46), (2, 8, 62), (3, 16, 0), (3, 1, 16),
                                                     (4, 2, 5)]

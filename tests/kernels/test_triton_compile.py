@@ -33,6 +33,7 @@ def compile_all() -> list[str]:
     from triton.compiler import ASTSource
 
     from kernels import triton_attention as ta
+    from kernels import triton_prefill as tp
 
     target = GPUTarget("cuda", 80, 32)
     torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -58,9 +59,9 @@ def compile_all() -> list[str]:
             kinds = list(build(ta._paged_attention_kernel, pointers, scalars, {**consts, "NUM_SPLITS": splits}).asm)
         tile_ptrs = {n: "*i32" for n in ("block_tables_ptr", "tile_request_ptr", "tile_token_ptr", "tile_count_ptr",
                                          "tile_first_pos_ptr")}
-        build(ta._prefill_attention_kernel, {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+        build(tp._prefill_attention_kernel, {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
               | tile_ptrs, {k: v for k, v in scalars.items() if k not in ("num_requests",)},
-              {**consts, "GROUP_PAD": triton.next_power_of_2(consts["GROUP"]), "BLOCK_M": ta.PREFILL_BLOCK_M})
+              {**consts, "GROUP_PAD": triton.next_power_of_2(consts["GROUP"]), "BLOCK_M": tp.PREFILL_BLOCK_M})
         build(ta._merge_splits_kernel, {"out_ptr": f"*{dt}"} | {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr",
                                                                                         "part_acc_ptr")},
               {"stride_ot": "i64", "stride_oh": "i64"},
