@@ -11,11 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from contracts.config import EngineConfig
 from gpu.device import resolve_device, resolve_dtype
 from gpu.forward_context import forward_context
+from gpu.host_staging import HostStaging
 from gpu.kv_alloc import zeroed_tensor
 from gpu.kv_swap import owned_layers
 from contracts.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
@@ -74,6 +76,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.kv_dtype = kv_cache_dtype.resolve(config.cache.cache_dtype, self.dtype, self.device)
         self.block_size = config.cache.block_size
+        self.staging = HostStaging(self.device)  # a step's index arrays: one copy to a GPU
         self.seqs: dict[int, SeqState] = {}
         self.model = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -224,31 +227,35 @@ class ModelRunner:
             else:
                 counting_decodes = False
             max_blocks = max(max_blocks, len(r.block_table))
-        # One tensor from padded rows: a per-request copy costs an op each (decode batches).
-        block_tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in requests],
-                                    dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
+        # Host arrays, then one staged copy to the device (gpu/host_staging.py; off CUDA the
+        # tensors are built in place). Block tables as one padded array: a per-request copy
+        # costs an op each (decode batches).
+        block_tables = np.zeros((len(requests), max_blocks), dtype=np.int32)
+        for i, r in enumerate(requests):
+            block_tables[i, :len(r.block_table)] = r.block_table
+        pos = np.asarray(positions, dtype=np.int64)
         if num_decodes == len(requests):
-            # All decodes (the per-token step): one slot each, computed here instead of ~6 ops.
-            slots = torch.tensor([r.block_table[p // B] * B + p % B for r, p in zip(requests, positions)],
-                                 dtype=torch.long)
+            # All decodes (the per-token step): one slot each.
+            slots = [r.block_table[p // B] * B + p % B for r, p in zip(requests, positions)]
         else:
-            req_index = torch.repeat_interleave(
-                torch.arange(len(requests)), torch.tensor([len(r.token_ids) for r in requests]))
-            slots = block_tables[req_index, pos // B].long() * B + pos % B
-        dev = self.device
+            req_index = np.repeat(np.arange(len(requests)), [len(r.token_ids) for r in requests])
+            slots = block_tables[req_index, pos // B].astype(np.int64) * B + pos % B
+        R, T = len(requests), len(input_ids)
+        ids_t, pos_t, qsl_t, lens_t, tables_t, slots_t = self.staging.stage([
+            (input_ids, torch.long, (T,)), (pos, torch.long, (T,)), (query_start, torch.int32, (R + 1,)),
+            (seq_lens, torch.int32, (R,)), (block_tables, torch.int32, (R, max_blocks)), (slots, torch.long, (T,))])
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=slots.to(dev),
+            query_start_loc=qsl_t,
+            seq_lens=lens_t,
+            block_tables=tables_t,
+            slot_mapping=slots_t,
             num_decodes=num_decodes,
             max_query_len=max(query_start[i + 1] - query_start[i] for i in range(len(requests))),
             max_seq_len=max(seq_lens),
             query_start_loc_host=query_start,
             seq_lens_host=seq_lens,
         )
-        return PreparedBatch(torch.tensor(input_ids, dtype=torch.long, device=dev), pos.to(dev), meta)
+        return PreparedBatch(ids_t, pos_t, meta)
 
     @torch.inference_mode()
     def forward(self, requests: list[BatchRequest]) -> torch.Tensor:
