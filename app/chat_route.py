@@ -17,6 +17,8 @@ from app.fanout import Choice, ChoiceFanOut, ClientDisconnected, end_unfinished
 from app.logprob_format import LogprobFormat
 from app.prompt_options import check_truncate, chat_echo_text, chat_template_options, truncate_prompt
 from app.protocol import ChatCompletionRequest, parse
+from app.reasoning import output as reasoning_output
+from app.reasoning.output import ReasoningDeltas, ReasoningPlan
 from app.request_checks import RequestChecks
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
@@ -34,7 +36,7 @@ class ChatRoute:
     def __init__(self, engine: EngineClient, served_model_name: str, checks: RequestChecks,
                  prompts: ChatPrompts, fanout: ChoiceFanOut, logprob_format: LogprobFormat,
                  tool_config: ToolConfig = ToolConfig(), sse_ping_interval: float = 0.0,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.checks = checks
@@ -44,6 +46,7 @@ class ChatRoute:
         self.tool_config = tool_config  # the server's tool flags (--enable-auto-tool-choice, ...)
         self.sse_ping_interval = sse_ping_interval  # seconds between SSE comment pings; 0 = none
         self.trust_request_chat_template = trust_request_chat_template  # a request's own template is rendered
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: <think> apart from the answer
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self.checks.read_admitted(request, "chat"))
@@ -58,6 +61,9 @@ class ChatRoute:
         text, ids = await self.prompts.chat_prompt(
             messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
             options, tools, bounded=True, keep=req.truncate_prompt_tokens)
+        reasoning = self.reasoning_plan(text, req.include_reasoning)
+        reasoning_output.check_constraint(
+            reasoning, "tool_choice" if plan.schema is not None else (req.structured_source() or (None,))[0])
         kept = truncate_prompt(ids, req.truncate_prompt_tokens)
         if len(kept) < len(ids):
             text, ids = None, kept
@@ -76,7 +82,8 @@ class ChatRoute:
         kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if plan.schema is not None:
             kw["structured_outputs"] = structured_outputs_for(plan)
-        if keeps_special_tokens(plan, self.engine.tokenizer):
+        if (keeps_special_tokens(plan, self.engine.tokenizer)
+                or reasoning_output.keeps_special_tokens(reasoning, self.engine.tokenizer)):
             kw["skip_special_tokens"] = False
         top = req.top_logprobs or 0
         if req.logprobs:
@@ -91,12 +98,21 @@ class ChatRoute:
                                "tools" if plan.schema is not None else req.constraint_param())
         streams = await self.fanout.start(choices, req.priority, req.cache_salt)
         if req.stream:
-            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top, plan), streams,
+            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top, plan, reasoning),
+                                streams,
                                 on_close=lambda: end_unfinished(choices, ClientDisconnected()),
                                 ping_interval=self.sse_ping_interval)
         body = await self.fanout.until_disconnect(
-            request, self.chat_full(req, choices, streams, request_id, created, top, plan), streams, choices)
+            request, self.chat_full(req, choices, streams, request_id, created, top, plan, reasoning), streams,
+            choices)
         return ORJSONResponse(body)
+
+    def reasoning_plan(self, prompt: str | None, include: bool = True) -> ReasoningPlan:
+        """The request's reasoning split (``prompt``: the rendered conversation, which may open or
+        close the thinking)."""
+        if self.reasoning_parser is None:
+            return ReasoningPlan()
+        return ReasoningPlan(self.reasoning_parser, prompt, include)
 
     def chat_logprobs(self, entries: list, k: int, as_ids: bool | None = False) -> dict[str, list]:
         content = []
@@ -110,7 +126,8 @@ class ChatRoute:
         return {"content": content}
 
     async def chat_full(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
-                        request_id: str, created: int, top: int, plan: ToolPlan = ToolPlan()) -> dict[str, Any]:
+                        request_id: str, created: int, top: int, plan: ToolPlan = ToolPlan(),
+                        reasoning: ReasoningPlan = ReasoningPlan()) -> dict[str, Any]:
         async for c, comp, new_ids in self.fanout.run(choices, streams):
             if req.logprobs:
                 c.logprobs.extend(self.fanout.new_logprobs(comp, new_ids))
@@ -118,11 +135,15 @@ class ChatRoute:
         echo = chat_echo_text(req)
         as_ids = req.return_tokens_as_token_ids
         for c in choices:
-            message, finish = {"role": "assistant", "content": echo + "".join(c.text)}, c.finish_reason
+            thought, answer = reasoning_output.split_whole(reasoning, "".join(c.text))
+            message, finish = {"role": "assistant", "content": echo + answer}, c.finish_reason
             if plan.active:
-                message, finish = tool_output.full_message(plan, "".join(c.text), finish)
+                message, finish = tool_output.full_message(plan, answer, finish)
                 if echo:  # as streamed: the echo goes first, as content
                     message["content"] = echo + (message["content"] or "")
+            if thought is not None:  # vLLM: no answer after the reasoning is a null content
+                message["content"] = message["content"] or None
+                message.update(reasoning.fields(thought))
             out.append({"index": c.index, "message": message,
                         "logprobs": self.chat_logprobs(c.logprobs, top, as_ids) if req.logprobs else None,
                         "finish_reason": finish, "stop_reason": c.stop_reason})
@@ -136,8 +157,10 @@ class ChatRoute:
 
     async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
                           request_id: str, created: int, top: int,
-                          plan: ToolPlan = ToolPlan()) -> AsyncIterator[dict[str, Any]]:
+                          plan: ToolPlan = ToolPlan(),
+                          reasoning: ReasoningPlan = ReasoningPlan()) -> AsyncIterator[dict[str, Any]]:
         tool_deltas = {c.index: tool_output.ToolDeltas(plan) for c in choices} if plan.active else None
+        thinking = {c.index: ReasoningDeltas(reasoning) for c in choices} if reasoning.active else None
         usage_field = {"usage": None} if req.include_usage else {}
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
@@ -158,9 +181,15 @@ class ChatRoute:
             if req.logprobs:
                 logprobs = self.chat_logprobs(self.fanout.new_logprobs(comp, new_ids), top,
                                               req.return_tokens_as_token_ids)
+            thought = ""
+            if thinking is not None:  # the answer part goes on to the tool parser
+                split = thinking[c.index].split(text, c.finish_reason is not None)
+                thought, text = split.reasoning, split.content
             delta, finish = ({"content": text} if text else {}), c.finish_reason
             if tool_deltas is not None:
                 delta, finish = tool_deltas[c.index].delta(text, finish)
+            if thought:
+                delta = {**reasoning.fields(thought), **delta}
             if not delta and finish is None and not (logprobs and logprobs["content"]):
                 continue
             choice: dict[str, Any] = {"index": c.index, "delta": delta,

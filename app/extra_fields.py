@@ -93,7 +93,7 @@ class ChatExtraFields(ExtraFields):
     chat_template: str | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_TEMPLATE_KWARGS)
     reasoning_effort: str | None = None  # handed to the template, as vLLM
-    include_reasoning: bool = True  # no reasoning parser here: there is nothing to leave out
+    include_reasoning: bool = True  # false: the reasoning (--reasoning-parser) is left out of the reply
     mm_processor_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
     audio: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
     modalities: Any = Field(default=None, json_schema_extra=_TEXT_MODALITIES)

@@ -21,6 +21,7 @@ import socket
 from app.admission import AdmissionLimits
 from app.engine_args import add_engine_args, engine_config_from_args, flag
 from app.listen import ListenError, bind_socket
+from app.reasoning.parser import REASONING_PARSERS
 from app.tools.parsers import AUTO_PARSERS
 from contracts import env
 from contracts.config import ConfigError
@@ -72,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(AUTO_PARSERS),
                    help="format of the model's tool calls for tool_choice auto (default: from the chat "
                         "template; hermes = <tool_call>{...}</tool_call>, also the default tool prompt's)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the reply's <think>...</think> into message.reasoning_content (and "
+                        "reasoning), streamed as delta.reasoning_content; tool calls and content come "
+                        "from the answer after it. deepseek_r1: the reply starts inside the thinking; "
+                        "qwen3: only a reply that opens with <think> and closes it has reasoning")
     g.add_argument("--sse-ping-interval", type=float, default=0.0,
                    help="seconds between ': ping' comments on streams, for proxies that cut idle "
                         "connections; 0 (default) = none, as OpenAI and vLLM (`vllm bench serve` "
@@ -167,7 +173,7 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
                         max_body_bytes=args.max_body_bytes, sse_ping_interval=args.sse_ping_interval,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
-                        limits=limits)
+                        limits=limits, reasoning_parser=args.reasoning_parser)
         uv_config.app = app
         app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks

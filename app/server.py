@@ -37,6 +37,7 @@ from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
 from app.responses import error_response
 from app.request_checks import RequestChecks
+from app.reasoning.output import check_parser_name
 from app.tools.plan import ToolConfig
 from engine.client import EngineClient
 from engine.replicas import ReplicatedEngine
@@ -62,8 +63,10 @@ class OpenAIServer:
 
 def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: ServerMetrics, *,
                  sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-                 tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None) -> OpenAIServer:
+                 tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
+                 reasoning_parser: str | None = None) -> OpenAIServer:
     """Each route family with its collaborators."""
+    check_parser_name(reasoning_parser)
     checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits())
     fanout = ChoiceFanOut(engine, metrics)
     logprob_format = LogprobFormat(engine)
@@ -73,7 +76,7 @@ def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: 
         completion=CompletionsRoute(engine, name, checks, fanout, logprob_format, sse_ping_interval),
         chat=ChatRoute(engine, name, checks, prompts, fanout, logprob_format,
                        tool_config if tool_config is not None else ToolConfig(), sse_ping_interval,
-                       trust_request_chat_template),
+                       trust_request_chat_template, reasoning_parser),
         embedding=EmbeddingsRoute(engine, name, checks, fanout, metrics),
         info=InfoRoutes(engine, name, checks, prompts, metrics, trust_request_chat_template))
 
@@ -113,19 +116,20 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def build_app(engine: EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
               sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-              tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None) -> Starlette:
+              tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
+              reasoning_parser: str | None = None) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
     ``tool_config``: app.tools.plan.ToolConfig (--enable-auto-tool-choice, --tool-call-parser).
     ``limits``: app.admission.AdmissionLimits, what one request may ask for (default: the flags'
-    defaults)."""
+    defaults). ``reasoning_parser``: --reasoning-parser (app/reasoning), None = off."""
     name = served_model_name or engine.model_name
     per_replica = ReplicaStatsCollector(engine, name) if isinstance(engine, ReplicatedEngine) else None
     metrics = ServerMetrics(engine, name, per_replica)
     s = build_server(engine, name, max_body_bytes, metrics, sse_ping_interval=sse_ping_interval,
                      trust_request_chat_template=trust_request_chat_template, tool_config=tool_config,
-                     limits=limits)
+                     limits=limits, reasoning_parser=reasoning_parser)
     routes = [
         Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
