@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -29,6 +30,19 @@ from app.structured_args import check_constraint
 from engine.client import EngineClient
 
 
+@dataclass(slots=True)
+class ChatStart:
+    """A conversation's engine requests, started, and what reading their output needs."""
+
+    choices: list[Choice]
+    streams: list[Any]
+    request_id: str
+    created: int
+    top: int  # top_logprobs
+    plan: ToolPlan
+    reasoning: ReasoningPlan
+
+
 class ChatRoute:
     """POST /v1/chat/completions over its collaborators: the request checks, the chat prompts,
     the fan-out of choices and the logprob format."""
@@ -50,6 +64,22 @@ class ChatRoute:
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self.checks.read_admitted(request, "chat"))
+        run = await self.start(request, req, "chatcmpl")
+        choices, streams, top = run.choices, run.streams, run.top
+        request_id, created, plan, reasoning = run.request_id, run.created, run.plan, run.reasoning
+        if req.stream:
+            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top, plan, reasoning),
+                                streams,
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()),
+                                ping_interval=self.sse_ping_interval)
+        body = await self.fanout.until_disconnect(
+            request, self.chat_full(req, choices, streams, request_id, created, top, plan, reasoning), streams,
+            choices)
+        return ORJSONResponse(body)
+
+    async def start(self, request: Request, req: ChatCompletionRequest, id_prefix: str) -> ChatStart:
+        """Checks, the prompt, the sampling settings and the engine requests of one conversation
+        (shared with /v1/responses, which speaks through a ChatCompletionRequest)."""
         req.check_supported()
         check_choices(req, 1, self.checks.limits)
         check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
@@ -90,22 +120,14 @@ class ChatRoute:
             kw["logprobs"] = top
         if req.prompt_logprobs is not None:
             kw["prompt_logprobs"] = req.prompt_logprobs
-        request_id, engine_id = response_and_engine_ids(request, "chatcmpl", req.request_id)
+        request_id, engine_id = response_and_engine_ids(request, id_prefix, req.request_id)
         choices = self.fanout.make_choices(engine_id, [(text, ids)], req.n, kw, [max_tokens], req.seed,
                                     share_prompt_logprobs=True)  # the body has them once
         created = int(time.time())
         await check_constraint(self.engine, choices[0].params,
                                "tools" if plan.schema is not None else req.constraint_param())
         streams = await self.fanout.start(choices, req.priority, req.cache_salt)
-        if req.stream:
-            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top, plan, reasoning),
-                                streams,
-                                on_close=lambda: end_unfinished(choices, ClientDisconnected()),
-                                ping_interval=self.sse_ping_interval)
-        body = await self.fanout.until_disconnect(
-            request, self.chat_full(req, choices, streams, request_id, created, top, plan, reasoning), streams,
-            choices)
-        return ORJSONResponse(body)
+        return ChatStart(choices, streams, request_id, created, top, plan, reasoning)
 
     def reasoning_plan(self, prompt: str | None, include: bool = True) -> ReasoningPlan:
         """The request's reasoning split (``prompt``: the rendered conversation, which may open or

@@ -2,7 +2,8 @@
 
 One object per route family, each given its collaborators when it is built: the completions,
 chat and embeddings routes (app.completions_route, app.chat_route, app.embeddings_route) and the
-routes that do not generate (app.info_routes), over the request checks (app.request_checks), the
+routes that do not generate (app.info_routes), the Responses API on the chat route's path
+(app.responses_api), over the request checks (app.request_checks), the
 fan-out of a request into one engine request per choice (app.fanout), the logprob format
 (app.logprob_format) and the chat prompts (app.chat_prompt). OpenAIServer holds them.
 This module builds them and the app: routes, error handling, middleware. Every error leaves as an
@@ -37,6 +38,7 @@ from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
 from app.responses import error_response
 from app.request_checks import RequestChecks
+from app.responses_api.route import ResponsesRoute
 from app.reasoning.output import check_parser_name
 from app.tools.plan import ToolConfig
 from engine.client import EngineClient
@@ -59,6 +61,7 @@ class OpenAIServer:
     chat: ChatRoute
     embedding: EmbeddingsRoute
     info: InfoRoutes
+    responses: ResponsesRoute
 
 
 def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: ServerMetrics, *,
@@ -71,12 +74,13 @@ def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: 
     fanout = ChoiceFanOut(engine, metrics)
     logprob_format = LogprobFormat(engine)
     prompts = ChatPrompts(engine, checks)
+    chat = ChatRoute(engine, name, checks, prompts, fanout, logprob_format,
+                     tool_config if tool_config is not None else ToolConfig(), sse_ping_interval,
+                     trust_request_chat_template, reasoning_parser)
     return OpenAIServer(
         checks=checks, fanout=fanout, logprob_format=logprob_format, prompts=prompts,
         completion=CompletionsRoute(engine, name, checks, fanout, logprob_format, sse_ping_interval),
-        chat=ChatRoute(engine, name, checks, prompts, fanout, logprob_format,
-                       tool_config if tool_config is not None else ToolConfig(), sse_ping_interval,
-                       trust_request_chat_template, reasoning_parser),
+        chat=chat, responses=ResponsesRoute(chat, sse_ping_interval),
         embedding=EmbeddingsRoute(engine, name, checks, fanout, metrics),
         info=InfoRoutes(engine, name, checks, prompts, metrics, trust_request_chat_template))
 
@@ -133,6 +137,7 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     routes = [
         Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
+        Route("/v1/responses", _wrap(s.responses.responses), methods=["POST"]),
         Route("/v1/embeddings", _wrap(s.embedding.embeddings), methods=["POST"]),
         Route("/v1/score", _wrap(s.embedding.score), methods=["POST"]),
         Route("/score", _wrap(s.embedding.score), methods=["POST"]),  # vLLM serves both paths
