@@ -108,7 +108,7 @@ class ChatRoute:
             raise
         check_commitment(req, [len(ids)], [max_tokens], self.checks.limits,
                          "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
-        kw = req.sampling_kwargs()
+        kw = {**self.engine.sampling_defaults, **req.sampling_kwargs()}  # the request's own fields win
         kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if plan.schema is not None:
             kw["structured_outputs"] = structured_outputs_for(plan)

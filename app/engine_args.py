@@ -32,6 +32,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
               "quantization (Q4_0/Q4_1/Q4_K as int4, Q8_0 and others as int8; full precision "
               "for other checkpoints), none dequantizes to --dtype, int8 in groups of 32 with a "
               "scale (GGUF Q8_0), int4 in groups of 32 with scale and minimum (GGUF Q4_1)")
+    flag(g, "--generation-config",
+         help="where requests' default temperature / top_p / top_k / min_p / repetition_penalty come "
+              "from: auto = the model's generation_config.json or GGUF general.sampling.* keys; vllm = "
+              "none (the engine's defaults); or a directory holding a generation_config.json. A "
+              "request's own fields override them (default: %(default)s)")
     flag(g, "--max-model-len", type=int)
     flag(g, "--max-logprobs", type=int,
          help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's; "

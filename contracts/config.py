@@ -56,6 +56,11 @@ class ModelConfig:
     # --max-logprobs; -1 = no cap). The engine holds each request to it (EngineCore.add_request);
     # serve's admission check and /openapi.json state the same number.
     max_logprobs: int = 20
+    # Where requests' default sampling settings come from (vLLM's --generation-config): auto = the
+    # model's generation_config.json (HF directory) or its GGUF general.sampling.* keys; vllm = none
+    # (the engine's own defaults); else a directory holding a generation_config.json (or that file).
+    # A request's own fields override them (contracts/generation_defaults.py).
+    generation_config: str = "auto"
 
 
 @dataclass(slots=True)

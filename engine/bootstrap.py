@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contracts.config import DEFAULT_MODEL_NAME, ConfigError, EngineConfig, default_model_path
 
@@ -20,6 +20,8 @@ class EngineParts:
     tokenizer: object
     executor: object
     core: object
+    # Requests' default sampling fields from the model (--generation-config; contracts/generation_defaults.py)
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
@@ -98,6 +100,7 @@ def build_engine(config: EngineConfig, tokenizer=None, cancel=None) -> EnginePar
     from gpu.executor_factory import create_executor
 
     config, hf = resolve_config(config)
+    defaults = sampling_defaults(config)
     pending = None
     if tokenizer is None:
         _tokenizer_path(config)  # a missing path fails before any worker starts
@@ -121,4 +124,20 @@ def build_engine(config: EngineConfig, tokenizer=None, cancel=None) -> EnginePar
     logger.info("engine ready: model %s, %d KV blocks x %d tokens, max_model_len %d",
                 config.model.served_model_name, executor.num_blocks, config.cache.block_size,
                 config.model.max_model_len)
-    return EngineParts(config, hf, tokenizer, executor, core)
+    return EngineParts(config, hf, tokenizer, executor, core, defaults)
+
+
+def sampling_defaults(config: EngineConfig) -> dict:
+    """The model's recommended sampling settings, logged once: what a request that leaves those
+    fields out is sampled with."""
+    from contracts.generation_defaults import generation_defaults
+
+    defaults, source = generation_defaults(config.model.model, config.model.generation_config)
+    if defaults:
+        logger.info("default sampling settings from the model (%s): %s; a request's own fields override "
+                    "them, --generation-config vllm turns them off", source,
+                    ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
+    else:
+        logger.info("no default sampling settings from the model (--generation-config %s)",
+                    config.model.generation_config)
+    return defaults

@@ -174,3 +174,25 @@ async def test_previous_response_id_says_nothing_is_stored():
     _, _, client = make()
     with pytest.raises(openai.BadRequestError, match="stores no responses"):
         await client.responses.create(model="fake-model", input="x", previous_response_id="resp_abc")
+
+
+async def test_model_defaults_apply_where_the_request_is_silent():
+    """--generation-config: the model's recommended settings on every generating route; the
+    request's own fields win."""
+    engine, http, client = make()
+    engine.sampling_defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    await client.responses.create(model="fake-model", input="x")
+    await client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}])
+    await client.completions.create(model="fake-model", prompt="x")
+    for call in engine.calls:
+        p = call.params
+        assert (p.temperature, p.top_p, p.top_k) == pytest.approx((0.6, 0.95, 20))
+    engine.calls.clear()
+    r = await client.responses.create(model="fake-model", input="x", temperature=0.1)
+    await client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
+                                         top_p=0.5, extra_body={"top_k": -1})
+    await client.completions.create(model="fake-model", prompt="x", temperature=0)
+    temps = [(c.params.temperature, c.params.top_p, c.params.top_k) for c in engine.calls]
+    for got, want in zip(temps, [(0.1, 0.95, 20), (0.6, 0.5, 0), (0.0, 0.95, 20)], strict=True):
+        assert got == pytest.approx(want)
+    assert r.temperature == pytest.approx(0.1) and r.top_p == pytest.approx(0.95)
