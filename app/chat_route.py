@@ -92,8 +92,6 @@ class ChatRoute:
             messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
             options, tools, bounded=True, keep=req.truncate_prompt_tokens)
         reasoning = self.reasoning_plan(text, req.include_reasoning)
-        reasoning_output.check_constraint(
-            reasoning, "tool_choice" if plan.schema is not None else (req.structured_source() or (None,))[0])
         kept = truncate_prompt(ids, req.truncate_prompt_tokens)
         if len(kept) < len(ids):
             text, ids = None, kept
@@ -112,6 +110,8 @@ class ChatRoute:
         kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if plan.schema is not None:
             kw["structured_outputs"] = structured_outputs_for(plan)
+        if kw.get("structured_outputs") is not None:  # the grammar binds the answer, after the thinking
+            kw["structured_outputs"].start_after = reasoning_output.grammar_start(reasoning)
         if (keeps_special_tokens(plan, self.engine.tokenizer)
                 or reasoning_output.keeps_special_tokens(reasoning, self.engine.tokenizer)):
             kw["skip_special_tokens"] = False

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from app.errors import APIError
 from app.reasoning.parser import END_TAG, REASONING_PARSERS, START_TAG, ReasoningDelta, ReasoningParser, prompt_state
 
 
@@ -38,17 +37,14 @@ def check_parser_name(name: str | None) -> None:
         raise ValueError(f"unknown reasoning parser {name!r}; choose one of {sorted(REASONING_PARSERS)}")
 
 
-def check_constraint(plan: ReasoningPlan, param: str | None) -> None:
-    """A constraint (structured outputs, tool_choice required / named) would bind the reasoning
-    too: the grammar starts at the reply's first token. Allowed only when the prompt closed the
-    thinking (e.g. Qwen3 with ``chat_template_kwargs: {"enable_thinking": false}``)."""
-    if not plan.active or param is None or prompt_state(plan.prompt) == "closed":
-        return
-    raise APIError.bad_request(
-        f"{param} cannot be combined with the reasoning parser ({plan.parser_name}) while the model "
-        f"thinks: the grammar would constrain the reasoning as well as the answer. Turn thinking off "
-        f"for this request (chat_template_kwargs {{\"enable_thinking\": false}} where the chat "
-        f"template reads it), or drop {param}", param=param)
+def grammar_start(plan: ReasoningPlan) -> str | None:
+    """Where a request's grammar (structured outputs, tool_choice required / named) starts to bind:
+    after the end of the thinking (``</think>``), so that it constrains the answer only; None =
+    from the first token (no parser, or the prompt closed the thinking: Qwen3 with
+    ``enable_thinking: false``). A reply that never closes its thinking is never constrained."""
+    if not plan.active or prompt_state(plan.prompt) == "closed":
+        return None
+    return END_TAG
 
 
 def keeps_special_tokens(plan: ReasoningPlan, tokenizer: Any) -> bool:

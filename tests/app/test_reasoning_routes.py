@@ -114,20 +114,38 @@ async def test_tool_calls_come_from_the_answer_only():
     assert calls == {0: {"name": "get_weather", "arguments": tc.function.arguments}} and finish == "tool_calls"
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_object"}},
+    {"structured_outputs": {"regex": "[0-9]+"}},
+    {"tools": [WEATHER], "tool_choice": "required"},
 ])
-async def test_a_constraint_while_thinking_is_refused(extra, param):
+async def test_a_grammar_binds_the_answer_after_the_thinking(extra):
     engine, http, _ = make()
-    err = assert_openai_error(await http.post("/v1/chat/completions", json={"messages": USER, **extra}), 400, param)
-    assert "reasoning parser" in err["message"] and "enable_thinking" in err["message"]
-    assert engine.calls == []
-    # with thinking off the grammar binds the answer only: served
-    ok = await http.post("/v1/chat/completions", json={
+    r = await http.post("/v1/chat/completions", json={"messages": USER, **extra})
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1].params.structured_outputs.start_after == "</think>"
+    # thinking off: the prompt closed it, the grammar binds from the first token
+    r = await http.post("/v1/chat/completions", json={
         "messages": USER, **extra, "chat_template_kwargs": {"enable_thinking": False}})
-    assert ok.status_code == 200, ok.text
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1].params.structured_outputs.start_after is None
+
+
+async def test_without_the_parser_a_grammar_binds_from_the_start():
+    engine, http, _ = make(parser=None)
+    r = await http.post("/v1/chat/completions", json={"messages": USER, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200 and engine.calls[-1].params.structured_outputs.start_after is None
+
+
+async def test_a_required_call_after_the_thinking():
+    reply = '<think>I need the weather.</think>[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    _, _, client = make(reply=reply)
+    r = await client.chat.completions.create(model="fake-model", messages=USER, tools=[WEATHER],
+                                             tool_choice="required")
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "I need the weather."
+    (tc,) = msg.tool_calls
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
 
 
 def test_an_unknown_parser_is_refused_at_build():
