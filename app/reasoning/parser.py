@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.partial_tags import held_prefix
+
 START_TAG = "<think>"
 END_TAG = "</think>"
 
@@ -36,13 +38,6 @@ class ReasoningDelta:
         self.content += other.content
         return self
 
-
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def prompt_state(prompt: str | None) -> str | None:
@@ -113,7 +108,7 @@ class ReasoningParser:
                 self._state = _CONTENT
                 buf = buf[at + len(END_TAG):]
                 continue
-            hold = _held_prefix(buf, END_TAG)
+            hold = held_prefix(buf, END_TAG)
             out.reasoning += buf[:len(buf) - hold]
             self._pending = buf[len(buf) - hold:]
             break
