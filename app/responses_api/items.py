@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.errors import APIError
-from app.responses_api.protocol import ContentPart, InputItem, ResponsesRequest
+from app.responses_api.protocol import ResponsesContentPart, ResponsesRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "system", "developer", "assistant")
@@ -98,7 +98,7 @@ def messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _text(content: str | list[ContentPart] | None, where: str) -> str:
+def _text(content: str | list[ResponsesContentPart] | None, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts = []

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import APIError
-from app.extra_fields import check_template_kwargs
+from app.extra_fields import TEMPLATE_KWARGS_SCHEMA, check_template_kwargs
 from app.json_types import AS_INT, BOUND_KEY, INT64_MAX, NumLogprobs, limited
 
 _NULL = {"type": "null"}
@@ -28,7 +28,42 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
 
-class ContentPart(_Model):
+# The published schema states what app/responses_api/items.py accepts (the fuzz test holds the two
+# together): these models read loosely, the schema says exactly.
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}
+_TEXT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_STR = {"type": "string"}
+
+
+def _item_shapes(schema: dict[str, Any]) -> None:
+    schema.pop("properties", None)
+    schema["oneOf"] = [
+        {"type": "object", "title": "message", "required": ["role"],
+         "properties": {"type": {"anyOf": [{"const": "message"}, {"type": "null"}]}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+                        "content": {"anyOf": [_TEXT, {"type": "null"}]}}},
+        {"type": "object", "title": "function_call", "required": ["type", "call_id", "name", "arguments"],
+         "properties": {"type": {"const": "function_call"}, "call_id": _STR, "name": _STR, "arguments": _STR}},
+        {"type": "object", "title": "function_call_output", "required": ["type", "call_id", "output"],
+         "properties": {"type": {"const": "function_call_output"}, "call_id": _STR, "output": _TEXT}},
+        {"type": "object", "title": "reasoning", "required": ["type"], "properties": {"type": {"const": "reasoning"}}},
+    ]
+
+
+def _function_tool(schema: dict[str, Any]) -> None:
+    schema["properties"]["type"] = {"const": "function"}
+    schema["properties"]["name"] = {"type": "string", "minLength": 1}
+    schema["required"] = ["type", "name"]
+
+
+def _text_format(schema: dict[str, Any]) -> None:
+    schema["oneOf"] = [{"properties": {"type": {"enum": ["text", "json_object"]}}},
+                       {"properties": {"type": {"const": "json_schema"}}, "required": ["type", "schema"]}]
+
+
+class ResponsesContentPart(_Model):
+    model_config = ConfigDict(json_schema_extra=_TEXT_PART)
+
     """A part of a message item's content: ``input_text`` (``output_text`` when an assistant
     message of an earlier response is sent back)."""
 
@@ -36,24 +71,28 @@ class ContentPart(_Model):
     text: str | None = None
 
 
-class InputItem(_Model):
+class ResponsesInputItem(_Model):
     """One item of ``input``: a message (``type`` "message" or left out), a ``function_call``, a
     ``function_call_output`` or a ``reasoning`` item (app/responses_api/items.py)."""
 
+    model_config = ConfigDict(json_schema_extra=_item_shapes)
+
     type: str | None = None
     role: str | None = None
-    content: str | list[ContentPart] | None = None
+    content: str | list[ResponsesContentPart] | None = None
     id: str | None = None
     status: str | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | list[ContentPart] | None = None
+    output: str | list[ResponsesContentPart] | None = None
     summary: list[dict[str, Any]] | None = None
 
 
-class FunctionTool(_Model):
+class ResponsesFunctionTool(_Model):
     """``{"type": "function", "name": ..., "parameters": {...}}``: flat, unlike chat's tools."""
+
+    model_config = ConfigDict(json_schema_extra=_function_tool)
 
     type: str
     name: str | None = None
@@ -62,12 +101,16 @@ class FunctionTool(_Model):
     strict: bool | None = None
 
 
-class NamedFunctionChoice(_Model):
+class ResponsesNamedFunction(_Model):
+    model_config = ConfigDict(json_schema_extra=_function_tool)
+
     type: str
     name: str | None = None
 
 
-class TextFormat(_Model):
+class ResponsesTextFormat(_Model):
+    model_config = ConfigDict(json_schema_extra=_text_format)
+
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = Field(default=None, max_length=64)
     description: str | None = None
@@ -75,12 +118,12 @@ class TextFormat(_Model):
     strict: bool | None = None
 
 
-class TextConfig(_Model):
-    format: TextFormat | None = None
+class ResponsesTextConfig(_Model):
+    format: ResponsesTextFormat | None = None
     verbosity: str | None = Field(default=None, json_schema_extra=_ONLY_NULL)
 
 
-class ReasoningConfig(_Model):
+class ResponsesReasoning(_Model):
     effort: str | None = None  # handed to the chat template, as chat's reasoning_effort
     summary: str | None = None  # no summaries are written; the reasoning item holds the text
     generate_summary: str | None = None
@@ -89,16 +132,16 @@ class ReasoningConfig(_Model):
 class ResponsesRequest(_Model):
     model: str | None = None
     input: Union[Annotated[str, Field(min_length=1)],
-                 Annotated[list[InputItem], limited("max_messages", min_length=1)]]
+                 Annotated[list[ResponsesInputItem], limited("max_messages", min_length=1)]]
     instructions: str | None = None
     max_output_tokens: MaxOutputTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    tools: Annotated[list[FunctionTool], limited("max_tools")] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    tools: Annotated[list[ResponsesFunctionTool], limited("max_tools")] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    text: TextConfig | None = None
-    reasoning: ReasoningConfig | None = None
+    text: ResponsesTextConfig | None = None
+    reasoning: ResponsesReasoning | None = None
     stream: bool = False
     store: bool | None = None  # nothing is stored either way (previous_response_id is refused)
     metadata: dict[str, str] | None = None
@@ -115,15 +158,16 @@ class ResponsesRequest(_Model):
     priority: Annotated[int, Field(ge=-(2**63), le=INT64_MAX), AS_INT] = 0
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     request_id: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=TEMPLATE_KWARGS_SCHEMA)
     # Declared so that they are refused by name (check_supported).
     previous_response_id: str | None = Field(default=None, json_schema_extra=_ONLY_NULL)
     conversation: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
     background: bool | None = Field(default=None, json_schema_extra=_FALSE_OR_NULL)
     include: list[str] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
-    top_logprobs: NumLogprobs | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    max_tool_calls: Annotated[int, Field(ge=1), AS_INT] | None = None
+    top_logprobs: NumLogprobs | None = Field(default=None, json_schema_extra={"anyOf": [{"const": 0}, _NULL]})
+    truncation: Literal["auto", "disabled"] | None = Field(default=None, json_schema_extra={
+        "anyOf": [{"const": "disabled"}, _NULL]})
+    max_tool_calls: Annotated[int, Field(ge=1), AS_INT] | None = Field(default=None, json_schema_extra=_ONLY_NULL)
     prompt: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
 
     def check_supported(self) -> None:
