@@ -7,37 +7,15 @@ import json
 import shutil
 import ssl
 import subprocess
-import time
 
 import httpx
 import openai
 import pytest
 
-from loadtest.local_server import LocalServer, ServerStartError, tiny_args
+from loadtest.local_server import LocalServer, tiny_args
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
 TEMPLATE = "{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% endfor %}{% if add_generation_prompt %}<<assistant|{% endif %}"
-
-
-class HTTPSServer(LocalServer):
-    def __init__(self, args: list[str], cert: str) -> None:
-        self.cert = ssl.create_default_context(cafile=cert)  # trusts the self-signed certificate
-        super().__init__(args, log_prefix="pagedserve-e2e-")
-
-    def _wait_ready(self, timeout: float) -> None:
-        self.url = f"https://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerStartError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1, verify=self.cert).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise ServerStartError(f"server not ready in {timeout:.0f} s:\n{self.output()[-4000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +31,19 @@ def server(tmp_path_factory):
     args = tiny_args(1024)
     model = args[args.index("--model") + 1]
     del args[args.index("--model"):args.index("--model") + 2]
-    s = HTTPSServer([model, *args, "--served-model-name", "tiny", "tiny-alias",
+    s = LocalServer([model, *args, "--served-model-name", "tiny", "tiny-alias",
                      "--ssl-keyfile", key, "--ssl-certfile", cert, "--allowed-origins", '["http://ok.test"]',
-                     "--chat-template", str(d / "template.jinja"), "--generation-config", str(d / "gen")], cert)
+                     "--chat-template", str(d / "template.jinja"), "--generation-config", str(d / "gen")],
+                    log_prefix="pagedserve-e2e-", https_verify=ssl.create_default_context(cafile=cert))
     yield s
     assert s.stop() == 0, s.output()
 
 
 def test_https_names_template_and_defaults(server):
-    http = httpx.Client(base_url=server.url, verify=server.cert, timeout=60)
+    http = httpx.Client(base_url=server.url, verify=server.verify, timeout=60)
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "tiny-alias"]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
-                           http_client=httpx.Client(verify=server.cert, timeout=60))
+                           http_client=httpx.Client(verify=server.verify, timeout=60))
     r = client.chat.completions.create(model="tiny-alias", messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=4, temperature=0)
     assert r.model == "tiny" and r.usage.completion_tokens >= 1
@@ -77,7 +56,7 @@ def test_https_names_template_and_defaults(server):
 
 
 def test_cors_preflight(server):
-    http = httpx.Client(base_url=server.url, verify=server.cert, timeout=60)
+    http = httpx.Client(base_url=server.url, verify=server.verify, timeout=60)
     r = http.options("/v1/chat/completions", headers={"Origin": "http://ok.test",
                                                       "Access-Control-Request-Method": "POST"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.test"
