@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from app.chat_route import ChatRoute, ChatStart
 from app.errors import APIError, to_api_error
-from app.fanout import ClientDisconnected, end_unfinished
+from app.fanout import ChoiceFanOut, ClientDisconnected, end_unfinished
 from app.protocol import ChatCompletionRequest, parse
 from app.reasoning.output import ReasoningDeltas, split_whole
 from app.responses import ORJSONResponse
@@ -61,7 +61,7 @@ class Reply:
         self.items = OutputItems()
         self.reasoning_tokens = 0  # tokens generated before the reasoning ended
 
-    async def whole(self, fanout: Any) -> dict[str, Any]:
+    async def whole(self, fanout: ChoiceFanOut) -> dict[str, Any]:
         counter = ReasoningDeltas(self.run.reasoning) if self.run.reasoning.active else None
         async for c, comp, new_ids in fanout.run(self.run.choices, self.run.streams):
             self._count(counter, comp.text, len(new_ids), c.finish_reason is not None)
@@ -84,7 +84,7 @@ class Reply:
         self.items.close("incomplete" if status == "incomplete" else "completed")
         return self.body(status)
 
-    async def events(self, fanout: Any) -> AsyncIterator[Event]:
+    async def events(self, fanout: ChoiceFanOut) -> AsyncIterator[Event]:
         seq = 0
 
         def numbered(event: Event) -> Event:
