@@ -3,34 +3,19 @@ openai client's ``responses.create``, streamed and not. A random model writes no
 the calls come from a forced function (the server's own constraint)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import jsonschema
 import openai
 import pytest
 
-from tests.e2e.test_server_e2e import ServerProcess
-
-HAVE_SO = importlib.util.find_spec("engine.structured_output") is not None
-needs_so = pytest.mark.skipif(not HAVE_SO, reason="needs structured outputs")
+# the tool tests' server (--enable-auto-tool-choice) and client, one of each for this module too
+from tests.e2e.test_tools_e2e import client, needs_so, server  # noqa: F401
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {
                "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]}},
                "required": ["city"], "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = ServerProcess("--enable-auto-tool-choice")
-    yield s
-    assert s.stop() == 0, s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_text_streamed_and_not_agree(client):
