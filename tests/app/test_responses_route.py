@@ -196,3 +196,16 @@ async def test_model_defaults_apply_where_the_request_is_silent():
     for got, want in zip(temps, [(0.1, 0.95, 20), (0.6, 0.5, 0), (0.0, 0.95, 20)], strict=True):
         assert got == pytest.approx(want)
     assert r.temperature == pytest.approx(0.1) and r.top_p == pytest.approx(0.95)
+
+
+async def test_a_stream_cut_by_the_engine_ends_with_an_error_event():
+    engine, http, _ = make()
+    engine.fail_after = 3
+    async with http.stream("POST", "/v1/responses", json={"input": "x", "stream": True}) as r:
+        body = (await r.aread()).decode()
+    events = [json.loads(f.split("data: ", 1)[1]) for f in body.split("\n\n") if f.strip()]
+    assert [e["type"] for e in events][:2] == ["response.created", "response.in_progress"]
+    last = events[-1]
+    assert last["type"] == "error" and last["code"] == "engine_dead" and "worker died" in last["message"]
+    assert last["sequence_number"] == len(events) - 1
+    assert not any(e["type"] == "response.completed" for e in events)

@@ -61,3 +61,18 @@ def test_previous_response_id_is_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
+
+
+def test_curl_streams_named_events(server):
+    import shutil
+    import subprocess
+
+    if shutil.which("curl") is None:
+        pytest.skip("needs curl")
+    out = subprocess.run(["curl", "-sN", server.url + "/v1/responses", "-H", "Content-Type: application/json",
+                          "-d", json.dumps({"input": "Hi", "stream": True, "max_output_tokens": 4})],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    frames = [f for f in out.split("\n\n") if f.strip()]
+    names = [f.split("\n")[0].removeprefix("event: ") for f in frames]
+    assert names[0] == "response.created" and names[-1] in ("response.completed", "response.incomplete")
+    assert all(json.loads(f.split("\ndata: ", 1)[1])["type"] == n for f, n in zip(frames, names))
