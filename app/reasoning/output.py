@@ -4,9 +4,12 @@ made from the answer part only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from app.reasoning.parser import END_TAG, REASONING_PARSERS, START_TAG, ReasoningDelta, ReasoningParser, prompt_state
+
+if TYPE_CHECKING:
+    from engine.client import TokenizerClient
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ def grammar_start(plan: ReasoningPlan) -> str | None:
     return END_TAG
 
 
-def keeps_special_tokens(plan: ReasoningPlan, tokenizer: Any) -> bool:
+def keeps_special_tokens(plan: ReasoningPlan, tokenizer: TokenizerClient) -> bool:
     """Must the reply keep special tokens for the parser to see the think tags?"""
     if not plan.active or not tokenizer.all_special_ids:
         return False

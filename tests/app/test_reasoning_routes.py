@@ -10,7 +10,6 @@ import pytest
 
 from app.server import build_app
 from app.tools.plan import ToolConfig
-from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 
 USER = [{"role": "user", "content": "What is 2 + 2?"}]
