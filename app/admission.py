@@ -100,15 +100,16 @@ _LISTS = {
              ("stop_token_ids", "max_stop_token_ids"), ("bad_words", "max_bad_words")),
     "tokenize": (("messages", "max_messages"), ("tools", "max_tools")),
     "embeddings": (),
+    "responses": (("input", "max_messages"), ("tools", "max_tools")),
 }
 _LOGPROBS = {"completions": ("logprobs", "prompt_logprobs"), "chat": ("top_logprobs", "prompt_logprobs"),
-             "tokenize": (), "embeddings": ()}
+             "tokenize": (), "embeddings": (), "responses": ("top_logprobs",)}
 
 
 def check_body(kind: str, data: Any, limits: AdmissionLimits, vocab_size: int | None,
                max_model_len: int | None = None) -> None:
     """The bounds a JSON body can be held to before validation (``kind``: completions, chat,
-    tokenize or embeddings). Only reads lengths and a bounded number of keys; shapes that are
+    tokenize, embeddings or responses). Only reads lengths and a bounded number of keys; shapes that are
     wrong are left to the request model's validation."""
     if not isinstance(data, dict):
         return

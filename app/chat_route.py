@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +18,8 @@ from app.fanout import Choice, ChoiceFanOut, ClientDisconnected, end_unfinished
 from app.logprob_format import LogprobFormat
 from app.prompt_options import check_truncate, chat_echo_text, chat_template_options, truncate_prompt
 from app.protocol import ChatCompletionRequest, parse
+from app.reasoning import output as reasoning_output
+from app.reasoning.output import ReasoningDeltas, ReasoningPlan
 from app.request_checks import RequestChecks
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
@@ -27,6 +30,19 @@ from app.structured_args import check_constraint
 from engine.client import EngineClient
 
 
+@dataclass(slots=True)
+class ChatStart:
+    """A conversation's engine requests, started, and what reading their output needs."""
+
+    choices: list[Choice]
+    streams: list[Any]
+    request_id: str
+    created: int
+    top: int  # top_logprobs
+    plan: ToolPlan
+    reasoning: ReasoningPlan
+
+
 class ChatRoute:
     """POST /v1/chat/completions over its collaborators: the request checks, the chat prompts,
     the fan-out of choices and the logprob format."""
@@ -34,7 +50,7 @@ class ChatRoute:
     def __init__(self, engine: EngineClient, served_model_name: str, checks: RequestChecks,
                  prompts: ChatPrompts, fanout: ChoiceFanOut, logprob_format: LogprobFormat,
                  tool_config: ToolConfig = ToolConfig(), sse_ping_interval: float = 0.0,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.checks = checks
@@ -44,9 +60,26 @@ class ChatRoute:
         self.tool_config = tool_config  # the server's tool flags (--enable-auto-tool-choice, ...)
         self.sse_ping_interval = sse_ping_interval  # seconds between SSE comment pings; 0 = none
         self.trust_request_chat_template = trust_request_chat_template  # a request's own template is rendered
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: <think> apart from the answer
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self.checks.read_admitted(request, "chat"))
+        run = await self.start(request, req, "chatcmpl")
+        choices, streams, top = run.choices, run.streams, run.top
+        request_id, created, plan, reasoning = run.request_id, run.created, run.plan, run.reasoning
+        if req.stream:
+            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top, plan, reasoning),
+                                streams,
+                                on_close=lambda: end_unfinished(choices, ClientDisconnected()),
+                                ping_interval=self.sse_ping_interval)
+        body = await self.fanout.until_disconnect(
+            request, self.chat_full(req, choices, streams, request_id, created, top, plan, reasoning), streams,
+            choices)
+        return ORJSONResponse(body)
+
+    async def start(self, request: Request, req: ChatCompletionRequest, id_prefix: str) -> ChatStart:
+        """Checks, the prompt, the sampling settings and the engine requests of one conversation
+        (shared with /v1/responses, which speaks through a ChatCompletionRequest)."""
         req.check_supported()
         check_choices(req, 1, self.checks.limits)
         check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
@@ -58,6 +91,7 @@ class ChatRoute:
         text, ids = await self.prompts.chat_prompt(
             messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
             options, tools, bounded=True, keep=req.truncate_prompt_tokens)
+        reasoning = self.reasoning_plan(text, req.include_reasoning)
         kept = truncate_prompt(ids, req.truncate_prompt_tokens)
         if len(kept) < len(ids):
             text, ids = None, kept
@@ -72,31 +106,35 @@ class ChatRoute:
             raise
         check_commitment(req, [len(ids)], [max_tokens], self.checks.limits,
                          "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
-        kw = req.sampling_kwargs()
+        kw = {**self.engine.sampling_defaults, **req.sampling_kwargs()}  # the request's own fields win
         kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if plan.schema is not None:
             kw["structured_outputs"] = structured_outputs_for(plan)
-        if keeps_special_tokens(plan, self.engine.tokenizer):
+        if kw.get("structured_outputs") is not None:  # the grammar binds the answer, after the thinking
+            kw["structured_outputs"].start_after = reasoning_output.grammar_start(reasoning)
+        if (keeps_special_tokens(plan, self.engine.tokenizer)
+                or reasoning_output.keeps_special_tokens(reasoning, self.engine.tokenizer)):
             kw["skip_special_tokens"] = False
         top = req.top_logprobs or 0
         if req.logprobs:
             kw["logprobs"] = top
         if req.prompt_logprobs is not None:
             kw["prompt_logprobs"] = req.prompt_logprobs
-        request_id, engine_id = response_and_engine_ids(request, "chatcmpl", req.request_id)
+        request_id, engine_id = response_and_engine_ids(request, id_prefix, req.request_id)
         choices = self.fanout.make_choices(engine_id, [(text, ids)], req.n, kw, [max_tokens], req.seed,
                                     share_prompt_logprobs=True)  # the body has them once
         created = int(time.time())
         await check_constraint(self.engine, choices[0].params,
                                "tools" if plan.schema is not None else req.constraint_param())
         streams = await self.fanout.start(choices, req.priority, req.cache_salt)
-        if req.stream:
-            return sse_response(self.chat_stream(req, choices, streams, request_id, created, top, plan), streams,
-                                on_close=lambda: end_unfinished(choices, ClientDisconnected()),
-                                ping_interval=self.sse_ping_interval)
-        body = await self.fanout.until_disconnect(
-            request, self.chat_full(req, choices, streams, request_id, created, top, plan), streams, choices)
-        return ORJSONResponse(body)
+        return ChatStart(choices, streams, request_id, created, top, plan, reasoning)
+
+    def reasoning_plan(self, prompt: str | None, include: bool = True) -> ReasoningPlan:
+        """The request's reasoning split (``prompt``: the rendered conversation, which may open or
+        close the thinking)."""
+        if self.reasoning_parser is None:
+            return ReasoningPlan()
+        return ReasoningPlan(self.reasoning_parser, prompt, include)
 
     def chat_logprobs(self, entries: list, k: int, as_ids: bool | None = False) -> dict[str, list]:
         content = []
@@ -110,7 +148,8 @@ class ChatRoute:
         return {"content": content}
 
     async def chat_full(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
-                        request_id: str, created: int, top: int, plan: ToolPlan = ToolPlan()) -> dict[str, Any]:
+                        request_id: str, created: int, top: int, plan: ToolPlan = ToolPlan(),
+                        reasoning: ReasoningPlan = ReasoningPlan()) -> dict[str, Any]:
         async for c, comp, new_ids in self.fanout.run(choices, streams):
             if req.logprobs:
                 c.logprobs.extend(self.fanout.new_logprobs(comp, new_ids))
@@ -118,11 +157,15 @@ class ChatRoute:
         echo = chat_echo_text(req)
         as_ids = req.return_tokens_as_token_ids
         for c in choices:
-            message, finish = {"role": "assistant", "content": echo + "".join(c.text)}, c.finish_reason
+            thought, answer = reasoning_output.split_whole(reasoning, "".join(c.text))
+            message, finish = {"role": "assistant", "content": echo + answer}, c.finish_reason
             if plan.active:
-                message, finish = tool_output.full_message(plan, "".join(c.text), finish)
+                message, finish = tool_output.full_message(plan, answer, finish)
                 if echo:  # as streamed: the echo goes first, as content
                     message["content"] = echo + (message["content"] or "")
+            if thought is not None:  # vLLM: no answer after the reasoning is a null content
+                message["content"] = message["content"] or None
+                message.update(reasoning.fields(thought))
             out.append({"index": c.index, "message": message,
                         "logprobs": self.chat_logprobs(c.logprobs, top, as_ids) if req.logprobs else None,
                         "finish_reason": finish, "stop_reason": c.stop_reason})
@@ -136,8 +179,10 @@ class ChatRoute:
 
     async def chat_stream(self, req: ChatCompletionRequest, choices: list[Choice], streams: list[Any],
                           request_id: str, created: int, top: int,
-                          plan: ToolPlan = ToolPlan()) -> AsyncIterator[dict[str, Any]]:
+                          plan: ToolPlan = ToolPlan(),
+                          reasoning: ReasoningPlan = ReasoningPlan()) -> AsyncIterator[dict[str, Any]]:
         tool_deltas = {c.index: tool_output.ToolDeltas(plan) for c in choices} if plan.active else None
+        thinking = {c.index: ReasoningDeltas(reasoning) for c in choices} if reasoning.active else None
         usage_field = {"usage": None} if req.include_usage else {}
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
@@ -158,9 +203,15 @@ class ChatRoute:
             if req.logprobs:
                 logprobs = self.chat_logprobs(self.fanout.new_logprobs(comp, new_ids), top,
                                               req.return_tokens_as_token_ids)
+            thought = ""
+            if thinking is not None:  # the answer part goes on to the tool parser
+                split = thinking[c.index].split(text, c.finish_reason is not None)
+                thought, text = split.reasoning, split.content
             delta, finish = ({"content": text} if text else {}), c.finish_reason
             if tool_deltas is not None:
                 delta, finish = tool_deltas[c.index].delta(text, finish)
+            if thought:
+                delta = {**reasoning.fields(thought), **delta}
             if not delta and finish is None and not (logprobs and logprobs["content"]):
                 continue
             choice: dict[str, Any] = {"index": c.index, "delta": delta,

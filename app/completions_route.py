@@ -78,7 +78,7 @@ class CompletionsRoute:
         max_tokens = [self.checks.max_tokens_for(len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
                       for _, ids in prompts]
         check_commitment(req, [len(ids) for _, ids in prompts], max_tokens, self.checks.limits)
-        kw = req.sampling_kwargs()
+        kw = {**self.engine.sampling_defaults, **req.sampling_kwargs()}  # the request's own fields win
         kw.update(beam_kwargs(req))  # use_beam_search (app/beam_requests.py)
         if req.logprobs is not None:
             kw["logprobs"] = req.logprobs

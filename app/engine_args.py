@@ -21,17 +21,26 @@ def flag(group, *names: str, dest: str | None = None, **kwargs) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    flag(g, "--model", help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    flag(g, "--model", help="GGUF file, HF directory, or a Hugging Face model id already in the local "
+                            "HF cache (never downloaded) (default: SmolLM2-135M-Instruct)")
     flag(g, "--load-format", choices=["auto", "gguf", "safetensors", "dummy"])
     flag(g, "--hf-config",
          help="HF config overrides as JSON or a JSON file; with --load-format dummy this is the "
               "model (random weights), e.g. a tiny config for tests")
-    flag(g, "--dtype", choices=["auto", "bfloat16", "float16", "float32"])
+    flag(g, "--dtype", choices=["auto", "bfloat16", "float16", "float32", "half", "float"],
+         help="weights' and activations' type (half = float16, float = float32, as in vLLM)")
+    flag(g, "--chat-template",
+         help="a Jinja chat template (a file, or the template text) in place of the model's")
     flag(g, "--quantization", "-q", choices=["auto", "none", "int8", "int4"],
          help="weight-only quantization of the linear layers (CPU): auto keeps a GGUF file's "
               "quantization (Q4_0/Q4_1/Q4_K as int4, Q8_0 and others as int8; full precision "
               "for other checkpoints), none dequantizes to --dtype, int8 in groups of 32 with a "
               "scale (GGUF Q8_0), int4 in groups of 32 with scale and minimum (GGUF Q4_1)")
+    flag(g, "--generation-config",
+         help="where requests' default temperature / top_p / top_k / min_p / repetition_penalty come "
+              "from: auto = the model's generation_config.json or GGUF general.sampling.* keys; vllm = "
+              "none (the engine's defaults); or a directory holding a generation_config.json. A "
+              "request's own fields override them (default: %(default)s)")
     flag(g, "--max-model-len", type=int)
     flag(g, "--max-logprobs", type=int,
          help="most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's; "

@@ -35,7 +35,7 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "chat_template", "self")
 # Render parameters a request may set through chat_template_kwargs, as in vLLM (they override
 # the request's fields of the same name: app/prompt_options.py).
 OVERRIDABLE_TEMPLATE_KWARGS = ("add_generation_prompt", "continue_final_message")
-_TEMPLATE_KWARGS = {"anyOf": [{"type": "object", "propertyNames": {
+TEMPLATE_KWARGS_SCHEMA = {"anyOf": [{"type": "object", "propertyNames": {
     "not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}}, _NULL]}
 
 
@@ -91,9 +91,9 @@ class ChatExtraFields(ExtraFields):
     add_special_tokens: bool = False  # on top of what the template writes
     documents: list[dict[str, str]] | None = None  # for templates that render RAG documents
     chat_template: str | None = None  # needs --trust-request-chat-template
-    chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_TEMPLATE_KWARGS)
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=TEMPLATE_KWARGS_SCHEMA)
     reasoning_effort: str | None = None  # handed to the template, as vLLM
-    include_reasoning: bool = True  # no reasoning parser here: there is nothing to leave out
+    include_reasoning: bool = True  # false: the reasoning (--reasoning-parser) is left out of the reply
     mm_processor_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
     audio: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
     modalities: Any = Field(default=None, json_schema_extra=_TEXT_MODALITIES)
@@ -129,7 +129,7 @@ class TokenizeExtraFields(_Fields):
     return_token_strs: bool | None = None  # also the token pieces
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None  # needs --trust-request-chat-template
-    chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_TEMPLATE_KWARGS)
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=TEMPLATE_KWARGS_SCHEMA)
     mm_processor_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
 
     def check_extra_fields(self) -> None:

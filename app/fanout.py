@@ -47,6 +47,7 @@ class Choice:
     stop_reason: int | str | None = None
     text_offset: int = 0  # completions logprobs: characters emitted so far (streaming)
     started: bool = False
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class ChoiceFanOut:
@@ -153,6 +154,7 @@ class ChoiceFanOut:
                     if out.prompt_logprobs is not None:
                         c.prompt_logprobs = out.prompt_logprobs
                 c.tracker.on_output(out, len(new_ids), comp.token_times)
+                c.cached_tokens = max(c.cached_tokens, out.num_cached_tokens)
                 if new_ids:
                     self.metrics.generation_tokens.inc(len(new_ids))
                 c.text.append(comp.text)

@@ -51,7 +51,7 @@ class InfoRoutes:
         OpenAI-era permission object vLLM still sends."""
         root = self.engine.config.model.model or self.model_name
         return ORJSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
+            "id": name, "object": "model", "created": self.created,
             "owned_by": "pagedserve", "root": root, "parent": None,
             "max_model_len": self.engine.max_model_len,
             "permission": [{
@@ -60,7 +60,7 @@ class InfoRoutes:
                 "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                 "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
             }],
-        }]})
+        } for name in self.checks.model_names]})
 
     async def tokenize(self, request: Request) -> Response:
         req = parse(TokenizeRequest, await self.checks.read_admitted(request, "tokenize"))

@@ -16,6 +16,7 @@ from pydantic.json_schema import models_json_schema
 from app.admission import AdmissionLimits, int_range_pattern
 from app.auth import is_protected
 from app.embeddings_protocol import EmbeddingRequest, ScoreRequest
+from app.responses_api.protocol import ResponsesRequest
 from app.protocol import (
     BOUND_KEY,
     LIMIT_KEY,
@@ -96,6 +97,23 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                                                   "content": {"type": ["string", "null"]},
                                                   "tool_calls": _TOOL_CALLS}}},
     }),
+    "Response": {  # app/responses_api/route.py
+        "type": "object",
+        "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+            "status": {"enum": ["completed", "incomplete"]}, "model": {"type": "string"},
+            "incomplete_details": {"type": ["object", "null"]},
+            "output": {"type": "array", "items": {
+                "type": "object", "required": ["id", "type", "status"],
+                "properties": {"id": {"type": "string"}, "type": {"enum": ["message", "function_call", "reasoning"]},
+                               "status": {"enum": ["completed", "incomplete"]}}}},
+            "usage": {"type": "object",
+                      "required": ["input_tokens", "output_tokens", "total_tokens"],
+                      "properties": {k: {"type": "integer", "minimum": 0}
+                                     for k in ("input_tokens", "output_tokens", "total_tokens")}},
+        },
+    },
     "EmbeddingList": {
         "type": "object", "required": ["id", "object", "created", "model", "data", "usage"],
         "properties": {
@@ -265,7 +283,7 @@ def _fill_bounds(node: Any, bounds: dict[str, int | None], limits: AdmissionLimi
 def request_schemas() -> dict[str, Any]:
     """JSON Schemas of the request bodies (and the models they use), keyed by model name."""
     models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
-              EmbeddingRequest, ScoreRequest)
+              EmbeddingRequest, ScoreRequest, ResponsesRequest)
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     return defs["$defs"]
 
@@ -302,6 +320,13 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
             "Chat completion." + stream_note, "ChatCompletionRequest",
             {"description": "The chat completion.",
              "content": {"application/json": {"schema": _ref("ChatCompletion")}, **_SSE}},
+            generates=True, max_body_bytes=max_body_bytes)},
+        "/v1/responses": {"post": _post(
+            "OpenAI's Responses API (function tools, text.format, reasoning items; nothing is stored). "
+            "With `stream: true` the 200 answer is an SSE stream of typed events (`event: response.created`"
+            " ... `event: response.completed`), without `[DONE]`.", "ResponsesRequest",
+            {"description": "The response.",
+             "content": {"application/json": {"schema": _ref("Response")}, **_SSE}},
             generates=True, max_body_bytes=max_body_bytes)},
         "/v1/embeddings": {"post": _post(
             "Embeddings of the inputs (OpenAI's format; any served model, pooled per request).",

@@ -18,9 +18,11 @@ class RequestChecks:
     (``limits``, app/admission.py)."""
 
     def __init__(self, engine: EngineClient, served_model_name: str, max_body_bytes: int,
-                 limits: AdmissionLimits) -> None:
+                 limits: AdmissionLimits, other_names: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.model_name = served_model_name
+        # --served-model-name's further names: requests may name the model by any (vLLM)
+        self.model_names = (served_model_name, *other_names)
         self.max_body_bytes = max_body_bytes
         self.limits = limits
 
@@ -70,7 +72,7 @@ class RequestChecks:
                         self.engine.max_model_len, keep, which)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError.model_not_found(model)
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None) -> int:

@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 
 from app.admission import AdmissionLimits
 from app.engine_args import add_engine_args, engine_config_from_args, flag
 from app.listen import ListenError, bind_socket
+from app.vllm_flags import add_refused_vllm_flags
+from app.reasoning.parser import REASONING_PARSERS
 from app.tools.parsers import AUTO_PARSERS
 from contracts import env
 from contracts.config import ConfigError
@@ -38,11 +41,16 @@ SERVE_PROMPT_ADMIT_TOKENS = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="the model, as --model (vLLM's `serve MODEL`): a GGUF file, an HF directory, or "
+                             "a Hugging Face id already in the local HF cache")
     add_engine_args(parser)
     parser.set_defaults(prompt_admit_tokens=SERVE_PROMPT_ADMIT_TOKENS)
     g = parser.add_argument_group("server")
-    flag(g, "--served-model-name",
-         help="model name the API answers to (default: the model file or directory name)")
+    parser.set_defaults(other_served_names=())
+    flag(g, "--served-model-name", nargs="+", action=_ServedNames,
+         help="the names the API answers to; responses carry the first (default: the model id, file or "
+              "directory name)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=env.API_KEY.get(),
@@ -72,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(AUTO_PARSERS),
                    help="format of the model's tool calls for tool_choice auto (default: from the chat "
                         "template; hermes = <tool_call>{...}</tool_call>, also the default tool prompt's)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the reply's <think>...</think> into message.reasoning_content (and "
+                        "reasoning), streamed as delta.reasoning_content; tool calls and content come "
+                        "from the answer after it. deepseek_r1: the reply starts inside the thinking; "
+                        "qwen3: only a reply that opens with <think> and closes it has reasoning")
     g.add_argument("--sse-ping-interval", type=float, default=0.0,
                    help="seconds between ': ping' comments on streams, for proxies that cut idle "
                         "connections; 0 (default) = none, as OpenAI and vLLM (`vllm bench serve` "
@@ -79,14 +92,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="allow a request's own chat_template (a Jinja template the server renders); "
                         "without it such requests get 400, as in vLLM")
+    g.add_argument("--allowed-origins", type=_origins, default=None,
+                   help="CORS: the origins browsers may call the API from, as a JSON list or comma-separated "
+                        '(["*"] = any); without it no CORS headers are sent')
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
+    g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     AdmissionLimits.add_arguments(parser)
+    add_refused_vllm_flags(parser)
+
+
+def _origins(value: str) -> list[str]:
+    import json
+
+    if value.lstrip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise argparse.ArgumentTypeError("a JSON list of origin strings")
+        return origins
+    return [o.strip() for o in value.split(",") if o.strip()]
+
+
+class _ServedNames(argparse.Action):
+    """--served-model-name A B ...: A is the engine's served name (responses carry it), the others
+    are further names requests may use (``other_served_names``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values[0])
+        namespace.other_served_names = tuple(n for n in dict.fromkeys(values) if n != values[0])
+
+
+def take_model(args: argparse.Namespace) -> None:
+    """The positional MODEL is --model."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+
+
+def check_ssl(args: argparse.Namespace) -> None:
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for name in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(args, name)
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"--{name.replace('_', '-')} {path!r}: no such file")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        take_model(args)
+        check_ssl(args)
+    except ConfigError as e:
+        logger.error("cannot start: %s", e)
+        return 1
     try:
         sock = bind_socket(args.host, args.port)
     except ListenError as e:
@@ -154,6 +219,7 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
             http=with_read_timeouts(args.header_timeout, args.body_timeout),
             lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout,
             log_level=args.log_level, access_log=args.log_level == "debug",
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         )
     except BaseException:
         await asyncio.gather(starting, return_exceptions=True)
@@ -167,7 +233,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
                         max_body_bytes=args.max_body_bytes, sse_ping_interval=args.sse_ping_interval,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
-                        limits=limits)
+                        limits=limits, reasoning_parser=args.reasoning_parser,
+                        other_names=args.other_served_names, allowed_origins=args.allowed_origins)
         uv_config.app = app
         app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks
@@ -178,8 +245,9 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
             async def startup(self, sockets=None) -> None:
                 await super().startup(sockets)
                 if self.started:
-                    logger.info("serving %s on http://%s:%d | KV cache %d blocks x %d = %d tokens | "
-                                "max_model_len %d | ready", engine.model_name, args.host, port,
+                    logger.info("serving %s on %s://%s:%d | KV cache %d blocks x %d = %d tokens | "
+                                "max_model_len %d | ready", engine.model_name,
+                                "https" if args.ssl_certfile else "http", args.host, port,
                                 num_blocks, block_size, num_blocks * block_size, engine.max_model_len)
 
         server = Server(uv_config)

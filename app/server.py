@@ -2,7 +2,8 @@
 
 One object per route family, each given its collaborators when it is built: the completions,
 chat and embeddings routes (app.completions_route, app.chat_route, app.embeddings_route) and the
-routes that do not generate (app.info_routes), over the request checks (app.request_checks), the
+routes that do not generate (app.info_routes), the Responses API on the chat route's path
+(app.responses_api), over the request checks (app.request_checks), the
 fan-out of a request into one engine request per choice (app.fanout), the logprob format
 (app.logprob_format) and the chat prompts (app.chat_prompt). OpenAIServer holds them.
 This module builds them and the app: routes, error handling, middleware. Every error leaves as an
@@ -18,6 +19,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -37,6 +39,8 @@ from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
 from app.responses import error_response
 from app.request_checks import RequestChecks
+from app.responses_api.route import ResponsesRoute
+from app.reasoning.output import check_parser_name
 from app.tools.plan import ToolConfig
 from engine.client import EngineClient
 from engine.replicas import ReplicatedEngine
@@ -58,22 +62,27 @@ class OpenAIServer:
     chat: ChatRoute
     embedding: EmbeddingsRoute
     info: InfoRoutes
+    responses: ResponsesRoute
 
 
 def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: ServerMetrics, *,
                  sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-                 tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None) -> OpenAIServer:
-    """Each route family with its collaborators."""
-    checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits())
+                 tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
+                 reasoning_parser: str | None = None, other_names: tuple[str, ...] = ()) -> OpenAIServer:
+    """Each route family with its collaborators (``other_names``: the model's further served names)."""
+    check_parser_name(reasoning_parser)
+    checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits(),
+                           other_names)
     fanout = ChoiceFanOut(engine, metrics)
     logprob_format = LogprobFormat(engine)
     prompts = ChatPrompts(engine, checks)
+    chat = ChatRoute(engine, name, checks, prompts, fanout, logprob_format,
+                     tool_config if tool_config is not None else ToolConfig(), sse_ping_interval,
+                     trust_request_chat_template, reasoning_parser)
     return OpenAIServer(
         checks=checks, fanout=fanout, logprob_format=logprob_format, prompts=prompts,
         completion=CompletionsRoute(engine, name, checks, fanout, logprob_format, sse_ping_interval),
-        chat=ChatRoute(engine, name, checks, prompts, fanout, logprob_format,
-                       tool_config if tool_config is not None else ToolConfig(), sse_ping_interval,
-                       trust_request_chat_template),
+        chat=chat, responses=ResponsesRoute(chat, sse_ping_interval),
         embedding=EmbeddingsRoute(engine, name, checks, fanout, metrics),
         info=InfoRoutes(engine, name, checks, prompts, metrics, trust_request_chat_template))
 
@@ -113,22 +122,27 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def build_app(engine: EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
               sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-              tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None) -> Starlette:
+              tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
+              reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
+              allowed_origins: list[str] | None = None) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
     ``tool_config``: app.tools.plan.ToolConfig (--enable-auto-tool-choice, --tool-call-parser).
     ``limits``: app.admission.AdmissionLimits, what one request may ask for (default: the flags'
-    defaults)."""
+    defaults). ``reasoning_parser``: --reasoning-parser (app/reasoning), None = off.
+    ``other_names``: --served-model-name's names after the first (requests may use any; responses
+    carry the first). ``allowed_origins``: --allowed-origins (CORS), None = no CORS headers."""
     name = served_model_name or engine.model_name
     per_replica = ReplicaStatsCollector(engine, name) if isinstance(engine, ReplicatedEngine) else None
     metrics = ServerMetrics(engine, name, per_replica)
     s = build_server(engine, name, max_body_bytes, metrics, sse_ping_interval=sse_ping_interval,
                      trust_request_chat_template=trust_request_chat_template, tool_config=tool_config,
-                     limits=limits)
+                     limits=limits, reasoning_parser=reasoning_parser, other_names=other_names)
     routes = [
         Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
+        Route("/v1/responses", _wrap(s.responses.responses), methods=["POST"]),
         Route("/v1/embeddings", _wrap(s.embedding.embeddings), methods=["POST"]),
         Route("/v1/score", _wrap(s.embedding.score), methods=["POST"]),
         Route("/score", _wrap(s.embedding.score), methods=["POST"]),  # vLLM serves both paths
@@ -147,6 +161,9 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(HTTPErrorCounter, metrics=metrics)  # sees 401s too
+    if allowed_origins:  # browsers' preflight (OPTIONS) is answered before the API key is asked
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_middleware(RequestIdMiddleware)  # outermost: every response carries X-Request-Id
     app.state.metrics = metrics
     app.state.server = s

@@ -93,13 +93,19 @@ async def merge_async_iterators(iterators: Sequence[AsyncIterator]) -> AsyncIter
             await close_quietly(it)
 
 
-async def sse_body(events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    """Frame chunk dicts as SSE. The body always ends with ``[DONE]``: after the last chunk, or
-    after one error event if the stream fails midway (as vLLM does; its clients read until
-    ``[DONE]``)."""
+def typed_sse_event(payload: dict[str, Any]) -> bytes:
+    """An event of the Responses API: named by its ``type`` (``event: response.created``)."""
+    return b"event: " + payload["type"].encode() + b"\n" + sse_event(payload)
+
+
+async def sse_body(events: AsyncIterator[Any], frame: Callable[[Any], bytes] = sse_event,
+                   done: bytes | None = DONE) -> AsyncIterator[bytes]:
+    """Frame chunk dicts as SSE. The body always ends with ``done`` (``[DONE]``): after the last
+    chunk, or after one error event if the stream fails midway (as vLLM does; its clients read until
+    ``[DONE]``). The Responses API ends with its last event instead (``done`` None)."""
     try:
         async for payload in events:
-            yield sse_event(payload)
+            yield frame(payload)
     except Exception as e:  # noqa: BLE001 - reported to the client in the stream
         err = to_api_error(e)
         yield sse_event(err.body())
@@ -108,7 +114,8 @@ async def sse_body(events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         if aclose is not None:
             with anyio.CancelScope(shield=True):
                 await aclose()
-    yield DONE
+    if done is not None:
+        yield done
 
 
 async def close_all(streams: Sequence[Any], on_close: Callable[[], None] | None = None) -> None:
@@ -120,10 +127,13 @@ async def close_all(streams: Sequence[Any], on_close: Callable[[], None] | None 
 
 def sse_response(events: AsyncIterator[Any], streams: Sequence[Any] = (),
                  on_close: Callable[[], None] | None = None,
-                 ping_interval: float = 0.0) -> EventSourceResponse:
+                 ping_interval: float = 0.0, frame: Callable[[Any], bytes] = sse_event,
+                 done: bytes | None = DONE) -> EventSourceResponse:
     """The engine streams are closed again once the response ends: a client gone before the
     body started would otherwise leave its requests running unobserved. ``on_close`` then runs
     (the routes count what was left unfinished as aborted). ``ping_interval`` > 0 sends a
-    comment every that many seconds (for proxies that cut idle connections); 0 = none."""
-    return EventSourceResponse(sse_body(events), sep="\n", ping=ping_interval if ping_interval > 0 else NO_PING_S,
+    comment every that many seconds (for proxies that cut idle connections); 0 = none.
+    ``frame`` and ``done``: as ``sse_body``."""
+    return EventSourceResponse(sse_body(events, frame, done), sep="\n",
+                               ping=ping_interval if ping_interval > 0 else NO_PING_S,
                                background=BackgroundTask(close_all, list(streams), on_close))

@@ -35,6 +35,10 @@ def default_model_path() -> str:
     return str(path)
 
 
+# vLLM's --dtype spellings for the same types.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 @dataclass(slots=True)
 class ModelConfig:
     # Path to a .gguf file or a Hugging Face-style directory; None = the default model.
@@ -42,6 +46,7 @@ class ModelConfig:
     # auto (by path) | gguf | safetensors | dummy (random weights from hf_config or the model's config)
     load_format: str = "auto"
     # auto (bf16 where the CPU has avx512_bf16 or on CUDA, else fp32) | bfloat16 | float16 | float32
+    # (vLLM's aliases half and float are taken: DTYPE_ALIASES)
     dtype: str = "auto"
     # auto | none | int8 | int4: weight-only quantization of the linear layers (CPU kernel). auto keeps
     # a GGUF file's quantization (packed as stored; vLLM's behaviour) and is none for
@@ -56,6 +61,17 @@ class ModelConfig:
     # --max-logprobs; -1 = no cap). The engine holds each request to it (EngineCore.add_request);
     # serve's admission check and /openapi.json state the same number.
     max_logprobs: int = 20
+    # Where requests' default sampling settings come from (vLLM's --generation-config): auto = the
+    # model's generation_config.json (HF directory) or its GGUF general.sampling.* keys; vllm = none
+    # (the engine's own defaults); else a directory holding a generation_config.json (or that file).
+    # A request's own fields override them (contracts/generation_defaults.py).
+    generation_config: str = "auto"
+    # A Jinja chat template (a file, or the template itself) in place of the model's (vLLM's
+    # --chat-template); read when the tokenizer is loaded (engine/bootstrap.py).
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
 
 @dataclass(slots=True)

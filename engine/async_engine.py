@@ -148,6 +148,11 @@ class AsyncEngine:
         return self.config.model.max_model_len
 
     @property
+    def sampling_defaults(self) -> dict:
+        """The model's recommended sampling fields (--generation-config), {} before the start."""
+        return self.parts.sampling_defaults if self.parts is not None else {}
+
+    @property
     def embedding_size(self) -> int | None:
         """Values in an embedding (the model's hidden size): the bound of ``dimensions``."""
         return self.core.pooling_hidden_size

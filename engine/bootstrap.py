@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contracts.config import DEFAULT_MODEL_NAME, ConfigError, EngineConfig, default_model_path
 
@@ -20,6 +20,8 @@ class EngineParts:
     tokenizer: object
     executor: object
     core: object
+    # Requests' default sampling fields from the model (--generation-config; contracts/generation_defaults.py)
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
@@ -31,7 +33,15 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
         m.model = default_model_path()
         m.served_model_name = m.served_model_name or DEFAULT_MODEL_NAME
     if m.model is not None and not os.path.exists(m.model):
-        raise ConfigError(f"model path {m.model!r} does not exist: pass a .gguf file or a model directory")
+        from contracts.hf_cache import cached_model_dir, looks_like_model_id
+
+        if not looks_like_model_id(m.model):
+            raise ConfigError(f"model path {m.model!r} does not exist: pass a .gguf file or a model directory")
+        # a Hugging Face id: served under that name (as vLLM), from the local cache only
+        m.served_model_name = m.served_model_name or m.model
+        m.model = cached_model_dir(m.model)
+    if m.chat_template is not None:
+        m.chat_template = read_chat_template(m.chat_template)
     hf = dict(m.hf_config) if m.hf_config else load_hf_config(m.model)
     if m.hf_config is None:
         m.hf_config = hf
@@ -88,7 +98,32 @@ def _tokenizer_path(config: EngineConfig) -> str:
 def load_tokenizer(config: EngineConfig):
     from engine.tokenizer import Tokenizer
 
-    return Tokenizer.from_model(_tokenizer_path(config))
+    tokenizer = Tokenizer.from_model(_tokenizer_path(config))
+    if config.model.chat_template is not None:  # --chat-template (read by resolve_config)
+        tokenizer.chat_template = config.model.chat_template
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the template itself (as vLLM); its syntax is checked here,
+    so a broken template fails the start, not every request."""
+    import jinja2
+
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"--chat-template {value!r}: cannot read it: {e}") from None
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ConfigError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"--chat-template: the template does not parse: {e}") from None
+    return text
 
 
 def build_engine(config: EngineConfig, tokenizer=None, cancel=None) -> EngineParts:
@@ -98,6 +133,7 @@ def build_engine(config: EngineConfig, tokenizer=None, cancel=None) -> EnginePar
     from gpu.executor_factory import create_executor
 
     config, hf = resolve_config(config)
+    defaults = sampling_defaults(config)
     pending = None
     if tokenizer is None:
         _tokenizer_path(config)  # a missing path fails before any worker starts
@@ -121,4 +157,20 @@ def build_engine(config: EngineConfig, tokenizer=None, cancel=None) -> EnginePar
     logger.info("engine ready: model %s, %d KV blocks x %d tokens, max_model_len %d",
                 config.model.served_model_name, executor.num_blocks, config.cache.block_size,
                 config.model.max_model_len)
-    return EngineParts(config, hf, tokenizer, executor, core)
+    return EngineParts(config, hf, tokenizer, executor, core, defaults)
+
+
+def sampling_defaults(config: EngineConfig) -> dict:
+    """The model's recommended sampling settings, logged once: what a request that leaves those
+    fields out is sampled with."""
+    from contracts.generation_defaults import generation_defaults
+
+    defaults, source = generation_defaults(config.model.model, config.model.generation_config)
+    if defaults:
+        logger.info("default sampling settings from the model (%s): %s; a request's own fields override "
+                    "them, --generation-config vllm turns them off", source,
+                    ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
+    else:
+        logger.info("no default sampling settings from the model (--generation-config %s)",
+                    config.model.generation_config)
+    return defaults

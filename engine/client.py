@@ -46,6 +46,9 @@ class EngineClient(Protocol):
     tokenizer: TokenizerClient  # set once the engine has started
     model_name: str
     max_model_len: int
+    # Request fields' defaults from the model (--generation-config): temperature, top_p, top_k,
+    # min_p, repetition_penalty; a request's own values override them.
+    sampling_defaults: dict[str, float | int]
     num_blocks: int  # KV-cache blocks (all replicas together)
     embedding_size: int | None  # values in an embedding (the bound of ``dimensions``)
     num_deaths: int  # times the engine stopped on a failure it did not recover from

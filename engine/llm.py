@@ -42,6 +42,11 @@ class LLM(PoolingLLM):
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params samples with: the model's recommended settings
+        (--generation-config; engine/bootstrap.sampling_defaults), else SamplingParams()'s (vLLM's)."""
+        return SamplingParams(**self.parts.sampling_defaults)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -108,7 +113,7 @@ class LLM(PoolingLLM):
         """Yield one request's RequestOutput deltas as they are generated (for terminals)."""
         text, ids = self._tokenize(prompt)
         rid = str(next(self._ids))
-        self.core.add_request(rid, text, ids, sampling_params or SamplingParams())
+        self.core.add_request(rid, text, ids, sampling_params or self.get_default_sampling_params())
         try:
             while self.core.has_unfinished():
                 for delta in self.core.step():
@@ -138,10 +143,9 @@ class LLM(PoolingLLM):
             return [list(prompts)]
         return list(prompts)
 
-    @staticmethod
-    def _as_params_list(sampling_params, n: int) -> list[SamplingParams]:
+    def _as_params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:

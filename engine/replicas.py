@@ -134,6 +134,10 @@ class ReplicatedEngine:
         return self.replicas[0].max_model_len
 
     @property
+    def sampling_defaults(self) -> dict:
+        return self.replicas[0].sampling_defaults
+
+    @property
     def tokenizer(self):
         return self.replicas[0].tokenizer
 

@@ -45,6 +45,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # The grammar binds only the text after this marker (vLLM's reasoning end: "</think>"): until
+    # the sequence has generated its tokens, sampling is free. Not part of the grammar (``key``).
+    start_after: str | None = None
     _key: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,8 @@ class StructuredOutputsParams:
             if not isinstance(self.json, dict):
                 raise ValueError("the JSON schema must be a JSON object (a dict), got "
                                  f"{type(self.json).__name__}")
+        if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
+            raise ValueError(f"start_after must be a non-empty string, got {self.start_after!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -85,9 +86,12 @@ class LocalServer:
     ``readiness_timeout(args)``. The e2e tests' ServerProcess extends it."""
 
     def __init__(self, args: list[str], *, ready_timeout: float | None = None,
-                 log_prefix: str = "pagedserve-soak-") -> None:
+                 log_prefix: str = "pagedserve-soak-", https_verify: Any = None) -> None:
+        """``https_verify``: the server serves HTTPS (--ssl-certfile); an ssl.SSLContext that
+        trusts its certificate."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = https_verify if https_verify is not None else True
+        self.url = f"{'https' if https_verify is not None else 'http'}://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "app.cli", "serve", *args, "--host", "127.0.0.1",
                "--port", str(self.port)]
         # The inherited PYTHONPATH stays after the checkout (packages carried to a GPU machine live there).
@@ -116,7 +120,7 @@ class LocalServer:
             if self.proc.poll() is not None:
                 raise ServerStartError(f"server exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -10,24 +10,19 @@ A non-streamed answer is the sum of the same deltas (``parse_whole``), so the tw
   is clear; whitespace between and after calls is dropped.
 - ``Llama3JsonToolParser`` (``--tool-call-parser llama3_json``; Llama 3.1/3.2): a reply of
   ``{"name": ..., "parameters": {...}}`` objects, optionally after ``<|python_tag|>``.
+- ``mistral``, ``pythonic`` (Llama 3.2 / 4), ``qwen3_coder``: app/tools/mistral_parser.py,
+  pythonic_parser.py, qwen3_coder_parser.py.
 - ``RequiredCallsParser``: ``tool_choice: "required"``, output constrained to
   ``[{"name": ..., "parameters": {...}}, ...]`` (vLLM's form).
 - ``NamedCallParser``: ``tool_choice`` naming a function, output constrained to its arguments.
 """
 from __future__ import annotations
 
+from app.partial_tags import held_prefix
 from app.tools.calls import CallDelta, CallTracker, ParsedDelta, TrackedCall, new_call_id
 from app.tools.json_scan import JsonScanError
 
 _OUTSIDE, _INSIDE, _AFTER = range(3)
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class HermesToolParser:
@@ -35,7 +30,7 @@ class HermesToolParser:
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
 
-    def __init__(self, max_calls: int | None = None) -> None:
+    def __init__(self, max_calls: int | None = None, tools: list[dict] | None = None) -> None:
         self.max_calls = max_calls
         self.calls: list[TrackedCall] = []
         self.failed = False
@@ -65,7 +60,7 @@ class HermesToolParser:
                     self._block = self.start_tag
                     self._tracker = CallTracker(self.calls, max_calls=self.max_calls)
                 else:
-                    hold = _held_prefix(buf, self.start_tag)
+                    hold = held_prefix(buf, self.start_tag)
                     self._content(buf[:len(buf) - hold], out)
                     self._pending = buf[len(buf) - hold:]
             elif self._state == _INSIDE:
@@ -197,8 +192,9 @@ class Llama3JsonToolParser:
 
     name = "llama3_json"
     python_tag = "<|python_tag|>"
+    start_tag = None  # the reply is read the same with or without the python tag
 
-    def __init__(self, max_calls: int | None = None) -> None:
+    def __init__(self, max_calls: int | None = None, tools: list[dict] | None = None) -> None:
         self.max_calls = max_calls
         self.calls: list[TrackedCall] = []
         self.failed = False
@@ -264,7 +260,18 @@ class Llama3JsonToolParser:
         out.content += rest
 
 
-AUTO_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+def _auto_parsers() -> dict[str, type]:
+    from app.tools.mistral_parser import MistralToolParser
+    from app.tools.pythonic_parser import PythonicToolParser
+    from app.tools.qwen3_coder_parser import Qwen3CoderToolParser
+
+    return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
+            "pythonic": PythonicToolParser, "qwen3_coder": Qwen3CoderToolParser}
+
+
+# --tool-call-parser: each takes (max_calls=, tools=) and has ``start_tag``, the special token
+# (if any) a reply's calls start with, which the detokenizer must then keep.
+AUTO_PARSERS = _auto_parsers()
 
 
 def parse_whole(parser, text: str) -> tuple[str, list[dict]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from app.errors import APIError
-from app.tools.parsers import AUTO_PARSERS, HermesToolParser, NamedCallParser, RequiredCallsParser
+from app.tools.parsers import AUTO_PARSERS, NamedCallParser, RequiredCallsParser
 
 if TYPE_CHECKING:
     from app.protocol import ChatCompletionRequest
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 # Markers in a chat template that name the tool-call format its model was trained on.
-_TEMPLATE_FAMILIES = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+_TEMPLATE_FAMILIES = (("<function=", "qwen3_coder"), ("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"),
+                      ("<|python_tag|>", "llama3_json"))
 DEFAULT_PARSER = "hermes"  # also the format of the default tool prompt (app/tools/prompt.py)
 
 
@@ -58,7 +59,7 @@ class ToolPlan:
 
     def new_parser(self):
         if self.mode == "auto":
-            return AUTO_PARSERS[self.parser_name](max_calls=self.max_calls)
+            return AUTO_PARSERS[self.parser_name](max_calls=self.max_calls, tools=self.tools)
         if self.mode == "required":
             return RequiredCallsParser(max_calls=self.max_calls)
         return NamedCallParser(self.function_name)
@@ -153,6 +154,6 @@ def keeps_special_tokens(plan: ToolPlan, tokenizer: TokenizerClient) -> bool:
         return False
     parser = AUTO_PARSERS[plan.parser_name]
     specials = tokenizer.all_special_ids
-    if not specials or parser is not HermesToolParser:
+    if not specials or parser.start_tag is None:
         return False
     return tokenizer.token_to_id(parser.start_tag) in specials

@@ -114,25 +114,37 @@ class BadWords:
 
 class SeqConstraint:
     """What limits one sequence's next token. The matcher is None until the request's grammar is
-    compiled (the sequence is not scheduled before that) or when there is no grammar."""
+    compiled (the sequence is not scheduled before that) or when there is no grammar.
 
-    __slots__ = ("matcher", "allowed", "bad_words", "terminated")
+    ``wait_for``: token ids the sequence must generate before the grammar applies (a reasoning
+    model's end of thinking, StructuredOutputsParams.start_after); until then only the allowed row
+    and bad words bind, and the matcher does not advance."""
 
-    def __init__(self, allowed: np.ndarray | None = None, bad_words: list[list[int]] | BadWords | None = None):
+    __slots__ = ("matcher", "allowed", "bad_words", "terminated", "wait_for", "_recent")
+
+    def __init__(self, allowed: np.ndarray | None = None, bad_words: list[list[int]] | BadWords | None = None,
+                 wait_for: tuple[int, ...] | None = None):
         self.matcher = None
         self.allowed = allowed
         if bad_words is not None and not isinstance(bad_words, BadWords):
             bad_words = BadWords(bad_words) if bad_words else None
         self.bad_words = bad_words
         self.terminated = False
+        self.wait_for = wait_for or None
+        self._recent: tuple[int, ...] = ()  # the last len(wait_for) tokens, while waiting
 
     def sibling(self) -> "SeqConstraint":
         """A constraint for another sequence of the same request: the allowed row and the bad-word
         index are shared (read only), the grammar matcher is its own (attached later)."""
-        return SeqConstraint(self.allowed, self.bad_words)
+        return SeqConstraint(self.allowed, self.bad_words, self.wait_for)
 
     def accept(self, token_id: int) -> bool:
         """Advance on a sampled token; False when the grammar refuses it."""
+        if self.wait_for is not None:
+            self._recent = (self._recent + (token_id,))[-len(self.wait_for):]
+            if self._recent == self.wait_for:
+                self.wait_for, self._recent = None, ()  # the grammar binds from the next token
+            return True
         if self.matcher is None:
             return True
         ok = self.matcher.accept(token_id)
@@ -142,7 +154,7 @@ class SeqConstraint:
 
     def fill(self, mask: np.ndarray, row: int, token_ids: list[int], num_prompt: int) -> None:
         """Write this sequence's row of the step's bitmask (``token_ids``: prompt + generated)."""
-        if self.matcher is not None:
+        if self.matcher is not None and self.wait_for is None:
             self.matcher.fill(mask, row)
             if self.allowed is not None:
                 mask[row] &= self.allowed

@@ -122,7 +122,11 @@ class StructuredOutputManager:
     def new_constraint(self, params: SamplingParams) -> SeqConstraint:
         allowed = ids_to_row(params.allowed_token_ids, self.vocab_size) if params.allowed_token_ids else None
         bad = bad_word_token_seqs(self.tokenizer, params.bad_words) if params.bad_words else None
-        return SeqConstraint(allowed, bad)
+        spec = params.structured_outputs
+        wait = None
+        if spec is not None and spec.start_after:
+            wait = tuple(self.tokenizer.encode(spec.start_after, add_special_tokens=False))
+        return SeqConstraint(allowed, bad, wait)
 
     def attach_matcher(self, constraint: SeqConstraint, compiled) -> None:
         constraint.matcher = self.backend.new_matcher(compiled)

@@ -126,6 +126,7 @@ class FakeAsyncEngine:
         self.template_kwargs: list[dict] = []
         self.encode_calls: list[tuple[str, bool]] = []
         self.num_blocks = 64
+        self.sampling_defaults: dict = {}  # the model's recommended sampling fields (--generation-config)
 
     async def start(self) -> None:
         pass

@@ -17,9 +17,9 @@ from app.server import build_app
 from tests.app.fake_engine import FakeAsyncEngine
 
 CHAT = [{"role": "user", "content": "hi"}]
-GENERATE = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/score"}
+GENERATE = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/score", "/v1/responses"}
 ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
-PROTECTED = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+PROTECTED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
              "/v1/embeddings", "/v1/score", "/score"}
 
 

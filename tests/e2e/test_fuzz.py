@@ -58,6 +58,8 @@ SEMANTIC_400_PARAMS = {
     "top_logprobs",  # only with logprobs: true
     "continue_final_message",  # not with add_generation_prompt; last message from the assistant
     "messages",  # the chat template refuses this conversation
+    "input",  # /v1/responses: the chat template refuses it, or it holds no message (only reasoning items)
+    "text.format",  # /v1/responses: the grammar engine must accept the schema
     "min_tokens",  # <= max_tokens
     "tool_choice",  # needs tools; "auto" needs --enable-auto-tool-choice; a named function in tools
     "tools",  # their parameters' $defs must agree; the grammar engine must accept the schemas
@@ -131,7 +133,7 @@ def test_subnormal_repetition_penalty_is_a_400_not_a_failed_step(fuzz_server):
 
 # (method, path, has a body): every operation of the document (checked below).
 OPERATIONS = [
-    ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
+    ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True), ("POST", "/v1/responses", True),
     ("POST", "/tokenize", True), ("POST", "/detokenize", True),
     ("POST", "/v1/embeddings", True), ("POST", "/v1/score", True), ("POST", "/score", True),
     ("GET", "/v1/models", False), ("GET", "/health", False), ("GET", "/version", False),
@@ -196,7 +198,7 @@ def check_one(case, url: str, fuzz_log: dict) -> None:
 def test_coverage_boundaries(api_schema, fuzz_server, fuzz_log, method, path):
     op = api_schema[path][method]
     modes = list(GenerationMode)
-    if path in ("/v1/completions", "/v1/chat/completions") and not FULL:
+    if path in ("/v1/completions", "/v1/chat/completions", "/v1/responses") and not FULL:
         modes = [GenerationMode.NEGATIVE]
     cases = api_schema.iter_coverage_cases(
         op, generation_modes=modes,

@@ -1,0 +1,1 @@
+"""Reasoning output (``--reasoning-parser``): a reply's ``<think>...</think>`` part apart from its answer."""

@@ -1,0 +1,1 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat route's engine path."""
