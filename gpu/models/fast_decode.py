@@ -267,7 +267,7 @@ def bind_fast_decode(model: nn.Module) -> int:
         if not isinstance(layer, LlamaDecoderLayer):
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_norm is not None or not isinstance(mlp.act, SiluAndMul):
+        if attn.q_norm is not None or not attn.attn.plain or not isinstance(mlp.act, SiluAndMul):
             continue
         dtype = layer.input_layernorm.weight.dtype
         if not (dtype is torch.float32 or (dtype is torch.bfloat16 and fused.has_bf16_gemv())):

@@ -157,6 +157,9 @@ class LlamaForCausalLM(nn.Module):
         "Qwen3ForCausalLM": (None, None, True),
     }
 
+    windowed = False  # a subclass that applies the config's sliding_window sets True (gpu/models/phi3.py)
+    cuda_graphs = True  # decode steps may be captured (gpu/model_runner.py)
+
     def __init__(self, cfg: dict, architecture: str = "LlamaForCausalLM"):
         super().__init__()
         self.config = cfg
@@ -165,7 +168,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
         o_bias = attention_bias if o_bias is None else o_bias
         window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", True) and window < cfg.get("max_position_embeddings", 0):
+        if (window and not self.windowed and cfg.get("use_sliding_window", True)
+                and window < cfg.get("max_position_embeddings", 0)):
             logger.warning("%s: sliding-window attention (%d tokens) is not implemented; attention is "
                            "full, so outputs differ from the reference past %d tokens", architecture, window,
                            window)

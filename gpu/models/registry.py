@@ -11,6 +11,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
     "GPT2LMHeadModel": ("gpu.models.gpt2", "GPT2LMHeadModel"),
+    "Gemma2ForCausalLM": ("gpu.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("gpu.models.gemma", "GemmaForCausalLM"),
+    "Phi3ForCausalLM": ("gpu.models.phi3", "Phi3ForCausalLM"),
 }
 
 
