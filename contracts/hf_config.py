@@ -15,6 +15,9 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -145,4 +148,7 @@ def gguf_to_hf_config(path: str, reader=None) -> dict:
     if "rope_freqs.weight" in tensor_names:
         raise ModelLoadError(f"{path}: GGUF files with a rope_freqs tensor (Llama 3.1 rope scaling) "
                              "are not supported; load the Hugging Face directory instead")
+    from contracts.gguf_arch import add_arch_config
+
+    add_arch_config(arch, cfg, get, reader, path)
     return cfg

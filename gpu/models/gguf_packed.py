@@ -121,15 +121,16 @@ def packed_parts(data: np.ndarray, qtype, shape: tuple[int, int], layout: str,
 def _targets(model, reader):
     """{module name: (module, [gguf tensor types of its weight], parts with a splitter?)} for the
     linear layers and embedding tables the file's tensors feed."""
-    from gpu.models.gguf_loader import gguf_to_hf_name
+    from gpu.models.gguf_loader import file_arch, gguf_to_hf_name
     from gpu.models.layers import VocabParallelEmbedding
     from gpu.models.quantization import quantizable_types
 
     kinds = (*quantizable_types(), VocabParallelEmbedding)
     modules = dict(model.named_modules())
     found: dict[str, tuple] = {}
+    arch = file_arch(reader)
     for t in reader.tensors:
-        hf_name = gguf_to_hf_name(t.name)
+        hf_name = gguf_to_hf_name(t.name, arch)
         mapped = model.map_weight_name(hf_name) if hf_name is not None else None
         for param_name, _shard, part in mapped or ():
             module_name, attr = param_name.rpartition(".")[::2]
@@ -181,8 +182,9 @@ def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str
     from gpu.models.weights import _one_cpu_thread
 
     modules = dict(model.named_modules())
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else "llama"
+    from gpu.models.gguf_loader import file_arch
+
+    arch = file_arch(reader)
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
     slots: dict[str, tuple[torch.Tensor, ...]] = {}
     full_names: list[str] = []
@@ -228,9 +230,11 @@ def _load_one(t, model, modules, plan, slots, full_names, tracker, path, arch, h
     ``full_names``) when it loads in full precision."""
     from gguf.constants import GGMLQuantizationType as T
 
-    from gpu.models.gguf_loader import _PERMUTED_ARCHS, gguf_to_hf_name, unpermute_rows
+    from gpu.models.gguf_loader import _PERMUTED_ARCHS, _SKIPPED, gguf_to_hf_name, unpermute_rows
 
-    hf_name = gguf_to_hf_name(t.name)
+    if t.name in _SKIPPED:
+        return True
+    hf_name = gguf_to_hf_name(t.name, arch)
     mapped = model.map_weight_name(hf_name) if hf_name is not None else None
     if hf_name is not None and mapped is None:
         return True  # a tensor the model does not hold (e.g. another pipeline stage's layer): skip it
