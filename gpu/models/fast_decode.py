@@ -256,7 +256,7 @@ def bind_fast_decode(model: nn.Module) -> int:
         return 0
     if any(t.device.type != "cpu" for t in itertools.chain(model.parameters(), model.buffers())):
         return 0  # a CUDA model: the C layers would read its device pointers on the host
-    from gpu.models.layers import SiluAndMul
+    from gpu.models.layers import GatedMLP, SiluAndMul
     from gpu.models.llama import LlamaDecoderLayer
     from gpu.parallel_state import get_tp_size
 
@@ -267,7 +267,8 @@ def bind_fast_decode(model: nn.Module) -> int:
         if not isinstance(layer, LlamaDecoderLayer):
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_norm is not None or not attn.attn.plain or not isinstance(mlp.act, SiluAndMul):
+        if (attn.q_norm is not None or not attn.attn.plain or not isinstance(mlp, GatedMLP)
+                or not isinstance(mlp.act, SiluAndMul)):
             continue
         dtype = layer.input_layernorm.weight.dtype
         if not (dtype is torch.float32 or (dtype is torch.bfloat16 and fused.has_bf16_gemv())):

@@ -76,13 +76,15 @@ class LlamaAttentionBlock(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: dict, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 rotary_emb: RotaryEmbedding):
+                 rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None):
+        """``mlp``: the feed-forward block when not the dense gated MLP (a MoE block)."""
         super().__init__()
         eps = float(_cfg(cfg, "rms_norm_eps", default=1e-6))
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.self_attn = LlamaAttentionBlock(cfg, layer_idx, qkv_bias, o_bias, qk_norm, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], bias=bool(cfg.get("mlp_bias")))
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg["hidden_size"], cfg["intermediate_size"],
+                                                        bias=bool(cfg.get("mlp_bias")))
 
     fast_decode = None  # a gpu.models.fast_decode.FastDecodeLayer: small bf16 batches in two C calls
 
@@ -103,9 +105,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool, keep_embedding: bool = False):
+    def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool, keep_embedding: bool = False,
+                 make_mlp=None):
         """On a pipeline stage (gpu/models/stages.py) only the stage's layers are built; the
-        embedding sits on the first stage (and on the last when ``keep_embedding``: a tied head)."""
+        embedding sits on the first stage (and on the last when ``keep_embedding``: a tied head).
+        ``make_mlp(layer_idx)``: a layer's feed-forward block, or None for the dense one."""
         super().__init__()
         num_layers = cfg["num_hidden_layers"]
         self.stage = plan = StagePlan.current(num_layers)
@@ -118,8 +122,8 @@ class LlamaModel(nn.Module):
                                  int(_cfg(cfg, "max_position_embeddings", default=2048)), theta, scaling)
         self.rotary = rotary
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary) if plan.owns_layer(i) else MissingLayer()
-            for i in range(num_layers))
+            LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary, make_mlp(i) if make_mlp else None)
+            if plan.owns_layer(i) else MissingLayer() for i in range(num_layers))
         self._own_layers = list(self.layers)[plan.start:plan.end]
         self.norm = (RMSNorm(cfg["hidden_size"], float(_cfg(cfg, "rms_norm_eps", default=1e-6)))
                      if plan.last else MissingLayer())
@@ -175,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
                            window)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.model = LlamaModel(cfg, qkv_bias, o_bias, qk_norm, keep_embedding=self.tie_word_embeddings
-                                and is_last_stage())
+                                and is_last_stage(), make_mlp=self.make_mlp)
         self.stage = self.model.stage
         self.lm_head = (ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"]) if self.stage.last
                         else MissingLayer())
@@ -186,6 +190,10 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = first.num_kv_heads
         self.head_dim = first.head_dim
         self.max_positions = self.model.rotary.cos_sin_cache.shape[0]  # rows of the rotary table
+
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
+        """A layer's feed-forward block when not the dense gated MLP (gpu/models/moe_models.py)."""
+        return None
 
     def profile_activations(self, num_tokens: int, dtype: torch.dtype, device) -> StageActivations:
         """What a stage without the embedding receives, as zeros (the start-up profile forward):

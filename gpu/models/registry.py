@@ -14,6 +14,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("gpu.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gpu.models.gemma", "GemmaForCausalLM"),
     "Phi3ForCausalLM": ("gpu.models.phi3", "Phi3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("gpu.models.moe_models", "MoeForCausalLM"),
+    "MixtralForCausalLM": ("gpu.models.moe_models", "MoeForCausalLM"),
 }
 
 

@@ -1,0 +1,120 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router picks ``top_k`` experts a token,
+and the experts run grouped by expert.
+
+Why grouped: a Python loop per token (or per token and expert) costs more than the matmuls on a
+decode batch. Here the (token, expert) pairs are sorted by expert once, each active expert
+multiplies its contiguous run of token rows in one gate/up and one down matmul, and the
+weighted results are scattered back with one ``index_add_``: the loop is over active experts
+(at most ``num_experts``), never over tokens.
+
+Tensor parallelism shards every expert's intermediate dimension (gate/up rows, down columns)
+across ranks, as the dense MLP is sharded: each rank holds a slice of all experts and the down
+projection's partial sums are all-reduced once per layer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from contracts.errors import ModelLoadError
+from gpu.models.layers import _copy_checked, _new_param, default_weight_loader
+from gpu.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_reduce
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[T, k]`` fp32, expert ids ``[T, k]``): softmax over all experts in fp32, the k
+    largest, divided by their sum when ``renormalize`` (transformers' order of operations)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """(pair order, pairs per expert): ``ids.reshape(-1)[order]`` is sorted by expert (stable, so a
+    token's pairs keep their rank order), and expert e owns ``counts[e]`` consecutive pairs."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
+
+
+class FusedExperts(nn.Module):
+    """Every expert's gate/up ``w13 [E, 2 * I_rank, H]`` and down ``w2 [E, H, I_rank]``, this
+    rank's slice of the intermediate dimension."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_experts, self.hidden = num_experts, hidden
+        self.inter = divide(intermediate, self.tp_size, "expert intermediate size")
+        self.w13 = _new_param(num_experts, 2 * self.inter, hidden, loader=self.load_w13,
+                              shard_ids=tuple((e, p) for e in range(num_experts) for p in (0, 1)))
+        self.w2 = _new_param(num_experts, hidden, self.inter, loader=self.load_w2,
+                             shard_ids=tuple(range(num_experts)))
+
+    def load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """shard_id (expert, 0 gate | 1 up) with that expert's ``[I, H]`` tensor; None: the whole
+        ``[E, 2I, H]`` stack (gate rows then up rows per expert, transformers 5's layout)."""
+        n = self.inter
+        if shard_id is None:
+            gate = loaded.narrow(1, self.tp_rank * n, n)
+            up = loaded.narrow(1, loaded.shape[1] // 2 + self.tp_rank * n, n)
+            _copy_checked(param.data, torch.cat([gate, up], dim=1), "stacked expert gate/up")
+            return
+        expert, part = shard_id
+        if loaded.shape != (n * self.tp_size, self.hidden):
+            raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+                                 f"{(n * self.tp_size, self.hidden)}")
+        _copy_checked(param.data[expert, part * n:(part + 1) * n], loaded.narrow(0, self.tp_rank * n, n),
+                      f"expert {expert} {'up' if part else 'gate'}")
+
+    def load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.inter
+        if shard_id is None:
+            _copy_checked(param.data, loaded.narrow(2, self.tp_rank * n, n), "stacked expert down")
+            return
+        if loaded.shape != (self.hidden, n * self.tp_size):
+            raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+                                 f"{(self.hidden, n * self.tp_size)}")
+        _copy_checked(param.data[shard_id], loaded.narrow(1, self.tp_rank * n, n), f"expert {shard_id} down")
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token's weighted sum over its experts (this rank's partial sum under TP)."""
+        top_k = ids.shape[1]
+        order, counts = group_by_expert(ids, self.num_experts)
+        tokens = order // top_k  # the token of each sorted (token, expert) pair
+        pair_weights = weights.reshape(-1)[order].to(x.dtype)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            h = F.linear(x.index_select(0, rows), self.w13[expert])
+            gate, up = h.chunk(2, dim=-1)
+            y = F.linear(F.silu(gate).mul_(up), self.w2[expert])
+            out.index_add_(0, rows, y.mul_(pair_weights[start:start + count, None]))
+            start += count
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``, replicated) + experts: the MLP of a MoE decoder layer."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Module()
+        self.gate.weight = _new_param(num_experts, hidden, loader=default_weight_loader)
+        self.experts = FusedExperts(num_experts, hidden, intermediate)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.experts.forward(x, weights, ids)
+        return tp_all_reduce(out) if self.experts.tp_size > 1 else out
