@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 and Phi-3 through the whole engine: greedy tokens (32 a prompt, 8 prompts
+"""Gemma 2, Gemma 3, Phi-3 and Qwen3-MoE through the whole engine: greedy tokens (32 a prompt, 8 prompts
 longer than the sliding window, sharing a prefix) equal transformers' greedy tokens, with
 chunked prefill (a 24-token step budget) and prefix caching on, run twice so that the second
 round's prompts hit the prefix cache."""
@@ -11,6 +11,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from tests.gpu.test_model_families import FAMILIES
+from tests.gpu.test_moe import MOE
 from tests.gpu.test_models import save_hf_model
 
 VOCAB, NEW_TOKENS = 256, 32
@@ -33,12 +34,15 @@ def reference_greedy(model, prompt: list[int]) -> list[int]:
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])
+CONFIGS = {**{k: FAMILIES[k] for k in ("gemma2", "gemma3", "phi3")}, "qwen3moe": MOE["qwen3moe"]}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_engine_greedy_equals_transformers(name, tmp_path):
     from engine.llm import LLM
     from engine.tokenizer import Tokenizer
 
-    cfg = dict(FAMILIES[name], vocab_size=VOCAB)
+    cfg = dict(CONFIGS[name], vocab_size=VOCAB)
     if "original_max_position_embeddings" in cfg:
         # Sequences stay within LongRoPE's original length: past it transformers re-rotates the whole
         # sequence with the long factors, which no KV cache does (test_model_families checks the table).

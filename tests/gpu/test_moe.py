@@ -1,0 +1,157 @@
+"""Mixture of experts (Qwen3-MoE, Mixtral) against transformers on random configs (fp32): the
+router's choices and weights, prompt logits, the paged path, TP=2; and the grouped experts:
+one gate/up and one down matmul per active expert, and no token ever meets the weights of an
+expert it was not routed to."""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu.forward_context import forward_context
+from gpu.models.moe import FusedExperts, route
+from tests.gpu.test_models import _tp_worker, assert_close, load_ours, make_caches, paged_step, save_hf_model
+
+BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
+            tie_word_embeddings=False)
+MOE = {
+    # Qwen3-MoE: q/k norms, renormalised top-2 of 8, a dense layer among sparse ones.
+    "qwen3moe": dict(BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True,
+                     mlp_only_layers=[1]),
+    # Qwen3-MoE without renormalisation (norm_topk_prob false), top-3.
+    "qwen3moe-raw": dict(BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=6,
+                         num_experts_per_tok=3, moe_intermediate_size=32, decoder_sparse_step=1,
+                         norm_topk_prob=False, mlp_only_layers=[]),
+    "mixtral": dict(BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=None),
+}
+
+
+@pytest.fixture(scope="module", params=list(MOE))
+def moe_pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    ref = save_hf_model(MOE[request.param], path)
+    return request.param, ref, load_ours(path), path
+
+
+def test_routing_equals_transformers(moe_pair):
+    """The same experts (ties excluded) and weights as transformers' router on random states."""
+    name, ref, ours, _ = moe_pair
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(3))
+    hf_router, block = ref.model.layers[0].mlp.gate, ours.model.layers[0].mlp
+    with torch.inference_mode():
+        _, want_w, want_ids = hf_router(x)
+        got_w, got_ids = block.route(x)
+        probs = torch.softmax(F.linear(x, block.gate.weight), -1).sort(-1, descending=True).values
+    k = want_ids.shape[1]
+    clear = (probs[:, k - 1] - probs[:, k]) > 1e-6  # no tie at the cut
+    assert clear.sum() > 190
+    assert torch.equal(got_ids[clear], want_ids[clear])
+    torch.testing.assert_close(got_w[clear], want_w[clear].float())
+
+
+def test_prompt_logits_match_transformers(moe_pair):
+    name, ref, ours, _ = moe_pair
+    ids = torch.randint(0, 97, (21,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = ref(ids[None]).logits[0]
+        with forward_context(None, []):
+            got = ours.compute_logits(ours(ids, torch.arange(21)))
+    assert_close(got, want, name)
+
+
+def test_paged_chunked_prefill_and_decode_match(moe_pair):
+    name, ref, ours, _ = moe_pair
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 97, (14,), generator=g).tolist(), torch.randint(0, 97, (17,), generator=g).tolist()
+    with torch.inference_mode():
+        ref_a, ref_b = ref(torch.tensor([a])).logits[0], ref(torch.tensor([b])).logits[0]
+    caches = make_caches(ours)
+    assert_close(paged_step(ours, caches, [([5, 2], 0, 6)], [a]), ref_a[:6], f"{name} A prefill")
+    got = paged_step(ours, caches, [([5, 2], 6, 1), ([7, 1, 12], 0, 9)], [a, b])
+    assert_close(got[0], ref_a[6], f"{name} A decode")
+    assert_close(got[1:], ref_b[:9], f"{name} B chunk")
+    for step in range(7):  # both decode: a batch of two rows through the experts
+        got = paged_step(ours, caches, [([5, 2], 7 + step, 1), ([7, 1, 12], 9 + step, 1)], [a, b])
+        assert_close(got[0], ref_a[7 + step], f"{name} A decode {step}")
+        assert_close(got[1], ref_b[9 + step], f"{name} B decode {step}")
+
+
+def _experts(seed=0, num_experts=6, hidden=16, inter=8):
+    experts = FusedExperts(num_experts, hidden, inter)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=g) * 0.3)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=g) * 0.3)
+    return experts
+
+
+def test_grouped_experts_equal_the_per_token_definition_with_one_matmul_pair_per_active_expert(monkeypatch):
+    experts = _experts()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 16, generator=g)
+    weights, ids = route(torch.randn(40, 6, generator=g), 2, True)
+    ids[:, :] = torch.where(ids == 5, 4, ids)  # expert 5 never chosen
+    ids[ids[:, 0] == ids[:, 1], 1] = 0
+    want = torch.zeros_like(x)
+    for t in range(40):
+        for j in range(2):
+            e = int(ids[t, j])
+            gate, up = F.linear(x[t], experts.w13[e]).chunk(2)
+            want[t] += weights[t, j] * F.linear(F.silu(gate) * up, experts.w2[e])
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    with torch.no_grad():
+        got = experts.forward(x, weights, ids)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    active = int((torch.bincount(ids.reshape(-1), minlength=6) > 0).sum())
+    assert len(calls) == 2 * active and sum(calls) == 2 * 40 * 2  # every (token, expert) pair once, twice
+
+
+def test_a_token_never_meets_another_experts_weights():
+    """Poison every expert but the ones a token chose (NaN weights): its output stays finite and
+    equal to the unpoisoned one — rows of one expert are multiplied by that expert alone."""
+    experts = _experts(seed=2)
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(4))
+    weights = torch.full((12, 2), 0.5)
+    ids = torch.tensor([[0, 1]] * 6 + [[2, 3]] * 6)
+    with torch.no_grad():
+        clean = experts.forward(x, weights, ids)
+        experts.w13[4:] = float("nan")
+        experts.w2[4:] = float("nan")
+        assert torch.equal(experts.forward(x, weights, ids), clean)
+        experts.w13[2] = float("nan")  # chosen by the last six tokens only
+        out = experts.forward(x, weights, ids)
+    assert torch.equal(out[:6], clean[:6]) and torch.isnan(out[6:]).all()
+
+
+def test_tensor_parallel_forward_matches_single_rank(tmp_path):
+    """Two gloo ranks, each with half of every expert's intermediate rows: the single-rank logits."""
+    names = ["qwen3moe", "mixtral"]
+    dirs = []
+    for name in names:
+        d = tmp_path / name
+        save_hf_model(MOE[name], d)
+        dirs.append(str(d))
+    out = str(tmp_path / "tp.pt")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, str(tmp_path / "init"), dirs, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = torch.load(out)
+    ids = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(5))
+    for name, d, (full, paged) in zip(names, dirs, results):
+        model = load_ours(d)
+        with torch.inference_mode(), forward_context(None, []):
+            want = model.compute_logits(model(ids, torch.arange(11)))
+        assert_close(full, want, f"{name} tp=2")
+        assert_close(paged, want, f"{name} tp=2 paged")
