@@ -53,9 +53,26 @@ def is_gguf(path: str) -> bool:
         return False
 
 
+# Multimodal architectures served text-only: their language model's config (``text_config``) is
+# the model's config; the vision tower's weights are skipped at load.
+TEXT_ONLY_ARCHITECTURES = {"Gemma3ForConditionalGeneration"}
+
+
+def _lift_text_config(cfg: dict) -> dict:
+    archs = cfg.get("architectures") or []
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or not TEXT_ONLY_ARCHITECTURES.intersection(archs):
+        return cfg
+    lifted = dict(text, architectures=list(archs))
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id"):
+        if cfg.get(key) is not None:
+            lifted[key] = cfg[key]
+    return lifted
+
+
 def normalize_config(cfg: dict) -> dict:
     """Fill the common keys the rest of the code reads, whatever the family calls them."""
-    cfg = dict(cfg)
+    cfg = _lift_text_config(dict(cfg))
     if "n_embd" in cfg:  # GPT-2 names
         cfg.setdefault("hidden_size", cfg["n_embd"])
         cfg.setdefault("num_hidden_layers", cfg.get("n_layer"))

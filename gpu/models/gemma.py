@@ -32,6 +32,7 @@ _STACKED = {
 }
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 SLIDING, FULL = "sliding_attention", "full_attention"
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -236,8 +237,13 @@ class GemmaForCausalLM(nn.Module):
         return logits
 
     def map_weight_name(self, name: str):
-        if "rotary_emb." in name:
-            return None
+        if "rotary_emb." in name or name.startswith(_VISION):
+            return None  # Gemma3ForConditionalGeneration served text-only: no vision tower
+        for prefix in ("language_model.model.", "model.language_model."):
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix):]
+        if name.startswith("language_model.lm_head."):
+            name = name[len("language_model."):]
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None  # the tied embedding is loaded under its own name
         if not self.stage.whole and not self._on_this_stage(name):

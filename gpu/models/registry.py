@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GPT2LMHeadModel": ("gpu.models.gpt2", "GPT2LMHeadModel"),
     "Gemma2ForCausalLM": ("gpu.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gpu.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gpu.models.gemma", "GemmaForCausalLM"),  # text only
     "Phi3ForCausalLM": ("gpu.models.phi3", "Phi3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("gpu.models.moe_models", "MoeForCausalLM"),
     "MixtralForCausalLM": ("gpu.models.moe_models", "MoeForCausalLM"),

@@ -221,3 +221,33 @@ def test_quantized_and_bf16_loads_stay_close(family, quantization, dtype):
             got = ours.compute_logits(ours(ids, torch.arange(23)))
     assert (got - want).abs().max() < bound, name
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8, name
+
+
+def test_gemma3_conditional_generation_checkpoint_serves_text(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: its text_config is the model's
+    config, the language model's weights load (vision tower skipped) and text-only logits equal
+    the multimodal model's."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from contracts.hf_config import load_hf_config
+
+    text = {k: v for k, v in FAMILIES["gemma3"].items() if k not in ("architectures", "model_type")}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = Gemma3Config(text_config=dict(text, vocab_size=100), vision_config=vision, mm_tokens_per_image=4,
+                       image_token_index=99, boi_token_index=97, eoi_token_index=98)
+    torch.manual_seed(0)
+    ref = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path)
+    read = load_hf_config(str(tmp_path))
+    assert read["max_position_embeddings"] == 128 and read["num_hidden_layers"] == 4 and read["vocab_size"] == 100
+    ours = load_ours(tmp_path)
+    ids = torch.randint(0, 97, (23,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = ref(input_ids=ids[None]).logits[0]
+        with forward_context(None, []):
+            got = ours.compute_logits(ours(ids, torch.arange(23)))
+    assert_close(got, want, "gemma3 conditional generation")
