@@ -20,16 +20,13 @@ from torch import nn
 
 from contracts.errors import ModelLoadError
 from gpu.models.attention import Attention
+from gpu.models.llama import map_hf_name
 from gpu.models.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                RowParallelLinear, VocabParallelEmbedding)
 from gpu.models.rotary import RotaryEmbedding, rope_params_from_config
 from gpu.models.stages import MissingLayer, StageActivations, StagePlan
 from gpu.parallel_state import is_last_stage
 
-_STACKED = {
-    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 SLIDING, FULL = "sliding_attention", "full_attention"
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -237,26 +234,11 @@ class GemmaForCausalLM(nn.Module):
         return logits
 
     def map_weight_name(self, name: str):
-        if "rotary_emb." in name or name.startswith(_VISION):
+        if name.startswith(_VISION):
             return None  # Gemma3ForConditionalGeneration served text-only: no vision tower
         for prefix in ("language_model.model.", "model.language_model."):
             if name.startswith(prefix):
                 name = "model." + name[len(prefix):]
         if name.startswith("language_model.lm_head."):
             name = name[len("language_model."):]
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            return None  # the tied embedding is loaded under its own name
-        if not self.stage.whole and not self._on_this_stage(name):
-            return None
-        parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
-        if len(parts) == 3 and parts[1] in _STACKED:
-            fused, shard = _STACKED[parts[1]]
-            return [(f"{parts[0]}.{fused}.{parts[2]}", shard, None)]
-        return [(name, None, None)]
-
-    def _on_this_stage(self, name: str) -> bool:
-        if name.startswith("model.embed_tokens."):
-            return not isinstance(self.model.embed_tokens, MissingLayer)
-        if name.startswith(("model.norm.", "lm_head.")):
-            return self.stage.last
-        return self.stage.owns_weight(name)
+        return map_hf_name(self, name)

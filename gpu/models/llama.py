@@ -210,21 +210,33 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, fp32)
 
     def map_weight_name(self, name: str):
-        if "rotary_emb.inv_freq" in name or name.endswith((".cos_cached", ".sin_cached")):
-            return None
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            return None  # the tied embedding is loaded under its own name
-        if not self.stage.whole and not self._on_this_stage(name):
-            return None
-        parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
-        if len(parts) == 3 and parts[1] in _STACKED:
-            fused, shard = _STACKED[parts[1]]
-            return [(f"{parts[0]}.{fused}.{parts[2]}", shard, None)]
-        return [(name, None, None)]
+        return map_hf_name(self, name)
 
     def _on_this_stage(self, name: str) -> bool:
-        if name.startswith("model.embed_tokens."):
-            return not isinstance(self.model.embed_tokens, MissingLayer)
-        if name.startswith(("model.norm.", "lm_head.")):
-            return self.stage.last
-        return self.stage.owns_weight(name)
+        return on_this_stage(self, name)
+
+
+def map_hf_name(model: nn.Module, name: str):
+    """A Llama-style checkpoint name -> [(parameter, shard id, None)] (q/k/v and gate/up into
+    their fused parameters), or None for what ``model`` does not hold: rotary buffers, a tied
+    head, another pipeline stage's tensors. Shared by the models laid out like Llama (gemma.py)."""
+    if "rotary_emb." in name or name.endswith((".cos_cached", ".sin_cached")):
+        return None
+    if name == "lm_head.weight" and model.tie_word_embeddings:
+        return None  # the tied embedding is loaded under its own name
+    if not model.stage.whole and not on_this_stage(model, name):
+        return None
+    parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
+    if len(parts) == 3 and parts[1] in _STACKED:
+        fused, shard = _STACKED[parts[1]]
+        return [(f"{parts[0]}.{fused}.{parts[2]}", shard, None)]
+    return [(name, None, None)]
+
+
+def on_this_stage(model: nn.Module, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to the pipeline stage ``model`` was built for."""
+    if name.startswith("model.embed_tokens."):
+        return not isinstance(model.model.embed_tokens, MissingLayer)
+    if name.startswith(("model.norm.", "lm_head.")):
+        return model.stage.last
+    return model.stage.owns_weight(name)

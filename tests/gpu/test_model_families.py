@@ -5,13 +5,11 @@ tokens through the engine with chunked prefill and prefix caching, tensor parall
 gloo ranks, and LongRoPE's table at positions past the original context."""
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 
 from gpu.forward_context import forward_context
-from tests.gpu.test_models import _tp_worker, assert_close, load_ours, make_caches, paged_step, save_hf_model
+from tests.gpu.test_models import assert_close, check_tensor_parallel, load_ours, make_caches, paged_step, save_hf_model
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
@@ -162,28 +160,7 @@ def test_longrope_table_matches_transformers_past_the_original_length():
 def test_tensor_parallel_forward_matches_single_rank(tmp_path):
     """Two gloo ranks (heads 4 / kv heads 2: one kv head a rank; Phi-3's fused tensors cut per
     rank) give the single-rank logits, full prompt and paged (window 5 < the 10-token prompt)."""
-    names = ["gemma2", "gemma3", "phi3"]
-    dirs = []
-    for name in names:
-        d = tmp_path / name
-        save_hf_model(FAMILIES[name], d)
-        dirs.append(str(d))
-    out = str(tmp_path / "tp.pt")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, str(tmp_path / "init"), dirs, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    results = torch.load(out)
-    ids = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(5))
-    for name, d, (full, paged) in zip(names, dirs, results):
-        model = load_ours(d)
-        with torch.inference_mode(), forward_context(None, []):
-            want = model.compute_logits(model(ids, torch.arange(11)))
-        assert_close(full, want, f"{name} tp=2")
-        assert_close(paged, want, f"{name} tp=2 paged")
+    check_tensor_parallel(tmp_path, {name: FAMILIES[name] for name in ["gemma2", "gemma3", "phi3"]})
 
 
 def per_row_int8(model):

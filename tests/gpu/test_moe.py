@@ -4,15 +4,13 @@ one gate/up and one down matmul per active expert, and no token ever meets the w
 expert it was not routed to."""
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gpu.forward_context import forward_context
 from gpu.models.moe import FusedExperts, route
-from tests.gpu.test_models import _tp_worker, assert_close, load_ours, make_caches, paged_step, save_hf_model
+from tests.gpu.test_models import assert_close, check_tensor_parallel, load_ours, make_caches, paged_step, save_hf_model
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5,
@@ -133,25 +131,4 @@ def test_a_token_never_meets_another_experts_weights():
 
 def test_tensor_parallel_forward_matches_single_rank(tmp_path):
     """Two gloo ranks, each with half of every expert's intermediate rows: the single-rank logits."""
-    names = ["qwen3moe", "mixtral"]
-    dirs = []
-    for name in names:
-        d = tmp_path / name
-        save_hf_model(MOE[name], d)
-        dirs.append(str(d))
-    out = str(tmp_path / "tp.pt")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, str(tmp_path / "init"), dirs, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    results = torch.load(out)
-    ids = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(5))
-    for name, d, (full, paged) in zip(names, dirs, results):
-        model = load_ours(d)
-        with torch.inference_mode(), forward_context(None, []):
-            want = model.compute_logits(model(ids, torch.arange(11)))
-        assert_close(full, want, f"{name} tp=2")
-        assert_close(paged, want, f"{name} tp=2 paged")
+    check_tensor_parallel(tmp_path, {name: MOE[name] for name in ["qwen3moe", "mixtral"]})
