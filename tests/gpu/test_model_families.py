@@ -228,3 +228,29 @@ def test_gemma3_conditional_generation_checkpoint_serves_text(tmp_path):
         with forward_context(None, []):
             got = ours.compute_logits(ours(ids, torch.arange(23)))
     assert_close(got, want, "gemma3 conditional generation")
+
+
+def pipeline_stages_equal_one_model(path, ids: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Load ``path`` as stage 0 and stage 1 of a 2-stage pipeline (each holds only its layers and
+    loads only their tensors); stage 0's activations through stage 1 give ``want``."""
+    from gpu.parallel_state import init_pipeline_parallel, reset_pipeline_parallel
+
+    try:
+        stages = []
+        for which in (0, 1):
+            init_pipeline_parallel(which, 2)
+            stages.append(load_ours(path))
+        with torch.inference_mode(), forward_context(None, []):
+            handoff = stages[0](ids, torch.arange(len(ids)))
+            got = stages[1].compute_logits(stages[1](ids, torch.arange(len(ids)), handoff))
+    finally:
+        reset_pipeline_parallel()
+    assert_close(got, want, f"{what} pp=2")
+
+
+def test_pipeline_stages_equal_one_model(family):
+    name, _, ours, path = family
+    ids = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode(), forward_context(None, []):
+        want = ours.compute_logits(ours(ids, torch.arange(13)))
+    pipeline_stages_equal_one_model(path, ids, want, name)

@@ -132,3 +132,13 @@ def test_a_token_never_meets_another_experts_weights():
 def test_tensor_parallel_forward_matches_single_rank(tmp_path):
     """Two gloo ranks, each with half of every expert's intermediate rows: the single-rank logits."""
     check_tensor_parallel(tmp_path, {name: MOE[name] for name in ["qwen3moe", "mixtral"]})
+
+
+def test_pipeline_stages_equal_one_model(moe_pair):
+    from tests.gpu.test_model_families import pipeline_stages_equal_one_model
+
+    name, _, ours, path = moe_pair
+    ids = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode(), forward_context(None, []):
+        want = ours.compute_logits(ours(ids, torch.arange(13)))
+    pipeline_stages_equal_one_model(path, ids, want, name)
