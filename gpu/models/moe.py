@@ -45,6 +45,10 @@ class FusedExperts(nn.Module):
     """Every expert's gate/up ``w13 [E, 2 * I_rank, H]`` and down ``w2 [E, H, I_rank]``, this
     rank's slice of the intermediate dimension."""
 
+    # Under --quantization int8 / int4: each expert's (gate/up, down) as packed weights
+    # (gpu.models.quantization.QuantizedWeight), the full-precision stacks dropped.
+    qexperts: list | None = None
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -93,9 +97,14 @@ class FusedExperts(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start:start + count]
-            h = F.linear(x.index_select(0, rows), self.w13[expert])
-            gate, up = h.chunk(2, dim=-1)
-            y = F.linear(F.silu(gate).mul_(up), self.w2[expert])
+            if self.qexperts is None:
+                h = F.linear(x.index_select(0, rows), self.w13[expert])
+                gate, up = h.chunk(2, dim=-1)
+                y = F.linear(F.silu(gate).mul_(up), self.w2[expert])
+            else:
+                w13, w2 = self.qexperts[expert]
+                gate, up = w13.linear(x.index_select(0, rows)).chunk(2, dim=-1)
+                y = w2.linear(F.silu(gate).mul_(up).contiguous())
             out.index_add_(0, rows, y.mul_(pair_weights[start:start + count, None]))
             start += count
         return out

@@ -163,6 +163,30 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device | str = "cp
             counts[layout] = counts.get(layout, 0) + 1
             attach(model, name, module, qweight)
             module.pweight = None
+    b, a = _quantize_experts(model, mode)
+    before, after = before + b, after + a
     logger.info("quantized linear weights to %s (%s kernel; layouts %s): %.1f MB -> %.1f MB", mode, qgemm.isa(),
                 counts, before / 1e6, after / 1e6)
     return model
+
+
+def _quantize_experts(model: nn.Module, mode: str) -> tuple[int, int]:
+    """Each MoE expert's gate/up and down (gpu/models/moe.py FusedExperts) packed like a linear
+    layer's weight, the full-precision stacks freed; (bytes before, bytes after)."""
+    from gpu.models.moe import FusedExperts
+
+    before = after = 0
+    for module in model.modules():
+        if not isinstance(module, FusedExperts) or module.qexperts is not None:
+            continue
+        packed = []
+        for e in range(module.num_experts):
+            pair = (QuantizedWeight.from_float(module.w13[e], mode), QuantizedWeight.from_float(module.w2[e], mode))
+            after += sum(q.nbytes() for q in pair)
+            packed.append(pair)
+        for name in ("w13", "w2"):
+            w = getattr(module, name)
+            before += w.numel() * w.element_size()
+            setattr(module, name, nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False))
+        module.qexperts = packed
+    return before, after

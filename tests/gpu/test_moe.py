@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from gpu.forward_context import forward_context
 from gpu.models.moe import FusedExperts, route
@@ -142,3 +143,42 @@ def test_pipeline_stages_equal_one_model(moe_pair):
     with torch.inference_mode(), forward_context(None, []):
         want = ours.compute_logits(ours(ids, torch.arange(13)))
     pipeline_stages_equal_one_model(path, ids, want, name)
+
+
+def test_int8_experts_are_packed_and_stay_close(moe_pair):
+    """--quantization int8 packs every expert (the full-precision stacks freed); the logits stay
+    within 8 % of the fp32 model's scale, the same top token at most positions."""
+    from contracts.config import ModelConfig
+    from gpu.models.loader import load_model
+    from gpu.models.moe import FusedExperts
+
+    name, _, ours, path = moe_pair
+    packed = load_model(ModelConfig(model=str(path), quantization="int8"), "cpu", torch.float32)
+    experts = [m for m in packed.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(m.qexperts is not None and m.w13.numel() == 0 == m.w2.numel() for m in experts)
+    ids = torch.randint(0, 97, (21,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), forward_context(None, []):
+        want = ours.compute_logits(ours(ids, torch.arange(21)))
+        got = packed.compute_logits(packed(ids, torch.arange(21)))
+    assert (got - want).abs().max() < 0.08 * want.abs().max(), name
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8, name
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_packed_experts_compute_what_their_dequantized_weights_do(mode):
+    """The packed path (one kernel call per active expert and projection) equals the
+    full-precision path on the weights the packing stands for."""
+    from gpu.models.quantization import _quantize_experts
+
+    holder = nn.Module()
+    holder.experts = _experts(seed=5, num_experts=4, hidden=64, inter=64)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(10, 64, generator=g)
+    weights, ids = route(torch.randn(10, 4, generator=g), 2, True)
+    _quantize_experts(holder, mode)
+    plain = _experts(num_experts=4, hidden=64, inter=64)
+    with torch.no_grad():
+        for e, (w13, w2) in enumerate(holder.experts.qexperts):
+            plain.w13[e], plain.w2[e] = w13.dequantize(), w2.dequantize()
+        got, want = holder.experts.forward(x, weights, ids), plain.forward(x, weights, ids)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
