@@ -37,9 +37,8 @@ def reference_greedy(model, prompt: list[int]) -> list[int]:
 CONFIGS = {**{k: FAMILIES[k] for k in ("gemma2", "gemma3", "phi3")}, "qwen3moe": MOE["qwen3moe"]}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_engine_greedy_equals_transformers(name, tmp_path):
-    from engine.llm import LLM
+def checkpoint(name: str, path) -> tuple[object, list[list[int]]]:
+    """(the transformers model saved at ``path`` with a tokenizer, its greedy tokens per prompt)."""
     from engine.tokenizer import Tokenizer
 
     cfg = dict(CONFIGS[name], vocab_size=VOCAB)
@@ -48,12 +47,23 @@ def test_engine_greedy_equals_transformers(name, tmp_path):
         # sequence with the long factors, which no KV cache does (test_model_families checks the table).
         cfg.update(max_position_embeddings=512, original_max_position_embeddings=128,
                    rope_parameters=dict(cfg["rope_parameters"], original_max_position_embeddings=128))
-    ref = save_hf_model(cfg, tmp_path, seed=4)
-    Tokenizer.from_model()._tok.save(str(tmp_path / "tokenizer.json"))
+    ref = save_hf_model(cfg, path, seed=4)
+    Tokenizer.from_model()._tok.save(str(path / "tokenizer.json"))
     want = [reference_greedy(ref, p) for p in prompts()]
     assert len({tuple(t) for t in want}) == len(want)  # distinct continuations: a real check
-    llm = LLM(model=str(tmp_path), dtype="float32", executor="inproc", kv_cache_memory=1 / 16, block_size=8,
-              max_num_batched_tokens=24, enable_prefix_caching=True)
+    return ref, want
+
+
+ENGINE = dict(dtype="float32", kv_cache_memory=1 / 16, block_size=8, max_num_batched_tokens=24,
+              enable_prefix_caching=True)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_engine_greedy_equals_transformers(name, tmp_path):
+    from engine.llm import LLM
+
+    _, want = checkpoint(name, tmp_path)
+    llm = LLM(model=str(tmp_path), executor="inproc", **ENGINE)
     try:
         for _ in range(2):
             got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
@@ -61,3 +71,17 @@ def test_engine_greedy_equals_transformers(name, tmp_path):
         assert llm.core.stats().prefix_cache_hits > 0
     finally:
         llm.shutdown()
+
+
+def test_tensor_parallel_2_engine_greedy_equals_transformers(tmp_path):
+    """Gemma 2 (soft-caps, windows) on two worker processes, each with half the heads."""
+    from engine.llm import LLM
+    from tests.gpu.test_mp_equivalence import shutdown_clean
+
+    _, want = checkpoint("gemma2", tmp_path)
+    llm = LLM(model=str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    try:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+        assert got == want
+    finally:
+        shutdown_clean(llm)
