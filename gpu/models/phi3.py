@@ -16,6 +16,7 @@ from gpu.models.stages import MissingLayer
 def _rows(start: int, size: int):
     def cut(t: torch.Tensor) -> torch.Tensor:
         return t.narrow(0, start, size)
+    cut.row_cut = True  # the GGUF loader may apply it to a packed weight's tensors (gguf_packed.py)
     return cut
 
 
