@@ -54,16 +54,31 @@ def is_gguf(path: str) -> bool:
 
 
 # Multimodal architectures served text-only: their language model's config (``text_config``) is
-# the model's config; the vision tower's weights are skipped at load.
-TEXT_ONLY_ARCHITECTURES = {"Gemma3ForConditionalGeneration"}
+# the model's config; the vision tower's weights are skipped at load. Published checkpoints write
+# only what differs from transformers' text-config defaults (gemma-3-4b-it: five keys), so the
+# defaults (Gemma3TextConfig's) fill the rest.
+TEXT_ONLY_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": {
+        "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6, "tie_word_embeddings": True,
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    },
+}
 
 
 def _lift_text_config(cfg: dict) -> dict:
     archs = cfg.get("architectures") or []
     text = cfg.get("text_config")
-    if not isinstance(text, dict) or not TEXT_ONLY_ARCHITECTURES.intersection(archs):
+    served = [a for a in archs if a in TEXT_ONLY_ARCHITECTURES]
+    if not isinstance(text, dict) or not served:
         return cfg
-    lifted = dict(text, architectures=list(archs))
+    defaults = dict(TEXT_ONLY_ARCHITECTURES[served[0]])
+    if "rope_parameters" in text:  # transformers 5: the bases live there
+        defaults.pop("rope_theta"), defaults.pop("rope_local_base_freq")
+    lifted = dict(defaults, **text, architectures=list(archs))
     for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id"):
         if cfg.get(key) is not None:
             lifted[key] = cfg[key]

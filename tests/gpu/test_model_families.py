@@ -254,3 +254,36 @@ def test_pipeline_stages_equal_one_model(family):
     with torch.inference_mode(), forward_context(None, []):
         want = ours.compute_logits(ours(ids, torch.arange(13)))
     pipeline_stages_equal_one_model(path, ids, want, name)
+
+
+def test_sparse_gemma3_text_config_takes_transformers_defaults(tmp_path):
+    """gemma-3-4b-it's config.json names five text keys; the rest are Gemma3TextConfig's defaults,
+    which the lifted config must hold (rope: the global scaling, local base 10000)."""
+    import json
+
+    from transformers import Gemma3Config
+
+    from contracts.hf_config import load_hf_config
+
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = load_hf_config(str(tmp_path))
+    want = Gemma3Config(**{k: v for k, v in raw.items() if k != "architectures"}).text_config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_activation", "max_position_embeddings", "rms_norm_eps",
+                "query_pre_attn_scalar", "sliding_window", "final_logit_softcapping", "attn_logit_softcapping"):
+        assert ours.get(key) == getattr(want, key), key
+    assert ours["eos_token_id"] == [1, 106]
+    from gpu.models.gemma import SLIDING, FULL, _rope, layer_types
+
+    assert layer_types(dict(ours, model_type="gemma3")) == list(want.layer_types)
+    for kind in (SLIDING, FULL):
+        params = want.rope_parameters[kind]
+        table = _rope(dict(ours, model_type="gemma3"), kind, 8).cos_sin_cache
+        factor = params.get("factor", 1.0) if params.get("rope_type") == "linear" else 1.0
+        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, 8, 2).float() / 8)) / factor
+        torch.testing.assert_close(table[:50, :4], torch.cos(torch.outer(torch.arange(50.0), inv)))
