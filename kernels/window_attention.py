@@ -8,7 +8,9 @@ scores are computed explicitly, capped, masked (causal and window) and softmaxed
 
 Window semantics are transformers': the query at position p sees keys k with
 ``p - window < k <= p`` (``window`` keys, itself included). The same code runs on CPU and CUDA
-tensors (torch ops only), one request at a time: correct first, for the layers that need it.
+tensors (torch ops only): the decodes of a step as one padded batch (each request's blocks from
+the first one its window reaches), the prefill chunks one request at a time. As in
+kernels.torch_attention, padding slots meet a zero weight: caches must hold finite values.
 """
 from __future__ import annotations
 
@@ -53,7 +55,9 @@ def paged_attention_window(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out[num_tokens:].zero_()
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     starts, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
-    for r in range(meta.num_requests):
+    if meta.num_decodes:
+        out[:meta.num_decodes] = _decodes(q[:meta.num_decodes], k_cache, v_cache, meta, scale, window, softcap)
+    for r in range(meta.num_decodes, meta.num_requests):
         start, end = starts[r], starts[r + 1]
         if end == start:
             continue
@@ -69,3 +73,34 @@ def paged_attention_window(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_pos = torch.arange(first_k, seq_len, device=q.device)
         out[start:end] = attend(q[start:end], keys, values, q_pos, k_pos, scale, window, softcap)
     return out
+
+
+def _decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+             window: int | None, softcap: float | None) -> torch.Tensor:
+    """The first ``meta.num_decodes`` requests (one query each, at position seq_len - 1) as one
+    batch: ``q [n, H, D]`` -> ``[n, H, D]``."""
+    n, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    seq_lens = meta.seq_lens_host[:n]
+    first_k = [max(0, s - window) if window else 0 for s in seq_lens]
+    first_block = [f // block_size for f in first_k]
+    width = max(-(-s // block_size) - b for s, b in zip(seq_lens, first_block))  # blocks per request
+    device = q.device
+    offsets = torch.tensor(first_block, device=device)[:, None] + torch.arange(width, device=device)
+    tables = meta.block_tables[:n].to(torch.int64)
+    ids = torch.gather(tables, 1, offsets.clamp_(max=tables.shape[1] - 1))  # past a table's end: masked
+    length = width * block_size
+    keys = k_cache.index_select(0, ids.reshape(-1)).view(n, length, num_kv_heads, head_dim).to(q.dtype)
+    values = v_cache.index_select(0, ids.reshape(-1)).view(n, length, num_kv_heads, head_dim).to(q.dtype)
+    k_pos = (torch.tensor(first_block, device=device) * block_size)[:, None] + torch.arange(length, device=device)
+    lo = torch.tensor(first_k, device=device)[:, None]
+    hi = torch.tensor(seq_lens, device=device)[:, None]
+    visible = (k_pos >= lo) & (k_pos < hi)  # [n, L]: in the window (or after 0) and written
+    # [n, Hkv, G, D] x [n, Hkv, D, L]
+    scores = torch.matmul(q.view(n, num_kv_heads, group, head_dim), keys.permute(0, 2, 3, 1)).float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values.transpose(1, 2)).reshape(n, num_heads, head_dim)
