@@ -16,6 +16,9 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -51,9 +54,41 @@ def is_gguf(path: str) -> bool:
         return False
 
 
+# Multimodal architectures served text-only: their language model's config (``text_config``) is
+# the model's config; the vision tower's weights are skipped at load. Published checkpoints write
+# only what differs from transformers' text-config defaults (gemma-3-4b-it: five keys), so the
+# defaults (Gemma3TextConfig's) fill the rest.
+TEXT_ONLY_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": {
+        "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6, "tie_word_embeddings": True,
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    },
+}
+
+
+def _lift_text_config(cfg: dict) -> dict:
+    archs = cfg.get("architectures") or []
+    text = cfg.get("text_config")
+    served = [a for a in archs if a in TEXT_ONLY_ARCHITECTURES]
+    if not isinstance(text, dict) or not served:
+        return cfg
+    defaults = dict(TEXT_ONLY_ARCHITECTURES[served[0]])
+    if "rope_parameters" in text:  # transformers 5: the bases live there
+        defaults.pop("rope_theta"), defaults.pop("rope_local_base_freq")
+    lifted = dict(defaults, **text, architectures=list(archs))
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id"):
+        if cfg.get(key) is not None:
+            lifted[key] = cfg[key]
+    return lifted
+
+
 def normalize_config(cfg: dict) -> dict:
     """Fill the common keys the rest of the code reads, whatever the family calls them."""
-    cfg = dict(cfg)
+    cfg = _lift_text_config(dict(cfg))
     if "n_embd" in cfg:  # GPT-2 names
         cfg.setdefault("hidden_size", cfg["n_embd"])
         cfg.setdefault("num_hidden_layers", cfg.get("n_layer"))
@@ -154,4 +189,7 @@ def gguf_to_hf_config(path: str, reader=None) -> dict:
     if "rope_freqs.weight" in tensor_names:
         raise ModelLoadError(f"{path}: GGUF files with a rope_freqs tensor (Llama 3.1 rope scaling) "
                              "are not supported; load the Hugging Face directory instead")
+    from contracts.gguf_arch import add_arch_config
+
+    add_arch_config(arch, cfg, get, reader, path)
     return cfg

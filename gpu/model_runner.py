@@ -125,6 +125,10 @@ class ModelRunner:
             eager = self.device.type != "cuda"
         if eager:
             return
+        if not getattr(self.model, "cuda_graphs", True):  # optional: models whose attention cannot be captured
+            logger.info("%s runs eagerly: its windowed / soft-capped attention is not captured in CUDA graphs",
+                        type(self.model).__name__)
+            return
         max_len = self.config.model.max_model_len or 2048
         self.graph_runner = DecodeGraphRunner(
             self.model, self.kv_caches, self.config.parallel.cuda_graph_batch_sizes,

@@ -267,8 +267,9 @@ def bind_fast_decode(model: nn.Module) -> int:
         if not isinstance(layer, LlamaDecoderLayer):
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_norm is not None or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act, SiluAndMul):
-            continue  # q/k norms, an expert mixture (gpu/models/moe.py) or another activation: eager path
+        if (attn.q_norm is not None or not attn.attn.plain or not isinstance(mlp, GatedMLP)
+                or not isinstance(mlp.act, SiluAndMul)):
+            continue
         dtype = layer.input_layernorm.weight.dtype
         if not (dtype is torch.float32 or (dtype is torch.bfloat16 and fused.has_bf16_gemv())):
             continue

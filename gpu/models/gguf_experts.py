@@ -44,9 +44,10 @@ def load_expert_tensor(t, model, mode: str | None, tracker, path: str) -> bool:
     layer, part = int(m.group(1)), _PART[m.group(2)]
     if not model.stage.owns_layer(layer):
         return True  # another pipeline stage's layer
-    block = model.model.layers[layer].mlp
-    if not isinstance(block, SparseMoeBlock):
+    moe = model.model.layers[layer].mlp
+    if not isinstance(moe, SparseMoeBlock):
         raise ModelLoadError(f"{path}: tensor {t.name!r}: layer {layer} is not a mixture-of-experts layer")
+    block = moe.experts
     experts, rows, cols = (int(d) for d in reversed(t.shape.tolist()))
     if experts != block.num_experts:
         raise ModelLoadError(f"{path}: tensor {t.name!r} holds {experts} experts; the config says "
@@ -55,22 +56,21 @@ def load_expert_tensor(t, model, mode: str | None, tracker, path: str) -> bool:
     layout = expert_layout(qtype, mode, cols)
     if layout is None:
         return False
-    prefix = f"model.layers.{layer}.mlp"
+    param = f"model.layers.{layer}.mlp.experts.{'w2' if part == 2 else 'w13'}"
     for e in range(experts):
         try:
             parts = packed_parts(t.data[e], qtype, (rows, cols), layout)
         except (NotImplementedError, ValueError) as err:
             raise ModelLoadError(f"{path}: tensor {t.name!r} ({qtype.name}) expert {e} -> {layout}: {err}") from None
         block.load_packed_part(e, part, layout, parts)
-        param, shard = block.map_expert_weight(prefix, e, ("gate_proj", "up_proj", "down_proj")[part])
-        tracker.loaded[param].add(shard)
+        tracker.loaded[param].add(e if part == 2 else (e, part))
     return True
 
 
 def finish(model) -> None:
     """After every tensor: each expert layer packed throughout (its dense stacks freed) or not at all."""
-    from gpu.models.moe import SparseMoeBlock
+    from gpu.models.moe import FusedExperts
 
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
+        if isinstance(module, FusedExperts):
             module.finish_packed()

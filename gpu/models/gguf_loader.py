@@ -38,18 +38,38 @@ _BLOCK = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Where an architecture's converter names a block tensor otherwise (Gemma's four norms; Phi-3's
+# fused qkv and gate/up, the latter written as ffn_up).
+_ARCH_BLOCK = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_BLOCK["gemma3"] = _ARCH_BLOCK["gemma2"]
+_SKIPPED = {"rope_factors_long.weight", "rope_factors_short.weight"}  # read into the config (LongRoPE)
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Architectures whose converter permuted q/k rows.
 _PERMUTED_ARCHS = {"llama", "mistral"}
+# Architectures whose converter stored norm scales as 1 + w (Gemma's RMSNorm reads w).
+_SHIFTED_NORM_ARCHS = {"gemma2", "gemma3"}
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of GGUF tensor ``name`` in an ``arch`` file; None for a tensor the
+    model holds no parameter for (LongRoPE factors) or does not know."""
     if name in _TOP:
         return _TOP[name]
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK:
-        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    if m:
+        part = _ARCH_BLOCK.get(arch, {}).get(m.group(2)) or _BLOCK.get(m.group(2))
+        if part is not None:
+            return f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
     return None
+
+
+def file_arch(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    return field.contents() if field is not None else "llama"
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -69,13 +89,12 @@ def iter_gguf_weights(path: str, hf_config: dict, reader=None, only: set[str] | 
         from contracts.hf_config import open_gguf
 
         reader = open_gguf(path)
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else "llama"
+    arch = file_arch(reader)
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
     for t in reader.tensors:
-        if only is not None and t.name not in only:
+        if (only is not None and t.name not in only) or t.name in _SKIPPED:
             continue
-        hf_name = gguf_to_hf_name(t.name)
+        hf_name = gguf_to_hf_name(t.name, arch)
         if hf_name is None:
             raise ModelLoadError(f"{path}: tensor {t.name!r} has no counterpart in the model")
         try:
@@ -87,6 +106,8 @@ def iter_gguf_weights(path: str, hf_config: dict, reader=None, only: set[str] | 
         proj = hf_name.rsplit(".", 2)[-2]
         if arch in _PERMUTED_ARCHS and proj in heads:
             w = unpermute_rows(w, heads[proj])
+        if arch in _SHIFTED_NORM_ARCHS and hf_name.endswith("norm.weight"):
+            w = w - 1.0
         if not w.flags.writeable:  # F32 tensors come straight from the read-only memory map
             w = w.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(w))

@@ -121,15 +121,16 @@ def packed_parts(data: np.ndarray, qtype, shape: tuple[int, int], layout: str,
 def _targets(model, reader):
     """{module name: (module, [gguf tensor types of its weight], parts with a splitter?)} for the
     linear layers and embedding tables the file's tensors feed."""
-    from gpu.models.gguf_loader import gguf_to_hf_name
+    from gpu.models.gguf_loader import file_arch, gguf_to_hf_name
     from gpu.models.layers import VocabParallelEmbedding
     from gpu.models.quantization import quantizable_types
 
     kinds = (*quantizable_types(), VocabParallelEmbedding)
     modules = dict(model.named_modules())
     found: dict[str, tuple] = {}
+    arch = file_arch(reader)
     for t in reader.tensors:
-        hf_name = gguf_to_hf_name(t.name)
+        hf_name = gguf_to_hf_name(t.name, arch)
         mapped = model.map_weight_name(hf_name) if hf_name is not None else None
         for param_name, _shard, part in mapped or ():
             module_name, attr = param_name.rpartition(".")[::2]
@@ -138,7 +139,7 @@ def _targets(model, reader):
                 continue
             entry = found.setdefault(module_name, (module, [], [False]))
             entry[1].append(t.tensor_type)
-            entry[2][0] |= part is not None
+            entry[2][0] |= part is not None and not getattr(part, "row_cut", False)  # optional: row cuts only
     return found
 
 
@@ -154,7 +155,7 @@ def plan_layouts(model, reader, mode: str) -> dict[str, str]:
     plan = {}
     for name, (module, types, has_part) in _targets(model, reader).items():
         if has_part[0]:
-            continue  # a fused checkpoint tensor split by a function: the full-precision path
+            continue  # a fused checkpoint tensor split by a function other than a row cut: full precision
         natives = [native_layout(t) for t in types]
         k = module.weight.shape[1]
         table = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
@@ -184,8 +185,9 @@ def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str
     from gpu.models.weights import _one_cpu_thread
 
     modules = dict(model.named_modules())
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else "llama"
+    from gpu.models.gguf_loader import file_arch
+
+    arch = file_arch(reader)
     heads = {"q_proj": hf_config["num_attention_heads"], "k_proj": hf_config["num_key_value_heads"]}
     slots: dict[str, tuple[torch.Tensor, ...]] = {}
     full_names: list[str] = []
@@ -233,13 +235,15 @@ def _load_one(t, model, modules, plan, slots, full_names, tracker, path, arch, h
     ``full_names``) when it loads in full precision."""
     from gguf.constants import GGMLQuantizationType as T
 
-    from gpu.models.gguf_loader import _PERMUTED_ARCHS, gguf_to_hf_name, unpermute_rows
+    from gpu.models.gguf_loader import _PERMUTED_ARCHS, _SKIPPED, gguf_to_hf_name, unpermute_rows
 
-    hf_name = gguf_to_hf_name(t.name)
+    if t.name in _SKIPPED:
+        return True
+    hf_name = gguf_to_hf_name(t.name, arch)
     mapped = model.map_weight_name(hf_name) if hf_name is not None else None
     if hf_name is not None and mapped is None:
         return True  # a tensor the model does not hold (e.g. another pipeline stage's layer): skip it
-    targets = [(p, s) for p, s, _ in mapped or () if p.rpartition(".")[0] in plan and p.endswith(".weight")]
+    targets = [(p, s, cut) for p, s, cut in mapped or () if p.rpartition(".")[0] in plan and p.endswith(".weight")]
     if not targets:
         full_names.append(t.name)
         return False
@@ -251,13 +255,17 @@ def _load_one(t, model, modules, plan, slots, full_names, tracker, path, arch, h
     if arch in _PERMUTED_ARCHS and proj in heads:
         def unpermute(a, n=heads[proj]):
             return unpermute_rows(a, n)
-    for param_name, shard_id in targets:
+    by_layout: dict[str, tuple] = {}  # a fused tensor (Phi-3's qkv) feeds several targets: pack it once
+    for param_name, shard_id, cut in targets:
         module_name = param_name.rpartition(".")[0]
         module, layout = modules[module_name], plan[module_name]
-        try:
-            parts = packed_parts(t.data, T(t.tensor_type), shape, layout, unpermute)
-        except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}) -> {layout}: {e}") from None
+        if layout not in by_layout:
+            try:
+                by_layout[layout] = packed_parts(t.data, T(t.tensor_type), shape, layout, unpermute)
+            except (NotImplementedError, ValueError) as e:
+                raise ModelLoadError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}) -> {layout}: {e}") from None
+        # Every layout keeps the weight's rows as its tensors' first dimension: a row cut applies to each.
+        parts = by_layout[layout] if cut is None else tuple(cut(p) for p in by_layout[layout])
         if module_name not in slots:
             from kernels import qgemm
 

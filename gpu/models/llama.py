@@ -1,6 +1,5 @@
-"""The Llama family in one class: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3
-(per-head q/k RMSNorm) and their mixture-of-experts forms, Mixtral and Qwen3-MoE (the MLP of some
-layers is gpu/models/moe.py's SparseMoeBlock). Differences are config switches, not subclasses.
+"""The Llama family in one class: Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm). Differences are config switches, not subclasses.
 
 The forward path calls submodules' ``.forward`` directly: ``nn.Module.__call__`` costs a few
 microseconds of hook bookkeeping per call, ~300 calls a step, and no hooks are used here.
@@ -19,7 +18,6 @@ from gpu.models.attention import Attention
 from contracts.errors import ModelLoadError
 from gpu.models.layers import (GatedMLP, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear,
                                VocabParallelEmbedding)
-from gpu.models.moe import EXPERT_PROJECTIONS, SparseMoeBlock, is_sparse_layer
 from gpu.models.rotary import RotaryEmbedding, rope_params_from_config
 from gpu.models.stages import MissingLayer, StageActivations, StagePlan
 from gpu.parallel_state import is_last_stage
@@ -30,26 +28,6 @@ _STACKED = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
-
-
-def _expert_tensor(name: str) -> tuple[int, int, str] | None:
-    """(layer, expert, projection) of a checkpoint expert weight
-    (``model.layers.L.mlp.experts.E.PROJ.weight``), else None."""
-    parts = name.split(".")
-    if (len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[3:5] == ["mlp", "experts"]
-            and parts[6] in EXPERT_PROJECTIONS and parts[7] == "weight"):
-        return int(parts[2]), int(parts[5]), parts[6]
-    return None
-
-
-def _stacked_expert_tensor(name: str) -> tuple[int, str] | None:
-    """(layer, projection) of a 3D all-experts tensor (``model.layers.L.mlp.experts.PROJ.weight``,
-    GGUF's layout under our names), else None."""
-    parts = name.split(".")
-    if (len(parts) == 7 and parts[:2] == ["model", "layers"] and parts[3:5] == ["mlp", "experts"]
-            and parts[5] in EXPERT_PROJECTIONS and parts[6] == "weight"):
-        return int(parts[2]), parts[5]
-    return None
 
 
 def _cfg(cfg: dict, *names, default=None):
@@ -98,18 +76,15 @@ class LlamaAttentionBlock(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: dict, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 rotary_emb: RotaryEmbedding, architecture: str = "LlamaForCausalLM"):
+                 rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None):
+        """``mlp``: the feed-forward block when not the dense gated MLP (a MoE block)."""
         super().__init__()
         eps = float(_cfg(cfg, "rms_norm_eps", default=1e-6))
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.self_attn = LlamaAttentionBlock(cfg, layer_idx, qkv_bias, o_bias, qk_norm, rotary_emb)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        if is_sparse_layer(cfg, layer_idx, architecture):
-            # Mixtral always renormalises the top-k weights; Qwen3-MoE when norm_topk_prob says so
-            renormalize = architecture == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False))
-            self.mlp = SparseMoeBlock(cfg, renormalize)
-        else:
-            self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], bias=bool(cfg.get("mlp_bias")))
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg["hidden_size"], cfg["intermediate_size"],
+                                                        bias=bool(cfg.get("mlp_bias")))
 
     fast_decode = None  # a gpu.models.fast_decode.FastDecodeLayer: small bf16 batches in two C calls
 
@@ -131,9 +106,10 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict, qkv_bias: bool, o_bias: bool, qk_norm: bool, keep_embedding: bool = False,
-                 architecture: str = "LlamaForCausalLM"):
+                 make_mlp=None):
         """On a pipeline stage (gpu/models/stages.py) only the stage's layers are built; the
-        embedding sits on the first stage (and on the last when ``keep_embedding``: a tied head)."""
+        embedding sits on the first stage (and on the last when ``keep_embedding``: a tied head).
+        ``make_mlp(layer_idx)``: a layer's feed-forward block, or None for the dense one."""
         super().__init__()
         num_layers = cfg["num_hidden_layers"]
         self.stage = plan = StagePlan.current(num_layers)
@@ -146,9 +122,8 @@ class LlamaModel(nn.Module):
                                  int(_cfg(cfg, "max_position_embeddings", default=2048)), theta, scaling)
         self.rotary = rotary
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary, architecture) if plan.owns_layer(i)
-            else MissingLayer()
-            for i in range(num_layers))
+            LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, qk_norm, rotary, make_mlp(i) if make_mlp else None)
+            if plan.owns_layer(i) else MissingLayer() for i in range(num_layers))
         self._own_layers = list(self.layers)[plan.start:plan.end]
         self.norm = (RMSNorm(cfg["hidden_size"], float(_cfg(cfg, "rms_norm_eps", default=1e-6)))
                      if plan.last else MissingLayer())
@@ -184,9 +159,10 @@ class LlamaForCausalLM(nn.Module):
         "MistralForCausalLM": (False, False, False),
         "Qwen2ForCausalLM": (True, False, False),
         "Qwen3ForCausalLM": (None, None, True),
-        "MixtralForCausalLM": (False, False, False),
-        "Qwen3MoeForCausalLM": (None, None, True),
     }
+
+    windowed = False  # a subclass that applies the config's sliding_window sets True (gpu/models/phi3.py)
+    cuda_graphs = True  # decode steps may be captured (gpu/model_runner.py)
 
     def __init__(self, cfg: dict, architecture: str = "LlamaForCausalLM"):
         super().__init__()
@@ -196,13 +172,14 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
         o_bias = attention_bias if o_bias is None else o_bias
         window = cfg.get("sliding_window")
-        if window and cfg.get("use_sliding_window", True) and window < cfg.get("max_position_embeddings", 0):
+        if (window and not self.windowed and cfg.get("use_sliding_window", True)
+                and window < cfg.get("max_position_embeddings", 0)):
             logger.warning("%s: sliding-window attention (%d tokens) is not implemented; attention is "
                            "full, so outputs differ from the reference past %d tokens", architecture, window,
                            window)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.model = LlamaModel(cfg, qkv_bias, o_bias, qk_norm, keep_embedding=self.tie_word_embeddings
-                                and is_last_stage(), architecture=architecture)
+                                and is_last_stage(), make_mlp=self.make_mlp)
         self.stage = self.model.stage
         self.lm_head = (ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"]) if self.stage.last
                         else MissingLayer())
@@ -213,6 +190,10 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = first.num_kv_heads
         self.head_dim = first.head_dim
         self.max_positions = self.model.rotary.cos_sin_cache.shape[0]  # rows of the rotary table
+
+    def make_mlp(self, layer_idx: int) -> nn.Module | None:
+        """A layer's feed-forward block when not the dense gated MLP (gpu/models/moe_models.py)."""
+        return None
 
     def profile_activations(self, num_tokens: int, dtype: torch.dtype, device) -> StageActivations:
         """What a stage without the embedding receives, as zeros (the start-up profile forward):
@@ -229,39 +210,33 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden, fp32)
 
     def map_weight_name(self, name: str):
-        if "rotary_emb.inv_freq" in name or name.endswith((".cos_cached", ".sin_cached")):
-            return None
-        if name == "lm_head.weight" and self.tie_word_embeddings:
-            return None  # the tied embedding is loaded under its own name
-        if not self.stage.whole and not self._on_this_stage(name):
-            return None
-        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the expert block
-        stacked = _stacked_expert_tensor(name)
-        if stacked is not None:  # GGUF: one projection of all experts
-            layer, projection = stacked
-            return self._moe_block(name, layer).map_stacked_weight(f"model.layers.{layer}.mlp", projection)
-        expert = _expert_tensor(name)
-        if expert is not None:
-            layer, index, projection = expert
-            moe = self._moe_block(name, layer)
-            param, shard = moe.map_expert_weight(f"model.layers.{layer}.mlp", index, projection)
-            return [(param, shard, None)]
-        parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
-        if len(parts) == 3 and parts[1] in _STACKED:
-            fused, shard = _STACKED[parts[1]]
-            return [(f"{parts[0]}.{fused}.{parts[2]}", shard, None)]
-        return [(name, None, None)]
-
-    def _moe_block(self, name: str, layer: int) -> SparseMoeBlock:
-        moe = self.model.layers[layer].mlp
-        if not isinstance(moe, SparseMoeBlock):
-            raise ModelLoadError(f"checkpoint tensor {name!r}: layer {layer} is not a mixture-of-experts layer "
-                                 "in this config")
-        return moe
+        return map_hf_name(self, name)
 
     def _on_this_stage(self, name: str) -> bool:
-        if name.startswith("model.embed_tokens."):
-            return not isinstance(self.model.embed_tokens, MissingLayer)
-        if name.startswith(("model.norm.", "lm_head.")):
-            return self.stage.last
-        return self.stage.owns_weight(name)
+        return on_this_stage(self, name)
+
+
+def map_hf_name(model: nn.Module, name: str):
+    """A Llama-style checkpoint name -> [(parameter, shard id, None)] (q/k/v and gate/up into
+    their fused parameters), or None for what ``model`` does not hold: rotary buffers, a tied
+    head, another pipeline stage's tensors. Shared by the models laid out like Llama (gemma.py)."""
+    if "rotary_emb." in name or name.endswith((".cos_cached", ".sin_cached")):
+        return None
+    if name == "lm_head.weight" and model.tie_word_embeddings:
+        return None  # the tied embedding is loaded under its own name
+    if not model.stage.whole and not on_this_stage(model, name):
+        return None
+    parts = name.rsplit(".", 2)  # [..., proj, weight|bias]
+    if len(parts) == 3 and parts[1] in _STACKED:
+        fused, shard = _STACKED[parts[1]]
+        return [(f"{parts[0]}.{fused}.{parts[2]}", shard, None)]
+    return [(name, None, None)]
+
+
+def on_this_stage(model: nn.Module, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to the pipeline stage ``model`` was built for."""
+    if name.startswith("model.embed_tokens."):
+        return not isinstance(model.model.embed_tokens, MissingLayer)
+    if name.startswith(("model.norm.", "lm_head.")):
+        return model.stage.last
+    return model.stage.owns_weight(name)

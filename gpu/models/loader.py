@@ -104,9 +104,11 @@ def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Modu
                 tracker.check_complete(path)
             else:
                 _load_safetensors(tracker, path)
+    from gpu.models.moe import quantize_experts
     from gpu.models.quantization import quantize_model
 
     quantize_model(model, quantization, device)  # full-precision layers under int8/int4 (none, auto: no-op)
+    quantize_experts(model, quantization)  # and a mixture of experts' expert stacks
     from gpu.models.packed_linear import pack_model
 
     pack_model(model)  # the unquantized CPU linear weights, into the GEMM library's layout

@@ -1,221 +1,217 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks ``top_k`` experts per token,
-each a SiLU-gated MLP, and the token's output is their weighted sum.
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router picks ``top_k`` experts a token,
+and the experts run grouped by expert.
 
-Why this shape: a token reads only its experts' weights, which is why CPU users run a 30B-A3B
-model at the speed of a 3B one. The experts' weights are stacked (``w13`` [E, 2I, H] gate and up,
-``w2`` [E, H, I] down) and applied grouped by expert: the (token, expert) pairs are sorted by
-expert, each active expert runs one matmul over its tokens, and the weighted results are summed
-back per token with one ``index_add_``. The Python loop is over active experts (at most
-min(E, tokens x top_k)), never over tokens.
+Why grouped: a Python loop per token (or per token and expert) costs more than the matmuls on a
+decode batch. Here the (token, expert) pairs are sorted by expert once, each active expert
+multiplies its contiguous run of token rows in one gate/up and one down matmul, and the
+weighted results are scattered back with one ``index_add_``: the loop is over active experts
+(at most ``num_experts``), never over tokens.
 
-Tensor parallelism shards every expert's intermediate dimension, as the dense MLP is sharded:
-gate/up by output rows, down by input columns; the partial sums are all-reduced once per layer.
-The router is replicated and computed in fp32 (as transformers does), so every rank routes alike.
+Quantized experts (``qexperts``): ``--quantization int8|int4`` packs a checkpoint's experts
+(gpu/models/quantization.py), and a GGUF file's ``ffn_*_exps`` tensors load packed expert by
+expert (gpu/models/gguf_experts.py, ``load_packed_part``): each expert then holds its gate/up rows
+and its down weight as two packed weights, and the full-precision stacks are freed.
 
-Checkpoint names (Hugging Face): Qwen3-MoE ``mlp.experts.E.{gate,up,down}_proj.weight`` and
-``mlp.gate.weight``; Mixtral ``block_sparse_moe.experts.E.{w1,w3,w2}.weight`` and
-``block_sparse_moe.gate.weight`` (w1 gate, w3 up, w2 down). GGUF stores each projection of all
-experts as one 3D tensor (``blk.N.ffn_{gate,up,down}_exps``), loaded expert by expert.
-
-Quantized experts (GGUF q8_0 / q4_x kept packed, or ``--quantization int8|int4``): each expert
-holds two packed weights (gate and up rows stacked, and down) computed by the CPU kernel of
-kernels/qgemm.py, and the full-precision stacks are freed.
+Tensor parallelism shards every expert's intermediate dimension (gate/up rows, down columns)
+across ranks, as the dense MLP is sharded: each rank holds a slice of all experts and the down
+projection's partial sums are all-reduced once per layer.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from contracts.errors import ModelLoadError
-from gpu.models.quantization import QuantizedWeight, SelfQuantizing, layout_for
 from gpu.models.layers import _copy_checked, _new_param, default_weight_loader
+from gpu.models.quantization import QuantizedWeight
 from gpu.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_reduce
 
-# checkpoint projection name -> (stacked parameter, part): part 0 gate, 1 up, 2 down
-EXPERT_PROJECTIONS = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
+logger = logging.getLogger(__name__)
 
 
-def num_experts(cfg: dict) -> int:
-    """Qwen3-MoE's config says ``num_experts``; Mixtral's (and transformers 5's saved Qwen3-MoE
-    configs) ``num_local_experts``."""
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[T, k]`` fp32, expert ids ``[T, k]``): softmax over all experts in fp32, the k
+    largest, divided by their sum when ``renormalize`` (transformers' order of operations)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
-def is_sparse_layer(cfg: dict, layer_idx: int, architecture: str) -> bool:
-    """Whether a decoder layer's MLP is the expert mixture (transformers' rule per family)."""
-    if num_experts(cfg) <= 0:
-        return False
-    if architecture == "MixtralForCausalLM":
-        return True
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    return layer_idx not in (cfg.get("mlp_only_layers") or []) and (layer_idx + 1) % step == 0
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """(pair order, pairs per expert): ``ids.reshape(-1)[order]`` is sorted by expert (stable, so a
+    token's pairs keep their rank order), and expert e owns ``counts[e]`` consecutive pairs."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
 
 
-class SparseMoeBlock(nn.Module, SelfQuantizing):
-    def __init__(self, cfg: dict, renormalize: bool):
+class FusedExperts(nn.Module):
+    """Every expert's gate/up ``w13 [E, 2 * I_rank, H]`` and down ``w2 [E, H, I_rank]``, this
+    rank's slice of the intermediate dimension."""
+
+    # Under --quantization int8 / int4: each expert's (gate/up, down) as packed weights
+    # (gpu.models.quantization.QuantizedWeight), the full-precision stacks dropped.
+    qexperts: list | None = None
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
-        hidden = cfg["hidden_size"]
-        self.num_experts = num_experts(cfg)
-        self.top_k = int(cfg["num_experts_per_tok"])
-        if not 0 < self.top_k <= self.num_experts:
-            raise ModelLoadError(f"num_experts_per_tok={self.top_k} with {self.num_experts} experts")
-        self.renormalize = renormalize
-        inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.inter = divide(inter, self.tp_size, "expert intermediate size")
-        self.hidden = hidden
-        E = self.num_experts
-        self.gate = nn.Module()  # the router; a submodule so its name matches the checkpoint's
-        self.gate.weight = _new_param(E, hidden, loader=default_weight_loader)
-        ids = tuple((e, part) for e in range(E) for part in (0, 1))
-        self.w13 = _new_param(E, 2 * self.inter, hidden, loader=self._load_w13, shard_ids=ids)
-        self.w2 = _new_param(E, hidden, self.inter, loader=self._load_w2, shard_ids=tuple(range(E)))
+        self.num_experts, self.hidden = num_experts, hidden
+        self.inter = divide(intermediate, self.tp_size, "expert intermediate size")
+        self.w13 = _new_param(num_experts, 2 * self.inter, hidden, loader=self.load_w13,
+                              shard_ids=tuple((e, p) for e in range(num_experts) for p in (0, 1)))
+        self.w2 = _new_param(num_experts, hidden, self.inter, loader=self.load_w2,
+                             shard_ids=tuple(range(num_experts)))
 
-    # ------------------------------------------------------------------ loading
-
-    def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+    def load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """shard_id (expert, 0 gate | 1 up) with that expert's ``[I, H]`` tensor; None: the whole
+        ``[E, 2I, H]`` stack (gate rows then up rows per expert, transformers 5's layout)."""
+        n = self.inter
+        if shard_id is None:
+            gate = loaded.narrow(1, self.tp_rank * n, n)
+            up = loaded.narrow(1, loaded.shape[1] // 2 + self.tp_rank * n, n)
+            _copy_checked(param.data, torch.cat([gate, up], dim=1), "stacked expert gate/up")
+            return
         expert, part = shard_id
-        n = self.inter
-        if loaded.dim() != 2 or loaded.shape != (n * self.tp_size, self.hidden):
-            raise ModelLoadError(f"expert {expert} {'gate' if part == 0 else 'up'} projection: checkpoint "
-                                 f"has {tuple(loaded.shape)}, model expects {(n * self.tp_size, self.hidden)}")
-        _copy_checked(param.data[expert].narrow(0, part * n, n), loaded.narrow(0, self.tp_rank * n, n),
-                      f"expert {expert}")
+        self._check_expert(expert)
+        if loaded.shape != (n * self.tp_size, self.hidden):
+            raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+                                 f"{(n * self.tp_size, self.hidden)}")
+        _copy_checked(param.data[expert, part * n:(part + 1) * n], loaded.narrow(0, self.tp_rank * n, n),
+                      f"expert {expert} {'up' if part else 'gate'}")
 
-    def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
-        n = self.inter
-        if loaded.dim() != 2 or loaded.shape != (self.hidden, n * self.tp_size):
-            raise ModelLoadError(f"expert {shard_id} down projection: checkpoint has {tuple(loaded.shape)}, "
-                                 f"model expects {(self.hidden, n * self.tp_size)}")
-        _copy_checked(param.data[shard_id], loaded.narrow(1, self.tp_rank * n, n), f"expert {shard_id}")
-
-    def map_expert_weight(self, prefix: str, expert: int, projection: str) -> tuple[str, object]:
-        """(parameter name, shard id) of one checkpoint expert tensor."""
+    def _check_expert(self, expert: int) -> None:
         if not 0 <= expert < self.num_experts:
-            raise ModelLoadError(f"checkpoint has expert {expert}; the config says {self.num_experts} experts")
-        part = EXPERT_PROJECTIONS[projection]
-        if part == 2:
-            return f"{prefix}.w2", expert
-        return f"{prefix}.w13", (expert, part)
+            raise ModelLoadError(f"the checkpoint has expert {expert}; the config says {self.num_experts} experts")
 
-    def map_stacked_weight(self, prefix: str, projection: str) -> list:
-        """The (parameter, shard id, cut) triples of a 3D all-experts tensor (GGUF's layout)."""
-        def cut(t: torch.Tensor, e: int) -> torch.Tensor:
-            if t.dim() != 3 or t.shape[0] != self.num_experts:
-                raise ModelLoadError(f"stacked {projection} of shape {tuple(t.shape)}: expected "
-                                     f"{self.num_experts} experts first")
-            return t[e]
-        return [(*self.map_expert_weight(prefix, e, projection), lambda t, e=e: cut(t, e))
-                for e in range(self.num_experts)]
+    def load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.inter
+        if shard_id is None:
+            _copy_checked(param.data, loaded.narrow(2, self.tp_rank * n, n), "stacked expert down")
+            return
+        self._check_expert(shard_id)
+        if loaded.shape != (self.hidden, n * self.tp_size):
+            raise ModelLoadError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+                                 f"{(self.hidden, n * self.tp_size)}")
+        _copy_checked(param.data[shard_id], loaded.narrow(1, self.tp_rank * n, n), f"expert {shard_id} down")
 
-    # ------------------------------------------------------------------ packed experts
-
-    packed: list | None = None  # per expert [gate_up, down] QuantizedWeight once quantized
-
-    def _packed_slots(self) -> list:
-        if self.packed is None:
-            self.packed = [[None, None, None] for _ in range(self.num_experts)]  # gate, up, down parts
-        return self.packed
+    # ------------------------------------------------------------------ packed from a file
 
     def load_packed_part(self, expert: int, part: int, layout: str, tensors: tuple[torch.Tensor, ...]) -> None:
-        """One expert's gate (0), up (1) or down (2) weight, already in a packed ``layout`` (the full
-        checkpoint rows and columns): this rank's rows (gate, up) or columns (down) are kept."""
-        n, tp, r = self.inter, self.tp_size, self.tp_rank
-        rows, cols = (n * tp, self.hidden) if part < 2 else (self.hidden, n * tp)
+        """One expert's gate (0), up (1) or down (2) weight already in a packed ``layout`` (all the
+        checkpoint's rows and columns): this rank keeps its rows (gate, up) or columns (down)."""
         from kernels import qgemm
 
-        want = qgemm.packed_shapes(layout, rows, cols)
-        if [tuple(t.shape) for t in tensors] != [tuple(w) for w in want]:
-            raise ModelLoadError(f"expert {expert} part {part}: packed shapes {[tuple(t.shape) for t in tensors]}, "
-                                 f"model expects {want}")
+        n, tp, r = self.inter, self.tp_size, self.tp_rank
+        rows, cols = (n * tp, self.hidden) if part < 2 else (self.hidden, n * tp)
+        want = [tuple(w) for w in qgemm.packed_shapes(layout, rows, cols)]
+        if [tuple(t.shape) for t in tensors] != want:
+            raise ModelLoadError(f"expert {expert} {('gate', 'up', 'down')[part]}: packed shapes "
+                                 f"{[tuple(t.shape) for t in tensors]}, model expects {want}")
         if tp > 1:
             if part < 2:
                 tensors = tuple(t.narrow(0, r * n, n).contiguous() for t in tensors)
+            elif n % qgemm.GROUP:
+                raise ModelLoadError(f"packed experts under tensor parallelism need the per-rank expert size ({n}) "
+                                     f"to be a multiple of {qgemm.GROUP}")
             else:
-                if n % qgemm.GROUP:
-                    raise ModelLoadError(f"packed experts under tensor parallelism need the per-rank expert size "
-                                         f"({n}) to be a multiple of {qgemm.GROUP}")
                 tensors = tuple(t.narrow(1, r * t.shape[1] // tp, t.shape[1] // tp).contiguous() for t in tensors)
-        slots = self._packed_slots()[expert]
-        slots[part] = (layout, tensors)
-        if part < 2 and slots[1 - part] is not None:
-            (la, ga), (lb, ub) = slots[0], slots[1]
-            if la != lb:
-                raise ModelLoadError(f"expert {expert}: gate ({la}) and up ({lb}) packed differently")
-            slots[0] = QuantizedWeight(la, tuple(torch.cat([g, u]) for g, u in zip(ga, ub)), None, self.w13.dtype)
-            slots[1] = "merged"
-        elif part == 2:
-            slots[2] = QuantizedWeight(layout, tensors, None, self.w2.dtype)
+        if self._parts is None:
+            self._parts = [[None, None, None] for _ in range(self.num_experts)]
+        self._parts[expert][part] = (layout, tensors)
+
+    _parts: list | None = None  # packed pieces while a file loads: [gate, up, down] per expert
 
     def finish_packed(self) -> None:
-        """After loading: every expert packed (then the full-precision stacks go), or none."""
-        if self.packed is None:
+        """After loading: every expert packed (gate and up rows stacked into one weight; the
+        full-precision stacks freed), or none of them."""
+        if self._parts is None:
             return
-        if any(s[1] != "merged" or not isinstance(s[2], QuantizedWeight) for s in self.packed):
+        if any(p is None for parts in self._parts for p in parts):
             raise ModelLoadError("some experts of a layer arrived packed and others did not")
-        self.packed = [(s[0], s[2]) for s in self.packed]
-        self._drop_dense()
-
-    def quantize(self, mode: str) -> tuple[int, int]:
-        """--quantization int8|int4 on full-precision experts: (bytes before, bytes after)."""
-        if self.packed is not None:
-            return 0, 0
-        packed, before, after = [], 0, 0
-        for e in range(self.num_experts):
-            gu = QuantizedWeight.from_float(self.w13[e], layout_for(mode, self.hidden))
-            down = QuantizedWeight.from_float(self.w2[e], layout_for(mode, self.inter))
-            packed.append((gu, down))
-            after += gu.nbytes() + down.nbytes()
-        before = (self.w13.numel() + self.w2.numel()) * self.w13.element_size()
-        self.packed = packed
-        self._drop_dense()
-        return before, after
-
-    def _drop_dense(self) -> None:
+        packed = []
+        for (lg, gate), (lu, up), (ld, down) in self._parts:
+            if lg != lu:
+                raise ModelLoadError(f"an expert's gate ({lg}) and up ({lu}) are packed differently")
+            packed.append((QuantizedWeight(lg, tuple(torch.cat([g, u]) for g, u in zip(gate, up)), None,
+                                           self.w13.dtype),
+                           QuantizedWeight(ld, down, None, self.w2.dtype)))
+        self._parts = None
         for name in ("w13", "w2"):
             old = getattr(self, name)
             p = nn.Parameter(torch.empty(0, dtype=old.dtype, device=old.device), requires_grad=False)
             p.weight_loader, p.shard_ids = old.weight_loader, old.shard_ids
             setattr(self, name, p)
+        self.qexperts = packed
 
-    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token's weighted sum over its experts (this rank's partial sum under TP)."""
+        top_k = ids.shape[1]
+        order, counts = group_by_expert(ids, self.num_experts)
+        tokens = order // top_k  # the token of each sorted (token, expert) pair
+        pair_weights = weights.reshape(-1)[order].to(x.dtype)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            if self.qexperts is None:
+                h = F.linear(x.index_select(0, rows), self.w13[expert])
+                gate, up = h.chunk(2, dim=-1)
+                y = F.linear(F.silu(gate).mul_(up), self.w2[expert])
+            else:
+                w13, w2 = self.qexperts[expert]
+                gate, up = w13.linear(x.index_select(0, rows)).chunk(2, dim=-1)
+                y = w2.linear(F.silu(gate).mul_(up).contiguous())
+            out.index_add_(0, rows, y.mul_(pair_weights[start:start + count, None]))
+            start += count
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``, replicated) + experts: the MLP of a MoE decoder layer."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Module()
+        self.gate.weight = _new_param(num_experts, hidden, loader=default_weight_loader)
+        self.experts = FusedExperts(num_experts, hidden, intermediate)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]): the router's logits in x's dtype, their
-        softmax in fp32, the top k, renormalised to sum 1 when the family does (as transformers)."""
-        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
         weights, ids = self.route(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k
-        pair_weights = weights.reshape(-1)[order].unsqueeze(1)
-        xs = x.index_select(0, tokens)
-        out = torch.empty((T * self.top_k, self.hidden), dtype=x.dtype, device=x.device)
-        start = 0
-        packed = self.packed
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            end = start + n
-            if packed is None:
-                h = F.linear(xs[start:end], self.w13[expert])
-                gate, up = h.split(self.inter, dim=-1)
-                out[start:end] = F.linear(F.silu(gate) * up, self.w2[expert])
-            else:
-                gate_up, down = packed[expert]
-                gate, up = gate_up.linear(xs[start:end]).split(self.inter, dim=-1)
-                out[start:end] = down.linear((F.silu(gate) * up).contiguous())
-            start = end
-        y = torch.zeros_like(x).index_add_(0, tokens, out.mul_(pair_weights))
-        if self.tp_size > 1:
-            y = tp_all_reduce(y)
-        return y
+        out = self.experts.forward(x, weights, ids)
+        return tp_all_reduce(out) if self.experts.tp_size > 1 else out
+
+
+def quantize_experts(model: nn.Module, mode: str) -> None:
+    """--quantization int8|int4: each expert's gate/up and down packed like a linear layer's
+    weight (gpu/models/quantization.py packs the linear layers), the full-precision stacks freed."""
+    if mode in (None, "none", "auto"):
+        return
+    before = after = 0
+    for module in model.modules():
+        if not isinstance(module, FusedExperts) or module.qexperts is not None:
+            continue
+        packed = []
+        for e in range(module.num_experts):
+            pair = (QuantizedWeight.from_float(module.w13[e], mode), QuantizedWeight.from_float(module.w2[e], mode))
+            after += sum(q.nbytes() for q in pair)
+            packed.append(pair)
+        for name in ("w13", "w2"):
+            w = getattr(module, name)
+            before += w.numel() * w.element_size()
+            setattr(module, name, nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False))
+        module.qexperts = packed
+    if before:
+        logger.info("quantized expert weights to %s: %.1f MB -> %.1f MB", mode, before / 1e6, after / 1e6)

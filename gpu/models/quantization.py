@@ -104,15 +104,6 @@ def check_mode(mode: str | None, device) -> None:
         raise ModelLoadError(f"--quantization {mode} runs on CPU only; use --quantization none on {device}")
 
 
-class SelfQuantizing:
-    """A module whose weights are not linear layers (a mixture of experts' stacked weights) and
-    that packs them itself under --quantization int8|int4."""
-
-    def quantize(self, mode: str) -> tuple[int, int]:
-        """Pack the weights for ``mode``; (bytes before, bytes after)."""
-        raise NotImplementedError
-
-
 def quantizable_types():
     from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
@@ -161,10 +152,6 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device | str = "cp
     counts: dict[str, int] = {}
     with torch.no_grad():
         for name, module in list(model.named_modules()):
-            if isinstance(module, SelfQuantizing):
-                b, a = module.quantize(mode)
-                before, after = before + b, after + a
-                continue
             if not isinstance(module, (column, row, head)) or module.qweight is not None:
                 continue
             weight = dense_weight(module)  # a model loaded unquantized may hold it packed
@@ -179,3 +166,4 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device | str = "cp
     logger.info("quantized linear weights to %s (%s kernel; layouts %s): %.1f MB -> %.1f MB", mode, qgemm.isa(),
                 counts, before / 1e6, after / 1e6)
     return model
+

@@ -10,9 +10,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
-    "MixtralForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
-    "Qwen3MoeForCausalLM": ("gpu.models.llama", "LlamaForCausalLM"),
     "GPT2LMHeadModel": ("gpu.models.gpt2", "GPT2LMHeadModel"),
+    "Gemma2ForCausalLM": ("gpu.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("gpu.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gpu.models.gemma", "GemmaForCausalLM"),  # text only
+    "Phi3ForCausalLM": ("gpu.models.phi3", "Phi3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("gpu.models.moe_models", "MoeForCausalLM"),
+    "MixtralForCausalLM": ("gpu.models.moe_models", "MoeForCausalLM"),
 }
 
 

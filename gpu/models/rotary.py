@@ -13,7 +13,7 @@ from torch import nn
 from contracts.errors import ModelLoadError
 from kernels import fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -30,6 +30,8 @@ def rope_params_from_config(cfg: dict) -> tuple[float, dict | None]:
         if rope_type == "default":
             return theta, None
         scaling = dict(scaling, rope_type=rope_type)
+        if rope_type == "longrope" and scaling.get("original_max_position_embeddings") is None:
+            scaling["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings")
     return theta, scaling
 
 
@@ -58,18 +60,50 @@ def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> tor
     )
 
 
+def longrope_table(rotary_dim: int, max_position: int, theta: float, scaling: dict) -> torch.Tensor:
+    """The cos/sin table of LongRoPE (Phi-3, Phi-4-mini): positions below
+    ``original_max_position_embeddings`` rotate with the short factors, later ones with the long
+    factors, and both are scaled by the attention factor. transformers switches the whole
+    sequence to the long factors once it passes the original length; a paged cache keeps the
+    keys it already rotated, so (as vLLM) each position keeps the factors of its own range."""
+    original = scaling.get("original_max_position_embeddings")
+    if not original:
+        raise ModelLoadError("longrope scaling needs original_max_position_embeddings")
+    original = int(original)
+    factor = float(scaling.get("factor") or max_position / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    parts = []
+    for key, lo, hi in (("short_factor", 0, min(original, max_position)), ("long_factor", original, max_position)):
+        if hi <= lo:
+            continue
+        ext = torch.tensor(scaling[key], dtype=torch.float32)
+        if ext.numel() != rotary_dim // 2:
+            raise ModelLoadError(f"longrope {key} has {ext.numel()} entries, the rotary dimension needs "
+                                 f"{rotary_dim // 2}")
+        inv_freq = 1.0 / (ext * theta ** exponent)
+        freqs = torch.outer(torch.arange(lo, hi, dtype=torch.float32), inv_freq)
+        parts.append(torch.cat([freqs.cos(), freqs.sin()], dim=-1) * float(attention))
+    return torch.cat(parts)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, theta: float,
                  scaling: dict | None = None):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
-        inv_freq = compute_inv_freq(rotary_dim, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [P, rotary_dim / 2]
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            table = longrope_table(rotary_dim, max_position, theta, scaling)
+        else:
+            inv_freq = compute_inv_freq(rotary_dim, theta, scaling)
+            t = torch.arange(max_position, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # [P, rotary_dim / 2]
+            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         # [P, rotary_dim]: cos half then sin half.
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
-                             persistent=False)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
         """What every layer's ``apply_`` needs for this step, computed once per forward: the

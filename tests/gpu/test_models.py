@@ -279,16 +279,15 @@ def _tp_worker(rank: int, world: int, init_file: str, dirs: list[str], out_file:
     os._exit(0)
 
 
-def test_tensor_parallel_forward_matches_single_rank(tmp_path):
-    """Two gloo ranks (row-parallel all-reduce, vocab-parallel embedding with padding, gathered
-    logits, kv heads split or replicated) give the single-rank logits."""
+def check_tensor_parallel(tmp_path, configs: dict[str, dict]) -> None:
+    """Save each config's random transformers model, run it on two gloo ranks (``_tp_worker``) and
+    compare the logits, full prompt and paged, with the single-rank model's."""
     import multiprocessing as mp
 
-    names = ["qwen2", "llama3-tied-scaled", "gpt2"]  # kv heads 2 -> 1 per rank; 1 -> replicated
     dirs = []
-    for name in names:
+    for name, cfg in configs.items():
         d = tmp_path / name
-        save_hf_model(ARCHS[name], d)
+        save_hf_model(cfg, d)
         dirs.append(str(d))
     out = str(tmp_path / "tp.pt")
     ctx = mp.get_context("spawn")
@@ -296,14 +295,21 @@ def test_tensor_parallel_forward_matches_single_rank(tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=300)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     results = torch.load(out)
     ids = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(5))
-    for name, d, (full, paged) in zip(names, dirs, results):
+    for name, d, (full, paged) in zip(configs, dirs, results):
         model = load_ours(d)
         with torch.inference_mode(), forward_context(None, []):
             want = model.compute_logits(model(ids, torch.arange(11)))
         assert full.shape == want.shape == (11, 97)
         assert_close(full, want, f"{name} tp=2")
         assert_close(paged, want, f"{name} tp=2 paged")
+
+
+def test_tensor_parallel_forward_matches_single_rank(tmp_path):
+    """Two gloo ranks (row-parallel all-reduce, vocab-parallel embedding with padding, gathered
+    logits, kv heads split or replicated) give the single-rank logits."""
+    names = ["qwen2", "llama3-tied-scaled", "gpt2"]  # kv heads 2 -> 1 per rank; 1 -> replicated
+    check_tensor_parallel(tmp_path, {name: ARCHS[name] for name in names})

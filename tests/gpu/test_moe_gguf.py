@@ -91,15 +91,15 @@ def _logits(model, ids):
 
 def test_gguf_experts_load_packed_and_match_the_dequantized_model(files):
     from gpu.models.loader import load_model
-    from gpu.models.moe import SparseMoeBlock
+    from gpu.models.moe import FusedExperts
 
     ref, path = files
     ours = load_model(ModelConfig(model=str(path / "model.gguf")), "cpu", torch.float32)
-    blocks = [m for m in ours.modules() if isinstance(m, SparseMoeBlock)]
+    blocks = [m for m in ours.modules() if isinstance(m, FusedExperts)]
     assert len(blocks) == CFG["num_hidden_layers"]
     for b in blocks:
-        assert b.packed is not None and b.w13.numel() == 0 and b.w2.numel() == 0  # no fp32 copy kept
-        assert {gu.mode for gu, _ in b.packed} == {"q4_1"} and {d.mode for _, d in b.packed} == {"q4_1"}
+        assert b.qexperts is not None and b.w13.numel() == 0 and b.w2.numel() == 0  # no fp32 copy kept
+        assert {gu.mode for gu, _ in b.qexperts} == {"q4_1"} and {d.mode for _, d in b.qexperts} == {"q4_1"}
     ids = torch.randint(0, 97, (29,), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         want = ref(ids[None]).logits[0]
@@ -114,8 +114,8 @@ def test_gguf_experts_in_full_precision_under_quantization_none(files):
 
     ref, path = files
     ours = load_model(ModelConfig(model=str(path / "model.gguf"), quantization="none"), "cpu", torch.float32)
-    block = ours.model.layers[0].mlp
-    assert block.packed is None and block.w13.numel() > 0
+    block = ours.model.layers[0].mlp.experts
+    assert block.qexperts is None and block.w13.numel() > 0
     ids = torch.randint(0, 97, (17,), generator=torch.Generator().manual_seed(8))
     with torch.inference_mode():
         want = ref(ids[None]).logits[0]
@@ -129,15 +129,15 @@ def test_int8_packs_the_experts_of_a_safetensors_checkpoint(files):
     ref, path = files
     ours = load_model(ModelConfig(model=str(path / "hf"), quantization="int8"), "cpu", torch.float32)
     for layer in ours.model.layers:
-        assert layer.mlp.packed is not None and layer.mlp.w13.numel() == 0
-        assert {gu.mode for gu, _ in layer.mlp.packed} == {"q8_0"}
+        assert layer.mlp.experts.qexperts is not None and layer.mlp.experts.w13.numel() == 0
+        assert {gu.mode for gu, _ in layer.mlp.experts.qexperts} == {"q8_0"}
     dense = load_model(ModelConfig(model=str(path / "hf"), quantization="none"), "cpu", torch.float32)
     # A packed block computes what the dense block computes with the packed weights' values
     packed, plain = ours.model.layers[0].mlp, dense.model.layers[0].mlp
     with torch.no_grad():
-        for e, (gu, down) in enumerate(packed.packed):
-            plain.w13[e].copy_(gu.dequantize())
-            plain.w2[e].copy_(down.dequantize())
+        for e, (gu, down) in enumerate(packed.experts.qexperts):
+            plain.experts.w13[e].copy_(gu.dequantize())
+            plain.experts.w2[e].copy_(down.dequantize())
     x = torch.randn(9, CFG["hidden_size"], generator=torch.Generator().manual_seed(9))
     with torch.inference_mode():
         got, want = packed.forward(x), plain.forward(x)
@@ -170,3 +170,25 @@ def test_packed_experts_under_tensor_parallel_2_match_one_rank(files, tmp_path):
     for got in (full, paged):
         assert (got - want).abs().max() / want.abs().max() < 1e-3
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_bad_expert_tensors_are_clear_errors(tmp_path):
+    """An expert index past the config's count, a wrong expert shape, a missing expert."""
+    from safetensors.torch import load_file, save_file
+
+    from contracts.errors import ModelLoadError
+    from tests.gpu.test_moe import MOE
+
+    save_hf_model(MOE["mixtral"], tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.block_sparse_moe.experts.{}.{}.weight"
+    inter, hidden = MOE["mixtral"]["intermediate_size"], MOE["mixtral"]["hidden_size"]
+    cases = [({name.format(9, "w1"): torch.zeros(inter, hidden)}, None, "expert 9"),
+             ({name.format(1, "w2"): torch.zeros(hidden, inter - 8)}, None, "shape mismatch"),
+             ({}, name.format(1, "w3"), "missing")]
+    for extra, drop, message in cases:
+        t = {k: v for k, v in tensors.items() if k != drop}
+        t.update(extra)
+        save_file(t, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ModelLoadError, match=message):
+            load_ours(tmp_path)
