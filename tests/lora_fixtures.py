@@ -67,3 +67,39 @@ def edit_config(path: Path, **changes) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg.update(changes)
     cfg_path.write_text(json.dumps(cfg))
+
+
+TINY_HF = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 16,
+           "num_hidden_layers": 2, "vocab_size": 300}
+
+
+def write_adapter_files(path: Path, hf_config: dict = TINY_HF, r: int = 2, modules=("q_proj", "v_proj"),
+                        config: dict | None = None, extra_tensors: dict | None = None,
+                        shapes: dict | None = None) -> Path:
+    """A PEFT-layout adapter written by hand (numpy + safetensors, no model): for the engine's
+    fakes and the checks of malformed adapters. ``shapes`` overrides a tensor's shape by key."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from contracts.lora import TARGET_MODULES, module_shapes
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dims = module_shapes(hf_config)
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for layer in range(hf_config["num_hidden_layers"]):
+        for m in modules:
+            fan_in, fan_out = dims[m]
+            prefix = f"base_model.model.model.layers.{layer}.{TARGET_MODULES[m]}.{m}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal((r, fan_in)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((fan_out, r)).astype(np.float32)
+    for key, shape in (shapes or {}).items():
+        tensors[key] = rng.standard_normal(shape).astype(np.float32)
+    tensors.update(extra_tensors or {})
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(modules), "bias": "none",
+           "use_rslora": False, "use_dora": False}
+    cfg.update(config or {})
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return path
