@@ -50,9 +50,15 @@ class InfoRoutes:
         """vLLM's model card: ``root`` is the model the name serves, ``permission`` the fixed
         OpenAI-era permission object vLLM still sends."""
         root = self.engine.config.model.model or self.model_name
-        return ORJSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "pagedserve", "root": root, "parent": None,
+        cards = [self._card(self.model_name, root, None)]
+        cards += [self._card(name, path, self.model_name) for name, path in self.checks.adapters.cards()]
+        return ORJSONResponse({"object": "list", "data": cards})
+
+    def _card(self, name: str, root: str, parent: str | None) -> dict:
+        """One model card; a LoRA adapter's ``root`` is its path and ``parent`` the base model."""
+        return {
+            "id": name, "object": "model", "created": self.created,
+            "owned_by": "pagedserve", "root": root, "parent": parent,
             "max_model_len": self.engine.max_model_len,
             "permission": [{
                 "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
@@ -60,7 +66,7 @@ class InfoRoutes:
                 "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                 "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
             }],
-        }]})
+        }
 
     async def tokenize(self, request: Request) -> Response:
         req = parse(TokenizeRequest, await self.checks.read_admitted(request, "tokenize"))

@@ -32,12 +32,14 @@ from app.errors import APIError, to_api_error
 from app.fanout import ChoiceFanOut, ClientDisconnected, shutdown_error
 from app.info_routes import InfoRoutes, openapi_route
 from app.logprob_format import LogprobFormat
+from app.lora_adapters import LoRAAdapters, LoRAModule
 from app.metrics import HTTPErrorCounter, ServerMetrics
 from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
 from app.responses import error_response
 from app.request_checks import RequestChecks
 from app.tools.plan import ToolConfig
+from contracts.config import ConfigError
 from engine.client import EngineClient
 from engine.replicas import ReplicatedEngine
 
@@ -62,9 +64,11 @@ class OpenAIServer:
 
 def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: ServerMetrics, *,
                  sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-                 tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None) -> OpenAIServer:
+                 tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
+                 adapters: LoRAAdapters | None = None) -> OpenAIServer:
     """Each route family with its collaborators."""
-    checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits())
+    checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits(),
+                           adapters)
     fanout = ChoiceFanOut(engine, metrics)
     logprob_format = LogprobFormat(engine)
     prompts = ChatPrompts(engine, checks)
@@ -113,19 +117,28 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 def build_app(engine: EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
               sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-              tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None) -> Starlette:
+              tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
+              lora_modules: list[LoRAModule] | None = None, allow_runtime_lora_updating: bool = False) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
     ``tool_config``: app.tools.plan.ToolConfig (--enable-auto-tool-choice, --tool-call-parser).
     ``limits``: app.admission.AdmissionLimits, what one request may ask for (default: the flags'
-    defaults)."""
+    defaults). ``lora_modules``: the adapters served by name from the start (--lora-modules; each
+    checked now: a bad one raises APIError); ``allow_runtime_lora_updating``: the load / unload
+    routes answer (--allow-runtime-lora-updating)."""
     name = served_model_name or engine.model_name
+    adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora), allow_runtime_lora_updating)
+    for module in lora_modules or ():
+        try:
+            adapters.add(module.name, module.path, module.base_model_name)
+        except APIError as e:  # at start-up: a config error (serve prints it and exits)
+            raise ConfigError(f"--lora-modules {module.name}: {e.message}") from None
     per_replica = ReplicaStatsCollector(engine, name) if isinstance(engine, ReplicatedEngine) else None
     metrics = ServerMetrics(engine, name, per_replica)
     s = build_server(engine, name, max_body_bytes, metrics, sse_ping_interval=sse_ping_interval,
                      trust_request_chat_template=trust_request_chat_template, tool_config=tool_config,
-                     limits=limits)
+                     limits=limits, adapters=adapters)
     routes = [
         Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
@@ -133,6 +146,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
         Route("/v1/score", _wrap(s.embedding.score), methods=["POST"]),
         Route("/score", _wrap(s.embedding.score), methods=["POST"]),  # vLLM serves both paths
         Route("/v1/models", _wrap(s.info.models), methods=["GET"]),
+        Route("/v1/load_lora_adapter", _wrap(adapters.load_route), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", _wrap(adapters.unload_route), methods=["POST"]),
         Route("/tokenize", _wrap(s.info.tokenize), methods=["POST"]),
         Route("/detokenize", _wrap(s.info.detokenize), methods=["POST"]),
         Route("/health", _wrap(s.info.health), methods=["GET"]),

@@ -256,7 +256,8 @@ class ReplicatedEngine:
         return ([first] + order if first is not None else []), hashes
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 prompt: str | None = None, priority: int = 0, cache_salt: str | None = None):
+                 prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                 lora_request=None):
         """AsyncEngine.generate on the replica the policy picks; when that one refuses for load
         (its waiting queue is full), the next best live replica is asked."""
         t0 = time.perf_counter_ns()
@@ -274,7 +275,7 @@ class ReplicatedEngine:
             replica = self.replicas[view.index]
             try:
                 stream = replica.generate(prompt_token_ids, params, request_id, prompt=prompt,
-                                          priority=priority, cache_salt=cache_salt)
+                                          priority=priority, cache_salt=cache_salt, lora_request=lora_request)
             except (EngineOverloadedError, EngineDeadError) as e:
                 error = error or e
                 continue
@@ -285,6 +286,17 @@ class ReplicatedEngine:
                 self.prefix_index.routed(hashes, view.index)
             return stream
         raise error
+
+    def check_lora(self, lora_request) -> None:
+        """Every replica serves the same model: checking on the first says it for all."""
+        self.replicas[0].check_lora(lora_request)
+
+    def lora_requests_in_use(self, lora_int_id: int) -> int:
+        return sum(r.lora_requests_in_use(lora_int_id) for r in self.replicas)
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        for r in self.replicas:
+            r.forget_lora(lora_int_id)
 
     def pool(self, prompt_token_ids: list[int], params, request_id: str, prompt: str | None = None,
              priority: int = 0, cache_salt: str | None = None):

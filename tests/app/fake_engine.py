@@ -162,7 +162,7 @@ class FakeAsyncEngine:
         return text
 
     def generate(self, prompt_token_ids, params, request_id, prompt=None, priority=0,
-                 cache_salt=None) -> FakeStream:
+                 cache_salt=None, lora_request=None) -> FakeStream:
         if self.dead:
             raise EngineDeadError("the engine stopped: test")
         if self.overloaded:
