@@ -2,7 +2,7 @@
 
 A request picks an adapter by its ``model`` field; ``/v1/models`` lists each adapter with
 ``parent`` = the base model. ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``
-(``{"lora_name", "lora_path"}``) exist only with --allow-runtime-lora-updating (vLLM's
+(``{"lora_name", "lora_path"}``) exist only with --allow-runtime-lora-updating (app/server.py) (vLLM's
 VLLM_ALLOW_RUNTIME_LORA_UPDATING) and sit under /v1, so --api-key guards them. An adapter is
 checked by the engine when it is added (a bad one is a 400 naming what is wrong, or a start-up
 error); unloading one that requests still use is refused (409), so running requests never lose
@@ -54,11 +54,10 @@ def parse_lora_module(text: str) -> LoRAModule:
 
 
 class LoRAAdapters:
-    def __init__(self, engine: EngineClient, base_name: str, enabled: bool, allow_runtime_updates: bool = False):
+    def __init__(self, engine: EngineClient, base_name: str, enabled: bool):
         self.engine = engine
         self.base_name = base_name
         self.enabled = enabled
-        self.allow_runtime_updates = allow_runtime_updates
         self.by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
 
@@ -91,11 +90,6 @@ class LoRAAdapters:
         """(name, path) of each adapter, in load order."""
         return [(lora.lora_name, lora.lora_path) for lora in self.by_name.values()]
 
-    def _check_runtime(self) -> None:
-        if not self.allow_runtime_updates:
-            raise APIError(404, "runtime LoRA updating is off: start the server with --enable-lora "
-                                "--allow-runtime-lora-updating", "invalid_request_error", None, "not_found")
-
     @staticmethod
     async def _body(request: Request, need_path: bool) -> tuple[str, str | None]:
         try:
@@ -112,13 +106,11 @@ class LoRAAdapters:
         return name, path
 
     async def load_route(self, request: Request) -> Response:
-        self._check_runtime()
         name, path = await self._body(request, need_path=True)
         self.add(name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_route(self, request: Request) -> Response:
-        self._check_runtime()
         name, _ = await self._body(request, need_path=False)
         lora = self.by_name.get(name)
         if lora is None:

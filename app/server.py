@@ -128,7 +128,7 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     checked now: a bad one raises APIError); ``allow_runtime_lora_updating``: the load / unload
     routes answer (--allow-runtime-lora-updating)."""
     name = served_model_name or engine.model_name
-    adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora), allow_runtime_lora_updating)
+    adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora))
     for module in lora_modules or ():
         try:
             adapters.add(module.name, module.path, module.base_model_name)
@@ -146,8 +146,6 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
         Route("/v1/score", _wrap(s.embedding.score), methods=["POST"]),
         Route("/score", _wrap(s.embedding.score), methods=["POST"]),  # vLLM serves both paths
         Route("/v1/models", _wrap(s.info.models), methods=["GET"]),
-        Route("/v1/load_lora_adapter", _wrap(adapters.load_route), methods=["POST"]),
-        Route("/v1/unload_lora_adapter", _wrap(adapters.unload_route), methods=["POST"]),
         Route("/tokenize", _wrap(s.info.tokenize), methods=["POST"]),
         Route("/detokenize", _wrap(s.info.detokenize), methods=["POST"]),
         Route("/health", _wrap(s.info.health), methods=["GET"]),
@@ -155,8 +153,12 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
         Route("/version", _wrap(s.info.version), methods=["GET"]),
         Route("/metrics", _wrap(s.info.metrics_route), methods=["GET"]),
         Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes,
-                                             trust_request_chat_template, s.checks.limits), methods=["GET"]),
+                                             trust_request_chat_template, s.checks.limits,
+                                             allow_runtime_lora_updating), methods=["GET"]),
     ]
+    if allow_runtime_lora_updating:  # else absent, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        routes += [Route("/v1/load_lora_adapter", _wrap(adapters.load_route), methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", _wrap(adapters.unload_route), methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if api_key:

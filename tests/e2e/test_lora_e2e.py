@@ -56,6 +56,12 @@ async def test_adapters_by_model_name_listing_and_runtime_load_unload(files):
         app = build_app(engine, served_model_name="tiny", api_key=KEY, allow_runtime_lora_updating=True,
                         lora_modules=[LoRAModule("ada", str(root / "ada"))])
         client = _client(app)
+        from openapi_spec_validator import validate as validate_openapi
+
+        doc = (await httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+               .get("/openapi.json")).json()
+        validate_openapi(doc)
+        assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(doc["paths"])
         cards = {m.id: m for m in (await client.models.list()).data}
         assert set(cards) == {"tiny", "ada"}
         assert cards["ada"].parent == "tiny" and cards["tiny"].parent is None
@@ -112,7 +118,8 @@ async def test_runtime_updates_off_by_default_and_bad_modules_refused_at_start(f
         app = build_app(engine, served_model_name="tiny")
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as raw:
             r = await raw.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root / "ada")})
-            assert r.status_code == 404 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+            assert r.status_code == 404 and r.json()["error"]["message"] == "Not found: /v1/load_lora_adapter"
+            assert "/v1/load_lora_adapter" not in (await raw.get("/openapi.json")).json()["paths"]
         with pytest.raises(ConfigError, match="--lora-modules gone: .*not a directory"):
             build_app(engine, served_model_name="tiny", lora_modules=[LoRAModule("gone", str(root / "nowhere"))])
     finally:
