@@ -66,6 +66,11 @@ class EngineStats:
     num_free_blocks: int = 0
     num_blocks: int = 0
     num_worker_restarts: int = 0  # worker pools rebuilt after a failure (set by AsyncEngine)
+    # Multi-LoRA (vLLM's lora_requests_info): adapter names of running / waiting requests, sorted,
+    # and the adapters one step may run (0 = LoRA off).
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 def _swap_blocks(config: EngineConfig, executor) -> int:
@@ -438,7 +443,18 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             num_waiting_seqs=len(self.scheduler.waiting),
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_usable_blocks,
+            **(self._lora_stats() if self.lora_slots is not None else {}),
         )
+
+    def _lora_stats(self) -> dict:
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for r in self.requests.values():
+            if r.lora_request is not None and not r.finished:
+                on = any(s.status is SeqStatus.RUNNING for s in r.seqs)
+                (running if on else waiting).add(r.lora_request.lora_name)
+        return {"lora_running": tuple(sorted(running)), "lora_waiting": tuple(sorted(waiting)),
+                "max_lora": self.config.lora.max_loras}
 
     # ---- per token --------------------------------------------------------------------------
 

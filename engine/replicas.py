@@ -208,8 +208,13 @@ class ReplicatedEngine:
             raise EngineDeadError("no replica has stats")
         total = copy.copy(per[0])
         for f in fields(total):
-            if f.name != "kv_cache_usage":
-                setattr(total, f.name, sum(getattr(s, f.name) for s in per))
+            values = [getattr(s, f.name) for s in per]
+            if f.name == "max_lora":  # every replica's own limit, the same
+                total.max_lora = max(values)
+            elif isinstance(values[0], tuple):  # adapter names: those of any replica
+                setattr(total, f.name, tuple(sorted(set().union(*values))))
+            elif f.name != "kv_cache_usage":
+                setattr(total, f.name, sum(values))
         blocks = [s.num_blocks for s in per]
         if sum(blocks):
             total.kv_cache_usage = sum(s.kv_cache_usage * b for s, b in zip(per, blocks)) / sum(blocks)

@@ -49,6 +49,9 @@ class FakeStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_worker_restarts: int = 0
+    lora_running: tuple = ()
+    lora_waiting: tuple = ()
+    max_lora: int = 0
 
 
 @dataclass

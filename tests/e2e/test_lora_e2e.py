@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.lora_adapters import LoRAModule
 from app.server import build_app
@@ -98,6 +99,10 @@ async def test_adapters_by_model_name_listing_and_runtime_load_unload(files):
                                  lora_request=lora)
         r = await raw.post("/v1/unload_lora_adapter", json={"lora_name": "adb"}, headers=auth)
         assert r.status_code == 409 and "in use by 1 request" in r.json()["error"]["message"]
+        info = [s for f in text_string_to_metric_families((await raw.get("/metrics")).text) for s in f.samples
+                if s.name == "pagedserve:lora_requests_info"]
+        assert len(info) == 1 and info[0].labels["max_lora"] == "2"
+        assert "adb" in info[0].labels["running_lora_adapters"] + info[0].labels["waiting_lora_adapters"]
         tokens = [t async for out in stream for t in out.outputs[0].token_ids]
         assert tokens == refs["adb"]
 

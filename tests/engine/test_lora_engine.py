@@ -75,7 +75,12 @@ def test_a_step_runs_at_most_max_loras_adapters_and_slots_load_once(adapters):
     expected = {}
     for i in range(12):
         _add(core, f"r{i}", SHARED + [BYTE0 + i], adapters[1 + i % 4] if i % 5 else None, expected)
+    core.step()
+    s = core.stats()
+    assert s.max_lora == 2 and len(s.lora_running) == 2 and set(s.lora_running) | set(s.lora_waiting) == {
+        "ad1", "ad2", "ad3", "ad4"}
     res = run_to_completion(core)
+    assert core.stats().lora_running == core.stats().lora_waiting == ()
     assert len(res) == 12 and all(r.outputs[0].finish_reason == "length" for r in res.values())
     assert max(len(a) for a in ex.adapters_per_step) == 2
     assert ex.loads < len(ex.adapters_per_step)  # loads are diffs, not one per step
