@@ -74,6 +74,8 @@ class WorkerLoRA:
         k = max(seq_slots) + 1
         if k <= 0:
             return None
+        if k == 1 and min(seq_slots) == 0:  # one adapter, no base row: no mask to apply
+            return LoRABatch(None, 1)
         rows = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.long),
                                        torch.tensor(query_lens, dtype=torch.long))
         mask = (rows.unsqueeze(1) == torch.arange(k)).to(self.dtype)

@@ -1,16 +1,19 @@
 """Multi-LoRA on the linear layers: stacked per-layer A/B slots, every adapter of a step in one pass.
 
 Each adapted linear (qkv_proj, o_proj, gate_up_proj, down_proj of every decoder layer) gets a
-``LoRALinear`` holding, for each of ``max_loras`` slots, A of every section ([S, R, in]) and B^T
-of each section ([R, out_section]) with the adapter's scaling folded in; R = max_lora_rank (a
-smaller rank is zero-padded, so it contributes exact zeros). A step's rows carry a slot each
-(-1 = base model), as a 0/1 mask ``[rows, k]`` over the k lowest slots in use (``LoRABatch``).
+``LoRALinear`` holding, for each of ``max_loras`` slots, A of its S sections stacked ([S*R, in])
+and B^T block-diagonal over them ([S*R, out]: section i's R rows feed only section i's output
+columns), the adapter's scaling folded into B; R = max_lora_rank (a smaller rank is zero-padded,
+so it contributes exact zeros). A step's rows carry a slot each (-1 = base model), as a 0/1 mask
+``[rows, k]`` over the k lowest slots in use (``LoRABatch``).
 
-The delta is punica's shrink/expand written as dense matmuls over the k slots, with no loop over
-rows or adapters: ``t = x @ A[:k]^T`` ([rows, k*S*R]), ``t *= mask`` (each row keeps its own slot's
-columns; a base row keeps none), then per section ``y[:, sec] += t[:, :, sec] @ B_sec[:k]``. The
-cost is a few torch ops per layer whatever the mix of adapters, at the price of multiplying the
-k-1 other slots' (zeroed) columns too, which at LoRA ranks is small next to the base matmul.
+The delta is punica's shrink/expand written as two dense matmuls over the k slots, with no loop
+over rows, adapters or sections: ``t = x @ A[:k]^T`` ([rows, k*S*R]), ``t *= mask`` (each row keeps
+its own slot's columns; a base row keeps none; skipped when every row uses slot 0), then
+``y += t @ B[:k]``. Three torch ops per layer whatever the mix, at the price of multiplying the
+other slots' and sections' zeros too, which at LoRA ranks is small next to the base matmul; on a
+busy CPU each op's dispatch (tens of us) costs more than those flops (per-section expands
+measured slower).
 
 Tensor parallelism follows the base layer: a column-parallel layer (qkv, gate/up) keeps this
 rank's output columns of B; a row-parallel one (o, down) keeps this rank's input columns of A and
@@ -33,7 +36,7 @@ from gpu.parallel_state import divide, tp_all_reduce
 class LoRABatch:
     """One step's rows by adapter slot: ``mask[row, s]`` = 1 where the row uses slot s (s < k)."""
 
-    mask: torch.Tensor  # [rows, k], the model's dtype
+    mask: torch.Tensor | None  # [rows, k], the model's dtype; None when every row uses slot 0 (k = 1)
     k: int
 
 
@@ -60,15 +63,16 @@ class LoRALinear:
         in_local = base.input_size_per_rank if self.row_parallel else base.input_size
         self.in_local = in_local
         self.rank = max_rank
-        self.a = torch.zeros(max_loras, len(sections), max_rank, in_local, dtype=dtype, device=device)
-        self.b = [torch.zeros(max_loras, max_rank, s.out_size, dtype=dtype, device=device) for s in sections]
+        self.out_local = sum(s.out_size for s in sections)
+        self.a = torch.zeros(max_loras, len(sections) * max_rank, in_local, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, len(sections) * max_rank, self.out_local, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot ``slot`` takes the adapter's (A, scaled B) per module (full checkpoint shapes);
         sections the adapter does not adapt are zeroed."""
+        self.clear_slot(slot)
+        R = self.rank
         for i, sec in enumerate(self.sections):
-            self.a[slot, i].zero_()
-            self.b[i][slot].zero_()
             pair = weights.get(sec.module)
             if pair is None:
                 continue
@@ -78,24 +82,20 @@ class LoRALinear:
                 a = a.narrow(1, self.tp_rank * self.in_local, self.in_local)
             else:
                 b = b.narrow(0, sec.out_start, sec.out_size)
-            self.a[slot, i, :r].copy_(a)
-            self.b[i][slot, :r].copy_(b.t())
+            self.a[slot, i * R:i * R + r].copy_(a)
+            self.b[slot, i * R:i * R + r, sec.out_offset:sec.out_offset + sec.out_size].copy_(b.t())
 
     def clear_slot(self, slot: int) -> None:
         self.a[slot].zero_()
-        for b in self.b:
-            b[slot].zero_()
+        self.b[slot].zero_()
 
     def delta_into(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """y += this step's LoRA delta for every row (base rows get exact zeros)."""
-        k, R, S = batch.k, self.rank, len(self.sections)
-        n = x.shape[0]
-        t = F.linear(x, self.a[:k].view(k * S * R, self.in_local)).view(n, k, S, R)
-        t.mul_(batch.mask.view(n, k, 1, 1))
-        for i, sec in enumerate(self.sections):
-            ti = t[:, :, i, :].reshape(n, k * R)
-            out = y if S == 1 else y[:, sec.out_offset:sec.out_offset + sec.out_size]
-            out.addmm_(ti, self.b[i][:k].view(k * R, sec.out_size))
+        k, width = batch.k, self.a.shape[1]
+        t = F.linear(x, self.a[:k].view(k * width, self.in_local))
+        if batch.mask is not None:
+            t.view(x.shape[0], k, width).mul_(batch.mask.unsqueeze(2))
+        y.addmm_(t, self.b[:k].view(k * width, self.out_local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = current_lora()
