@@ -197,6 +197,15 @@ class FakeAsyncEngine:
         self.running.add(request_id)
         return FakeStream(self, call)
 
+    def check_lora(self, lora_request) -> None:
+        raise RequestRejectedError("LoRA is not enabled on the fake engine")
+
+    def lora_requests_in_use(self, lora_int_id: int) -> int:
+        return 0
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        pass
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
