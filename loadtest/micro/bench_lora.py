@@ -5,7 +5,9 @@ the model under test, then the same greedy workload runs base-only and with adap
 stream (one adapter) and ``--concurrency`` streams with ``--num-adapters`` adapters mixed
 round-robin, at each ``--ranks`` (one engine per rank: the slots are max_lora_rank wide). Each
 figure is the best of ``--repeats``, so a busy box skews it less; base rows run on the LoRA
-engine too ("single base row": what --enable-lora costs requests without an adapter).
+engine too ("single base row": what --enable-lora costs requests without an adapter). To see how
+much of the cost is leaving the fused C decode path (a step with adapter rows runs per linear), run
+it once more with ``PAGEDSERVE_FAST_DECODE=0 ... --ranks`` (nothing given after it: the base row only).
 
     python -m loadtest.micro.bench_lora --ranks 8 16 64 --concurrency 16 --num-adapters 4
 """
@@ -54,7 +56,7 @@ def _tokens_per_s(llm, prompts, params, loras) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M (Q4_1 GGUF)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64])
+    parser.add_argument("--ranks", type=int, nargs="*", default=[8, 16, 64])
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-adapters", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
