@@ -84,7 +84,7 @@ class ChatRoute:
         check_choices(req, 1, self.checks.limits)
         check_truncate(req.truncate_prompt_tokens, self.engine.max_model_len)
         options = chat_template_options(req, self.trust_request_chat_template)
-        self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        lora = self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         template = options.get("chat_template") or self.engine.tokenizer.chat_template
         plan = build_plan(req, self.tool_config, template)
         messages, tools = self.prompts.template_messages(req.messages, plan.tools, options.get("chat_template"))
@@ -126,7 +126,7 @@ class ChatRoute:
         created = int(time.time())
         await check_constraint(self.engine, choices[0].params,
                                "tools" if plan.schema is not None else req.constraint_param())
-        streams = await self.fanout.start(choices, req.priority, req.cache_salt)
+        streams = await self.fanout.start(choices, req.priority, req.cache_salt, lora)
         return ChatStart(choices, streams, request_id, created, top, plan, reasoning)
 
     def reasoning_plan(self, prompt: str | None, include: bool = True) -> ReasoningPlan:

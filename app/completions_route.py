@@ -74,7 +74,7 @@ class CompletionsRoute:
         if req.truncate_prompt_tokens is not None:  # echo then shows what the model read
             prompts = [(text if len(ids) <= req.truncate_prompt_tokens else None,
                         truncate_prompt(ids, req.truncate_prompt_tokens)) for text, ids in prompts]
-        self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        lora = self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         max_tokens = [self.checks.max_tokens_for(len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
                       for _, ids in prompts]
         check_commitment(req, [len(ids) for _, ids in prompts], max_tokens, self.checks.limits)
@@ -95,7 +95,7 @@ class CompletionsRoute:
         created = int(time.time())
         # Submitted before the response starts, so a refusal (overloaded, dead) is a real status.
         await check_constraint(self.engine, choices[0].params, req.constraint_param())
-        streams = await self.fanout.start(choices, req.priority, req.cache_salt)
+        streams = await self.fanout.start(choices, req.priority, req.cache_salt, lora)
         if req.stream:
             return sse_response(self.completion_stream(req, choices, streams, request_id, created), streams,
                                 on_close=lambda: end_unfinished(choices, ClientDisconnected()),

@@ -62,7 +62,7 @@ class EmbeddingsRoute:
     async def embeddings(self, request: Request) -> Response:
         req = parse(EmbeddingRequest, await self.checks.read_admitted(request, "embeddings"))
         inputs = await self.pooling_inputs(req.input, req.add_special_tokens, "input")
-        self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
+        self.checks.check_base_model(req.model, "embeddings")  # after the body: the schema's 400s come first
         params = self.pooling_params(req.pooling_type, req.normalize, req.dimensions)
         request_id, engine_id = response_and_engine_ids(request, "embd", req.request_id)
         outs = await self.pool_all(request, inputs, params, engine_id, req.priority, req.cache_salt)
@@ -86,7 +86,7 @@ class EmbeddingsRoute:
             raise APIError.bad_request(str(e), param="text_2") from None
         inputs = (await self.pooling_inputs(first, req.add_special_tokens, "text_1")
                   + await self.pooling_inputs(second, req.add_special_tokens, "text_2"))
-        self.checks.check_model(req.model)
+        self.checks.check_base_model(req.model, "scores")
         params = self.pooling_params(req.pooling_type, None, None)
         request_id, engine_id = response_and_engine_ids(request, "score", req.request_id)
         outs = await self.pool_all(request, inputs, params, engine_id, req.priority, req.cache_salt)

@@ -100,6 +100,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
          help="seconds a step may take before the workers count as hung and the engine fails "
               "as for a dead worker (executor mp; the first steps get the startup timeout); "
               "0 = no limit (default: %(default)g)")
+    lora = parser.add_argument_group("multi-LoRA (PEFT adapters over the base model)")
+    flag(lora, "--enable-lora", action="store_true",
+         help="serve LoRA adapters: a request picks one by its model name (serve: --lora-modules)")
+    flag(lora, "--max-loras", type=int, help="distinct adapters one step may run (default: %(default)s)")
+    flag(lora, "--max-lora-rank", type=int, help="highest adapter rank accepted (default: %(default)s)")
+    flag(lora, "--max-cpu-loras", type=int,
+         help="adapters each worker keeps loaded in host memory (default: --max-loras)")
     p = parser.add_argument_group("request preparation (each kind in a bounded pool of its own; past its "
                                   "deadline a request gets 400 naming the flag; 0 = no limit)")
     flag(p, "--grammar-compile-timeout", type=float,

@@ -106,8 +106,10 @@ class ChoiceFanOut:
             if c.prompt_logprobs is None:
                 c.prompt_logprobs = choices[c.prompt_idx * n].prompt_logprobs
 
-    async def start(self, choices: list[Choice], priority: int, cache_salt: str | None = None) -> list[Any]:
-        """Submit every choice to the engine; if one is refused, abort those already started."""
+    async def start(self, choices: list[Choice], priority: int, cache_salt: str | None = None,
+                    lora_request: Any = None) -> list[Any]:
+        """Submit every choice to the engine (with the LoRA adapter the request's model names);
+        if one is refused, abort those already started."""
         streams: list[Any] = []
         splits: dict[str, BeamSplit] = {}
         try:
@@ -116,12 +118,12 @@ class ChoiceFanOut:
                     if c.request_id not in splits:
                         splits[c.request_id] = BeamSplit(self.engine.generate(
                             c.prompt_ids, c.params, c.request_id, prompt=c.prompt_text, priority=priority,
-                            cache_salt=cache_salt))
+                            cache_salt=cache_salt, lora_request=lora_request))
                     streams.append(BeamView(splits[c.request_id], c.sample_idx))
                     continue
                 streams.append(self.engine.generate(c.prompt_ids, c.params, c.request_id,
                                                     prompt=c.prompt_text, priority=priority,
-                                                    cache_salt=cache_salt))
+                                                    cache_salt=cache_salt, lora_request=lora_request))
         except BaseException as e:
             await close_all(streams)
             self.metrics.refused(e)

@@ -50,9 +50,15 @@ class InfoRoutes:
         """vLLM's model card: ``root`` is the model the name serves, ``permission`` the fixed
         OpenAI-era permission object vLLM still sends."""
         root = self.engine.config.model.model or self.model_name
-        return ORJSONResponse({"object": "list", "data": [{
+        cards = [self._card(name, root, None) for name in self.checks.model_names]
+        cards += [self._card(name, path, self.model_name) for name, path in self.checks.adapters.cards()]
+        return ORJSONResponse({"object": "list", "data": cards})
+
+    def _card(self, name: str, root: str, parent: str | None) -> dict:
+        """One model card; a LoRA adapter's ``root`` is its path and ``parent`` the base model."""
+        return {
             "id": name, "object": "model", "created": self.created,
-            "owned_by": "pagedserve", "root": root, "parent": None,
+            "owned_by": "pagedserve", "root": root, "parent": parent,
             "max_model_len": self.engine.max_model_len,
             "permission": [{
                 "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
@@ -60,7 +66,7 @@ class InfoRoutes:
                 "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                 "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
             }],
-        } for name in self.checks.model_names]})
+        }
 
     async def tokenize(self, request: Request) -> Response:
         req = parse(TokenizeRequest, await self.checks.read_admitted(request, "tokenize"))
@@ -118,7 +124,7 @@ class InfoRoutes:
 
 def openapi_route(engine: EngineClient, name: str, api_key: str | None, max_body_bytes: int,
                   trust_request_chat_template: bool = False,
-                  limits: AdmissionLimits | None = None) -> Callable[[Request], Any]:
+                  limits: AdmissionLimits | None = None, lora_runtime_routes: bool = False) -> Callable[[Request], Any]:
     """GET /openapi.json: the document is built once, from what this server enforces."""
     from app.openapi import build_openapi
 
@@ -127,7 +133,7 @@ def openapi_route(engine: EngineClient, name: str, api_key: str | None, max_body
         vocab_size=engine.tokenizer.vocab_size, api_key=bool(api_key),
         max_body_bytes=max_body_bytes, version=server_version(),
         trust_request_chat_template=trust_request_chat_template,
-        embedding_size=engine.embedding_size, limits=limits))
+        embedding_size=engine.embedding_size, limits=limits, lora_runtime_routes=lora_runtime_routes))
 
     async def openapi(request: Request) -> Response:
         return Response(body, media_type="application/json")

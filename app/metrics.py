@@ -80,6 +80,14 @@ class EngineStatsCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric(value, float(v))
             yield c
+        if s.max_lora:
+            # vLLM's vllm:lora_requests_info: the adapters in the labels, the time of this reading
+            # as the value.
+            g = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters (names, "
+                                  "comma-separated) and --max-loras.",
+                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric([str(s.max_lora), ",".join(s.lora_running), ",".join(s.lora_waiting)], time.time())
+            yield g
         for name, doc, v in (
             ("engine_deaths", "Times the engine stopped on a failure it did not recover from "
              "(a worker died or hung, the loop crashed).", self.engine.num_deaths),

@@ -230,6 +230,21 @@ def _post(summary: str, model_name: str, ok: dict[str, Any], *, generates: bool,
         "responses": responses}
 
 
+def _lora_route(summary: str, load: bool) -> dict[str, Any]:
+    body = {"type": "object", "required": ["lora_name", "lora_path"] if load else ["lora_name"],
+            "properties": {"lora_name": {"type": "string"}, "lora_path": {"type": "string"}}}
+    responses = {
+        "200": {"description": "Done (vLLM's plain-text answer).", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        "400": _error("A bad body, or an adapter that cannot serve (the message says why) or is already loaded."),
+        "408": _timeout_error(body=True),
+    }
+    if not load:
+        responses["404"] = _error("No adapter of that name is loaded (code `model_not_found`).")
+        responses["409"] = _error("Requests still use the adapter (code `adapter_in_use`).")
+    return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": responses}
+
+
 def _get(summary: str, ok: dict[str, Any], **more: dict[str, Any]) -> dict[str, Any]:
     return {"summary": summary, "responses": {"200": ok, "408": _timeout_error(body=False), **more}}
 
@@ -291,11 +306,13 @@ def request_schemas() -> dict[str, Any]:
 def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int | None,
                   api_key: bool, max_body_bytes: int, version: str,
                   trust_request_chat_template: bool = False,
-                  embedding_size: int | None = None, limits: AdmissionLimits | None = None) -> dict[str, Any]:
+                  embedding_size: int | None = None, limits: AdmissionLimits | None = None,
+                  lora_runtime_routes: bool = False) -> dict[str, Any]:
     """The OpenAPI document of one server. ``api_key``: whether /v1/*, /tokenize,
     /detokenize and /score require a bearer token (they answer 401 without it). Every response carries
     ``X-Request-Id``: the client's (header, or a generating route's ``request_id`` field) or a
-    new one. ``limits``: the server's admission limits (maxItems and the like)."""
+    new one. ``limits``: the server's admission limits (maxItems and the like).
+    ``lora_runtime_routes``: the server answers /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     limits = limits or AdmissionLimits()
     tokenize_body_bytes = min(max_body_bytes, limits.max_tokenize_body_bytes)
     schemas = copy.deepcopy(request_schemas())
@@ -351,6 +368,11 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
             "description": "Prometheus text exposition format.",
             "content": {"text/plain": {"schema": {"type": "string"}}}})},
     }
+    if lora_runtime_routes:
+        paths["/v1/load_lora_adapter"] = {"post": _lora_route(
+            "Serve a PEFT LoRA adapter under `lora_name` (--allow-runtime-lora-updating).", load=True)}
+        paths["/v1/unload_lora_adapter"] = {"post": _lora_route(
+            "Stop serving the adapter `lora_name` (refused while requests use it).", load=False)}
     doc: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "pagedserve", "version": version,

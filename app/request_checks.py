@@ -9,8 +9,10 @@ from starlette.requests import Request
 
 from app.admission import AdmissionLimits, check_body
 from app.errors import APIError
+from app.lora_adapters import LoRAAdapters
 from app.prompt_options import fit_text
 from engine.client import EngineClient
+from engine.lora_request import LoRARequest
 
 
 class RequestChecks:
@@ -18,13 +20,15 @@ class RequestChecks:
     (``limits``, app/admission.py)."""
 
     def __init__(self, engine: EngineClient, served_model_name: str, max_body_bytes: int,
-                 limits: AdmissionLimits, other_names: tuple[str, ...] = ()) -> None:
+                 limits: AdmissionLimits, other_names: tuple[str, ...] = (),
+                 adapters: LoRAAdapters | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name
         # --served-model-name's further names: requests may name the model by any (vLLM)
         self.model_names = (served_model_name, *other_names)
         self.max_body_bytes = max_body_bytes
         self.limits = limits
+        self.adapters = adapters if adapters is not None else LoRAAdapters(engine, served_model_name, False)
 
     async def read_json(self, request: Request, limit: int | None = None,
                         flag: str = "--max-body-bytes") -> Any:
@@ -71,9 +75,18 @@ class RequestChecks:
         return fit_text(text, param, self.engine.tokenizer.max_token_chars,
                         self.engine.max_model_len, keep, which)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise APIError.model_not_found(model)
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model, by any of its served names); 404
+        for an unknown name."""
+        if model is None or model in self.model_names:
+            return None
+        return self.adapters.resolve(model)
+
+    def check_base_model(self, model: str | None, what: str) -> None:
+        """Routes the adapters do not serve (embeddings): the base model's name only."""
+        if self.check_model(model) is not None:
+            raise APIError.bad_request(f"{what} come from the base model {self.model_name!r}, not from a LoRA "
+                                       f"adapter", param="model")
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, default: int | None) -> int:
         ctx = self.engine.max_model_len

@@ -40,6 +40,15 @@ DEFAULT_EXECUTOR = "mp"  # model compute in worker processes: the event loop sta
 SERVE_PROMPT_ADMIT_TOKENS = 256
 
 
+def _lora_module_arg(text: str):
+    from app.lora_adapters import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help="the model, as --model (vLLM's `serve MODEL`): a GGUF file, an HF directory, or "
@@ -74,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--body-timeout", type=float, default=60.0,
                    help="seconds a request body may take to arrive after its headers; later it gets "
                         "408 and the connection is closed")
+    g.add_argument("--lora-modules", nargs="+", default=[], type=_lora_module_arg, metavar="NAME=PATH",
+                   help="LoRA adapters served by name (with --enable-lora): name=path, or vLLM's JSON "
+                        '{"name": ..., "path": ..., "base_model_name": ...}')
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind --api-key like every /v1 route)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto" (the default when a request has tools): tools go into '
                         "the prompt and the reply is parsed for calls; without it such requests get 400")
@@ -163,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as e:
             logger.error("cannot start: %s", e)
             return 1
+        if args.lora_modules and not config.lora.enable_lora:
+            logger.error("cannot start: --lora-modules needs --enable-lora")
+            return 1
         try:
             limits = AdmissionLimits.from_args(args)
         except ValueError as e:
@@ -234,7 +252,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
                         limits=limits, reasoning_parser=args.reasoning_parser,
-                        other_names=args.other_served_names, allowed_origins=args.allowed_origins)
+                        other_names=args.other_served_names, allowed_origins=args.allowed_origins,
+                        lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
         uv_config.app = app
         app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks

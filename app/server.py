@@ -34,6 +34,7 @@ from app.errors import APIError, to_api_error
 from app.fanout import ChoiceFanOut, ClientDisconnected, shutdown_error
 from app.info_routes import InfoRoutes, openapi_route
 from app.logprob_format import LogprobFormat
+from app.lora_adapters import LoRAAdapters, LoRAModule
 from app.metrics import HTTPErrorCounter, ServerMetrics
 from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
@@ -42,6 +43,7 @@ from app.request_checks import RequestChecks
 from app.responses_api.route import ResponsesRoute
 from app.reasoning.output import check_parser_name
 from app.tools.plan import ToolConfig
+from contracts.config import ConfigError
 from engine.client import EngineClient
 from engine.replicas import ReplicatedEngine
 
@@ -68,11 +70,13 @@ class OpenAIServer:
 def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: ServerMetrics, *,
                  sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
                  tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
-                 reasoning_parser: str | None = None, other_names: tuple[str, ...] = ()) -> OpenAIServer:
-    """Each route family with its collaborators (``other_names``: the model's further served names)."""
+                 reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
+                 adapters: LoRAAdapters | None = None) -> OpenAIServer:
+    """Each route family with its collaborators (``other_names``: the model's further served names;
+    ``adapters``: the LoRA adapters served by name)."""
     check_parser_name(reasoning_parser)
     checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits(),
-                           other_names)
+                           other_names, adapters)
     fanout = ChoiceFanOut(engine, metrics)
     logprob_format = LogprobFormat(engine)
     prompts = ChatPrompts(engine, checks)
@@ -124,7 +128,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
               sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
               tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
               reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
-              allowed_origins: list[str] | None = None) -> Starlette:
+              allowed_origins: list[str] | None = None, lora_modules: list[LoRAModule] | None = None,
+              allow_runtime_lora_updating: bool = False) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
@@ -132,13 +137,23 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     ``limits``: app.admission.AdmissionLimits, what one request may ask for (default: the flags'
     defaults). ``reasoning_parser``: --reasoning-parser (app/reasoning), None = off.
     ``other_names``: --served-model-name's names after the first (requests may use any; responses
-    carry the first). ``allowed_origins``: --allowed-origins (CORS), None = no CORS headers."""
+    carry the first). ``allowed_origins``: --allowed-origins (CORS), None = no CORS headers.
+    ``lora_modules``: the adapters served by name from the start (--lora-modules; each checked
+    now: a bad one raises APIError); ``allow_runtime_lora_updating``: the load / unload routes
+    answer (--allow-runtime-lora-updating)."""
     name = served_model_name or engine.model_name
+    adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora))
+    for module in lora_modules or ():
+        try:
+            adapters.add(module.name, module.path, module.base_model_name)
+        except APIError as e:  # at start-up: a config error (serve prints it and exits)
+            raise ConfigError(f"--lora-modules {module.name}: {e.message}") from None
     per_replica = ReplicaStatsCollector(engine, name) if isinstance(engine, ReplicatedEngine) else None
     metrics = ServerMetrics(engine, name, per_replica)
     s = build_server(engine, name, max_body_bytes, metrics, sse_ping_interval=sse_ping_interval,
                      trust_request_chat_template=trust_request_chat_template, tool_config=tool_config,
-                     limits=limits, reasoning_parser=reasoning_parser, other_names=other_names)
+                     limits=limits, reasoning_parser=reasoning_parser, other_names=other_names,
+                     adapters=adapters)
     routes = [
         Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
@@ -154,8 +169,12 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
         Route("/version", _wrap(s.info.version), methods=["GET"]),
         Route("/metrics", _wrap(s.info.metrics_route), methods=["GET"]),
         Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes,
-                                             trust_request_chat_template, s.checks.limits), methods=["GET"]),
+                                             trust_request_chat_template, s.checks.limits,
+                                             allow_runtime_lora_updating), methods=["GET"]),
     ]
+    if allow_runtime_lora_updating:  # else absent, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        routes += [Route("/v1/load_lora_adapter", _wrap(adapters.load_route), methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", _wrap(adapters.unload_route), methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if api_key:

@@ -201,6 +201,31 @@ class PrepConfig:
     tokenize_timeout: float = 30.0  # tokenizing (or detokenizing) one prompt
 
 
+@dataclass(slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's LoRAConfig): PEFT adapters over the base model's linear layers."""
+    enable_lora: bool = False
+    # Distinct adapters one step may run (the workers' stacked A/B slots); requests of further
+    # adapters wait for a later step.
+    max_loras: int = 1
+    max_lora_rank: int = 16  # adapters of a higher rank are refused when they are loaded
+    # Adapters each worker keeps loaded in host memory (a reload from disk beyond); None = max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                              f"({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 # Options are named as the CLI flags are (the flag's dest; vLLM's EngineArgs name where one exists):
 # ``LLM(**options)``, ``EngineConfig.from_options`` and the flags all take the same names. These
 # options set a config field named otherwise (vLLM's config objects name them the same way).
@@ -232,6 +257,12 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prep: PrepConfig = field(default_factory=PrepConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.parallel.pipeline_parallel_size > 1:
+            raise ConfigError("--enable-lora does not work with --pipeline-parallel-size > 1 yet: "
+                              "use tensor parallelism")
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
@@ -247,11 +278,11 @@ class EngineConfig:
         """The flat options this config was built from (``LLM(**config.options())``)."""
         fields_to_options = {f: o for o, f in OPTION_FIELDS.items() if o != "distributed_executor_backend"}
         return {fields_to_options.get(f.name, f.name): getattr(part, f.name)
-                for part in (self.model, self.cache, self.parallel, self.scheduler, self.prep)
+                for part in (self.model, self.cache, self.parallel, self.scheduler, self.prep, self.lora)
                 for f in dataclasses.fields(part)}
 
 
-PARTS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, PrepConfig)
+PARTS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, PrepConfig, LoRAConfig)
 
 
 def option_field(name: str) -> tuple[type, str]:

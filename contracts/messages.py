@@ -29,6 +29,8 @@ Worker-side order of operations for one ``StepInput``:
      its generated tokens included in ``token_ids``);
   3. for each k, append ``new_block_ids[k]`` to the block table of scheduled sequence
      ``seq_ids[new_block_seqs[k]]`` (k in order, so a table grows in the order listed);
+  3b. load every ``lora_loads`` entry into its slot (multi-LoRA; the rows of the step then use
+     ``lora_slots``);
   4. for each scheduled sequence i: compute tokens
      ``token_ids[num_computed : num_computed + num_new_tokens[i]]``;
   5. a sequence whose ``num_computed`` reaches ``len(token_ids)`` samples one token, appends it
@@ -123,6 +125,17 @@ class NewSeq(msgspec.Struct, array_like=True):
     pooling: PoolingOptions | None = None  # set for a pooling (embedding) sequence
 
 
+class LoRALoad(msgspec.Struct, frozen=True, array_like=True):
+    """Put adapter ``lora_id`` (the PEFT directory ``path``, checked by the engine) into the
+    workers' stacked LoRA slot ``slot`` before the step's forward. Each worker reads the weights
+    from ``path`` itself (one host, or the same path on every node, as vLLM) and keeps up to
+    max_cpu_loras adapters loaded, so a reload into a slot is a copy, not a read."""
+
+    slot: int
+    lora_id: int
+    path: str
+
+
 class StepInput(msgspec.Struct, array_like=True):
     step_id: int
     new_seqs: list[NewSeq]
@@ -147,6 +160,11 @@ class StepInput(msgspec.Struct, array_like=True):
     # Copy-on-write of KV blocks (beam search forks): int32 pairs src0, dst0, src1, dst1, ...; the
     # worker copies block src's K/V into block dst, every layer, before the forward.
     blocks_to_copy_buf: bytes = b""
+    # Multi-LoRA: adapters to put into slots before the forward (only when a slot changes), and one
+    # int32 per scheduled sequence, in batch order: its adapter's slot, -1 = the base model. Both
+    # empty when no scheduled sequence uses an adapter.
+    lora_loads: list[LoRALoad] | None = None
+    lora_slots_buf: bytes = b""
 
     @classmethod
     def pack(cls, step_id: int, new_seqs: list[NewSeq], seq_ids: Iterable[int], num_new_tokens: Iterable[int],
@@ -171,6 +189,10 @@ class StepInput(msgspec.Struct, array_like=True):
     @property
     def new_block_ids(self) -> memoryview:
         return memoryview(self.new_block_ids_buf).cast(INT_FORMAT)
+
+    @property
+    def lora_slots(self) -> memoryview:
+        return memoryview(self.lora_slots_buf).cast(INT_FORMAT)
 
     @property
     def token_mask_rows(self) -> memoryview:

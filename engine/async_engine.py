@@ -36,6 +36,7 @@ from engine.output_collector import OutputCollector
 from engine.prep_pools import DeadlinePool
 from engine.outputs import RequestOutput
 from engine.request_stream import RequestStream, StreamEnd
+from engine.lora_request import LoRARequest
 from engine.restart_policy import RestartPolicy
 from engine.sampling_params import SamplingParams
 from contracts.config import EngineConfig
@@ -258,11 +259,12 @@ class AsyncEngine:
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  prompt: str | None = None, priority: int = 0,
-                 cache_salt: str | None = None) -> RequestStream:
+                 cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Register a request and return its stream of deltas. Raises at once, before any
         output, when the engine is dead (EngineDeadError), the waiting queue is full
         (EngineOverloadedError) or the request can never run (RequestRejectedError).
-        ``cache_salt`` isolates the request's prefix-cache blocks to requests of the same salt."""
+        ``cache_salt`` isolates the request's prefix-cache blocks to requests of the same salt;
+        ``lora_request`` runs it with that adapter (--enable-lora)."""
         self._check_alive()
         waiting = self.core.stats().num_waiting
         if waiting >= self.config.scheduler.max_waiting_requests:
@@ -274,7 +276,7 @@ class AsyncEngine:
         core = self.core
         try:
             core.add_request(request_id, prompt, prompt_token_ids, params, priority=priority,
-                             cache_salt=cache_salt)
+                             cache_salt=cache_salt, lora_request=lora_request)
         except (ValueError, EngineError):  # the request's fault (400) or a full pool (503)
             self._discard(core, request_id)
             raise
@@ -325,6 +327,19 @@ class AsyncEngine:
                     core.scheduler.finish(seq)
                 except Exception:  # noqa: BLE001
                     pass
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """RequestRejectedError naming what is wrong unless the adapter can serve here (read from
+        disk once per id and path: its header only, a few milliseconds)."""
+        self.core.check_lora(lora_request)
+
+    def lora_requests_in_use(self, lora_int_id: int) -> int:
+        """Requests running with or waiting for adapter ``lora_int_id``."""
+        return self.core.lora_requests_in_use(lora_int_id)
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """An adapter unloaded by the server: its slot and checked spec go."""
+        self.core.forget_lora(lora_int_id)
 
     def pool(self, prompt_token_ids: list[int], params, request_id: str, prompt: str | None = None,
              priority: int = 0, cache_salt: str | None = None) -> RequestStream:

@@ -70,7 +70,15 @@ class EngineClient(Protocol):
 
     def generate(self, prompt_token_ids: list[int], params: Any, request_id: str,
                  prompt: str | None = None, priority: int = 0,
-                 cache_salt: str | None = None) -> AsyncIterator[Any]: ...
+                 cache_salt: str | None = None, lora_request: Any = None) -> AsyncIterator[Any]: ...
+
+    def check_lora(self, lora_request: Any) -> None:
+        """RequestRejectedError naming what is wrong unless the adapter (a LoRARequest) can serve."""
+        ...
+
+    def lora_requests_in_use(self, lora_int_id: int) -> int: ...
+
+    def forget_lora(self, lora_int_id: int) -> None: ...
 
     def pool(self, prompt_token_ids: list[int], params: Any, request_id: str,
              prompt: str | None = None, priority: int = 0,

@@ -29,6 +29,9 @@ from engine.sampling_params import BeamSearchParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, RequestRejectedError, SamplingParamsError
 from engine.kv_blocks import BlockManager, model_hash_seed
+from engine.lora_request import LoRARequest
+from engine.lora_slots import LoRASlots
+from contracts.lora import LoRAAdapterError
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from engine.pooling_params import PoolingParams
 from engine.pooling_requests import PoolingRequests
@@ -63,6 +66,11 @@ class EngineStats:
     num_free_blocks: int = 0
     num_blocks: int = 0
     num_worker_restarts: int = 0  # worker pools rebuilt after a failure (set by AsyncEngine)
+    # Multi-LoRA (vLLM's lora_requests_info): adapter names of running / waiting requests, sorted,
+    # and the adapters one step may run (0 = LoRA off).
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 def _swap_blocks(config: EngineConfig, executor) -> int:
@@ -87,7 +95,9 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
                                           config.cache.enable_prefix_caching,
                                           hash_seed=model_hash_seed(config.model),
                                           num_swap_blocks=_swap_blocks(config, executor))
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.lora_slots = (LoRASlots(config.lora, config.model.hf_config or {})
+                           if config.lora.enable_lora else None)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
         self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids or [])
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
@@ -104,10 +114,14 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """``cache_salt``: requests share prefix-cache blocks only with requests of an equal
         salt (None is a salt of its own), so tenants never read each other's K/V.
-        ``params`` may be BeamSearchParams (engine/beam_engine.py)."""
+        ``params`` may be BeamSearchParams (engine/beam_engine.py). ``lora_request``: the
+        adapter to run with (--enable-lora), checked here so a bad one is this request's error."""
+        if lora_request is not None:
+            self.check_lora(lora_request, params)
         if isinstance(params, BeamSearchParams):
             return beam_engine.add_beam_request(self, request_id, prompt, prompt_token_ids, params,
                                                 arrival_time, priority, cache_salt)
@@ -146,6 +160,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             priority=int(priority),
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else now),
             cache_salt=cache_salt, stop_token_set=frozenset(params.stop_token_ids),
+            lora_request=lora_request,
         )
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * num_prompt
@@ -172,6 +187,30 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         if not params.has_token_constraint or self.constraints.prepare(req):
             for seq in req.seqs:
                 self.scheduler.add(seq)
+
+    def check_lora(self, lora_request: LoRARequest, params=None) -> None:
+        """RequestRejectedError unless the adapter can serve this request."""
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestRejectedError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora_slots is None:
+            raise RequestRejectedError(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is not "
+                                       f"enabled: start the engine with --enable-lora (LLM(enable_lora=True))")
+        if isinstance(params, (BeamSearchParams, PoolingParams)):
+            raise RequestRejectedError("LoRA adapters serve sampling requests only (not beam search or pooling)")
+        try:
+            self.lora_slots.check(lora_request)
+        except LoRAAdapterError as e:
+            raise RequestRejectedError(str(e)) from None
+
+    def lora_requests_in_use(self, lora_int_id: int) -> int:
+        """Unfinished requests running with (or waiting for) adapter ``lora_int_id``."""
+        return sum(1 for r in self.requests.values()
+                   if not r.finished and r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """An unloaded adapter (none of its requests left): its checked spec and slot go."""
+        if self.lora_slots is not None:
+            self.lora_slots.forget(lora_int_id)
 
     def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_token_ids)
@@ -404,7 +443,18 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             num_waiting_seqs=len(self.scheduler.waiting),
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_usable_blocks,
+            **(self._lora_stats() if self.lora_slots is not None else {}),
         )
+
+    def _lora_stats(self) -> dict:
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for r in self.requests.values():
+            if r.lora_request is not None and not r.finished:
+                on = any(s.status is SeqStatus.RUNNING for s in r.seqs)
+                (running if on else waiting).add(r.lora_request.lora_name)
+        return {"lora_running": tuple(sorted(running)), "lora_waiting": tuple(sorted(waiting)),
+                "max_lora": self.config.lora.max_loras}
 
     # ---- per token --------------------------------------------------------------------------
 

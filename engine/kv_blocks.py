@@ -13,7 +13,7 @@ is evicted before its beginning.
 
 Prefix caching: a FULL block is identified by a sha256 digest (32 bytes) over its parent's
 digest, its token ids packed as little-endian uint64 and, for the first block only, the
-request's ``cache_salt``. The chain starts from a root digest seeded with the model's identity
+request's ``cache_salt`` and LoRA adapter (``LoRARequest.cache_key``). The chain starts from a root digest seeded with the model's identity
 (``model_hash_seed``), so two models never share a chain and tenants with different salts never
 share a block. A hit is trusted without comparing tokens, so the hash must be collision
 resistant: Python's ``hash()`` is not (ints hash modulo 2**61 - 1 and tuples only mix their
@@ -54,6 +54,7 @@ class SequenceLike(Protocol):
     token_ids: list[int]
     block_hashes: list[bytes]  # memo of the chained digests of its full blocks
     cache_salt: str | None
+    lora_key: bytes  # the request's LoRA adapter (LoRARequest.cache_key), b"" for the base model
 
 
 class KVBlock:
@@ -155,7 +156,7 @@ class BlockManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             if i == 0:
-                hashes.append(hash_block(self.root_hash, tokens[:B], salt_key(seq.cache_salt)))
+                hashes.append(hash_block(self.root_hash, tokens[:B], salt_key(seq.cache_salt) + seq.lora_key))
             else:
                 hashes.append(hash_block(hashes[-1], tokens[i * B:(i + 1) * B]))
         return hashes

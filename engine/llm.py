@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from engine.llm_pooling import PoolingLLM
+from engine.lora_request import LoRARequest
 from engine.outputs import RequestOutput, merge_delta
 from engine.sampling_params import BeamSearchParams, SamplingParams
 from contracts.config import EngineConfig
@@ -49,21 +50,33 @@ class LLM(PoolingLLM):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]} / {"prompt": ...}),
         in input order. A dict prompt may carry "cache_salt" (as vLLM's): only prompts with an
-        equal salt share prefix-cache blocks."""
+        equal salt share prefix-cache blocks. ``lora_request``: one adapter for every prompt, or
+        one (or None) per prompt (``LLM(enable_lora=True)``)."""
         prompt_list = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompt_list))
+        loras = self._as_lora_list(lora_request, len(prompt_list))
         request_ids = []
         for i, (prompt, sp) in enumerate(zip(prompt_list, params)):
             text, ids = self._tokenize(prompt)
             rid = str(next(self._ids))
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             self.core.add_request(rid, text, ids, sp, priority=priority[i] if priority else 0,
-                                  cache_salt=salt)
+                                  cache_salt=salt, lora_request=loras[i])
             request_ids.append(rid)
         return self._run(request_ids, use_tqdm)
+
+    @staticmethod
+    def _as_lora_list(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts: give one per prompt")
+        return loras
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool | None = None) -> list["BeamSearchOutput"]:

@@ -212,8 +212,13 @@ class ReplicatedEngine:
             raise EngineDeadError("no replica has stats")
         total = copy.copy(per[0])
         for f in fields(total):
-            if f.name != "kv_cache_usage":
-                setattr(total, f.name, sum(getattr(s, f.name) for s in per))
+            values = [getattr(s, f.name) for s in per]
+            if f.name == "max_lora":  # every replica's own limit, the same
+                total.max_lora = max(values)
+            elif isinstance(values[0], tuple):  # adapter names: those of any replica
+                setattr(total, f.name, tuple(sorted(set().union(*values))))
+            elif f.name != "kv_cache_usage":
+                setattr(total, f.name, sum(values))
         blocks = [s.num_blocks for s in per]
         if sum(blocks):
             total.kv_cache_usage = sum(s.kv_cache_usage * b for s, b in zip(per, blocks)) / sum(blocks)
@@ -260,7 +265,8 @@ class ReplicatedEngine:
         return ([first] + order if first is not None else []), hashes
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 prompt: str | None = None, priority: int = 0, cache_salt: str | None = None):
+                 prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                 lora_request=None):
         """AsyncEngine.generate on the replica the policy picks; when that one refuses for load
         (its waiting queue is full), the next best live replica is asked."""
         t0 = time.perf_counter_ns()
@@ -278,7 +284,7 @@ class ReplicatedEngine:
             replica = self.replicas[view.index]
             try:
                 stream = replica.generate(prompt_token_ids, params, request_id, prompt=prompt,
-                                          priority=priority, cache_salt=cache_salt)
+                                          priority=priority, cache_salt=cache_salt, lora_request=lora_request)
             except (EngineOverloadedError, EngineDeadError) as e:
                 error = error or e
                 continue
@@ -289,6 +295,17 @@ class ReplicatedEngine:
                 self.prefix_index.routed(hashes, view.index)
             return stream
         raise error
+
+    def check_lora(self, lora_request) -> None:
+        """Every replica serves the same model: checking on the first says it for all."""
+        self.replicas[0].check_lora(lora_request)
+
+    def lora_requests_in_use(self, lora_int_id: int) -> int:
+        return sum(r.lora_requests_in_use(lora_int_id) for r in self.replicas)
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        for r in self.replicas:
+            r.forget_lora(lora_int_id)
 
     def pool(self, prompt_token_ids: list[int], params, request_id: str, prompt: str | None = None,
              priority: int = 0, cache_salt: str | None = None):

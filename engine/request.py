@@ -70,6 +70,15 @@ class Sequence:
         return self.request.cache_salt
 
     @property
+    def lora_key(self) -> bytes:
+        lora = self.request.lora_request
+        return b"" if lora is None else lora.cache_key()
+
+    @property
+    def lora_request(self):
+        return self.request.lora_request
+
+    @property
     def arrival_time(self) -> float:
         return self.request.metrics.arrival_time
 
@@ -104,6 +113,9 @@ class Request:
     error_code: str | None = None  # with error_from_request: the client's error code (None: the default)
     # Prefix-cache tenant key: only requests with an equal salt (or both None) share KV blocks.
     cache_salt: str | None = None
+    # The LoRA adapter (engine.lora_request.LoRARequest) the request runs with; None = base model.
+    # Part of its identity: it keys the prefix cache and survives preemption with the request.
+    lora_request: Any = None
     # Set while the request's grammar compiles: its sequences are not in the scheduler yet.
     grammar_future: Any = None
     compiling: bool = False

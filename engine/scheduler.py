@@ -54,8 +54,15 @@ class ScheduledStep:
         return sum(self.num_new_tokens)
 
 
+def _lora_key(seq: Sequence) -> tuple[int, str] | None:
+    lora = seq.lora_request
+    return None if lora is None else (lora.lora_int_id, lora.lora_path)
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lora_slots=None):
+        """``lora_slots`` (engine/lora_slots.LoRASlots, under --enable-lora): a step then runs at
+        most max_loras distinct adapters, and carries each row's slot."""
         # SchedulerConfig.__post_init__ has checked the policy, the mode and the limits.
         self.config = config
         self.policy = config.policy
@@ -72,6 +79,8 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self.in_flight: set[int] = set()  # seq ids of steps scheduled but not yet processed
+        self.lora_slots = lora_slots
+        self.max_loras = lora_slots.config.max_loras if lora_slots is not None else 0
 
     # ---- ordering ---------------------------------------------------------------------------
 
@@ -221,6 +230,7 @@ class Scheduler:
         scheduled: dict[int, tuple[Sequence, int, list[int]]] = {}  # seq id -> (seq, n, new blocks)
         preempted: list[Sequence] = []
         forks = self._unshare_forks(preempted) if self._forked else []
+        adapters: set[tuple[int, str]] = set()  # distinct LoRA adapters of this step
 
         # 1. running sequences
         for seq in list(self.running):
@@ -228,6 +238,8 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.seq_id in self.in_flight:
                 continue  # preempted earlier in this loop, or in a step still in flight
+            if self.max_loras and not self._adapter_fits(seq, adapters):
+                continue  # its adapter waits for a step with a free adapter slot
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
@@ -260,7 +272,7 @@ class Scheduler:
                 seq = self.waiting[i]
                 if seq in preempted:
                     break  # a victim of this very step does not come back in it
-                if not self._eligible(seq):
+                if not self._eligible(seq) or (self.max_loras and not self._adapter_fits(seq, adapters)):
                     i += 1
                     continue
                 table = None
@@ -339,14 +351,30 @@ class Scheduler:
             step_input.blocks_to_swap_in_buf = pack_pairs(swap_in)
         if block_copies:
             step_input.blocks_to_copy_buf = pack_ints(block_copies)
+        if adapters:
+            slots, loads = self.lora_slots.assign([s.lora_request for s in seqs])
+            step_input.lora_slots_buf = pack_ints(slots)
+            step_input.lora_loads = loads or None
         self._finished_ids = []
         self.in_flight.update(s.seq_id for s in seqs)
         return ScheduledStep(step_input, seqs, num_new_tokens, samples, preempted)
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[tuple[int, str]]) -> bool:
+        """Whether ``seq`` may join a step already running ``adapters`` (noted when it may)."""
+        key = _lora_key(seq)
+        if key is None or key in adapters:
+            return True
+        if len(adapters) >= self.max_loras:
+            return False
+        adapters.add(key)
+        return True
 
     def step_not_sent(self, step: ScheduledStep) -> None:
         """The step never reached the workers (call after its requests were finished): its
         finished ids are due again, and its new sequences, never registered, must not be
         named as finished."""
+        if step.step_input.lora_loads:
+            self.lora_slots.unsent(step.step_input.lora_loads)
         self.bm.swap.requeue_out(step.step_input.blocks_to_swap_out)
         self.step_returned(step)
         unregistered = {ns.seq_id for ns in step.step_input.new_seqs}

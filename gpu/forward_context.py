@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +19,8 @@ class ForwardContext:
     attn_metadata: AttentionMetadata | None
     # kv_caches[layer_index] = (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # gpu.models.lora_layers.LoRABatch of a step with adapter rows (multi-LoRA); None otherwise.
+    lora: Any = None
 
 
 _current: ForwardContext | None = None
@@ -29,10 +32,15 @@ def get_forward_context() -> ForwardContext:
     return _current
 
 
+def current_lora():
+    """The running step's LoRABatch, or None (no forward running, or no adapter rows in it)."""
+    return None if _current is None else _current.lora
+
+
 @contextlib.contextmanager
-def forward_context(attn_metadata: AttentionMetadata | None, kv_caches):
+def forward_context(attn_metadata: AttentionMetadata | None, kv_caches, lora=None):
     global _current
-    prev, _current = _current, ForwardContext(attn_metadata, kv_caches)
+    prev, _current = _current, ForwardContext(attn_metadata, kv_caches, lora)
     try:
         yield _current
     finally:

@@ -85,6 +85,7 @@ class ModelRunner:
         self.graph_runner = None
         self.swap_pool = None  # gpu/kv_swap.HostSwapPool in --preemption-mode swap
         self.num_swap_blocks = 0
+        self.lora = None  # gpu/lora_worker.WorkerLoRA under --enable-lora
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -110,6 +111,10 @@ class ModelRunner:
             sched = self.config.scheduler
             warm_row_buckets(self.model, sched.max_num_batched_tokens, sched.max_num_seqs)
         logger.info("loaded model in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype, self.device)
+        if self.config.lora.enable_lora:
+            from gpu.lora_worker import WorkerLoRA
+
+            self.lora = WorkerLoRA(self.model, self.config.lora, self.dtype, self.device)
         self.sampler = Sampler()
         self.num_blocks = self._num_blocks()
         self.allocate_kv_cache(self.num_blocks)
@@ -269,10 +274,12 @@ class ModelRunner:
         last = torch.tensor(batch.meta.query_start_loc_host[1:], device=self.device) - 1
         return self.model.compute_logits(hidden[last])
 
-    def _run_model(self, batch: PreparedBatch) -> torch.Tensor:
-        if self.graph_runner is not None and self.graph_runner.can_run(batch.meta):
+    def _run_model(self, batch: PreparedBatch, lora=None) -> torch.Tensor:
+        """``lora``: the step's LoRABatch when rows use adapters; such a step runs eagerly (the
+        captured decode graphs hold no adapter slots)."""
+        if lora is None and self.graph_runner is not None and self.graph_runner.can_run(batch.meta):
             return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta)
-        with forward_context(batch.meta, self.kv_caches):
+        with forward_context(batch.meta, self.kv_caches, lora):
             return self.model(batch.input_ids, batch.positions)
 
     def begin_step(self, step: StepInput) -> list:
@@ -296,13 +303,16 @@ class ModelRunner:
     def execute(self, step: StepInput) -> StepOutput:
         states = self.begin_step(step)
         if not states:
+            if self.lora is not None and step.lora_loads:
+                self.lora.apply_loads(step.lora_loads)
             return StepOutput(step.step_id)
         requests: list[BatchRequest] = []
         for s, n in zip(states, step.num_new_tokens):
             start = s.num_computed
             requests.append(BatchRequest(s.token_ids[start:start + n], start, s.block_table))
         batch = self.prepare(requests)
-        hidden = self._run_model(batch)
+        lora = self.lora.batch(step, step.num_new_tokens.tolist()) if self.lora is not None else None
+        hidden = self._run_model(batch, lora)
 
         qsl = batch.meta.query_start_loc_host
         sample_rows: list[int] = []

@@ -136,7 +136,7 @@ class PipelineModelRunner(ModelRunner):
                     self._stage_layers[-1], num_blocks, self.block_size,
                     num_blocks * self.kv_bytes_per_block() / 2**30)
 
-    def _run_model(self, batch):
+    def _run_model(self, batch, lora=None):  # no LoRA with pipeline stages (EngineConfig refuses it)
         stage = self.model.stage
         intermediate = None if stage.first else self.link.recv()
         with forward_context(batch.meta, self.kv_caches):

@@ -49,6 +49,9 @@ class FakeStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_worker_restarts: int = 0
+    lora_running: tuple = ()
+    lora_waiting: tuple = ()
+    max_lora: int = 0
 
 
 @dataclass
@@ -163,7 +166,7 @@ class FakeAsyncEngine:
         return text
 
     def generate(self, prompt_token_ids, params, request_id, prompt=None, priority=0,
-                 cache_salt=None) -> FakeStream:
+                 cache_salt=None, lora_request=None) -> FakeStream:
         if self.dead:
             raise EngineDeadError("the engine stopped: test")
         if self.overloaded:
@@ -194,6 +197,15 @@ class FakeAsyncEngine:
         self.calls.append(call)
         self.running.add(request_id)
         return FakeStream(self, call)
+
+    def check_lora(self, lora_request) -> None:
+        raise RequestRejectedError("LoRA is not enabled on the fake engine")
+
+    def lora_requests_in_use(self, lora_int_id: int) -> int:
+        return 0
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        pass
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

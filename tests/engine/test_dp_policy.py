@@ -45,6 +45,7 @@ def _cache_prompt(bm: BlockManager, tokens: list[int], salt=None) -> None:
         token_ids = tokens
         block_hashes: list = []
         cache_salt = salt
+        lora_key = b""
 
     seq = Seq()
     seq.block_hashes = []

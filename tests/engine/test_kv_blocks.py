@@ -15,6 +15,7 @@ class Seq:
     token_ids: list[int]
     block_hashes: list = field(default_factory=list)
     cache_salt: str | None = None
+    lora_key: bytes = b""
 
 
 def test_allocate_append_free_and_null_block():

@@ -1,0 +1,82 @@
+"""A worker's adapters: loaded from disk once, kept up to max_cpu_loras, copied into slots on demand.
+
+The engine decides which adapter sits in which slot (engine/lora_slots.py) and says so in a step
+(``StepInput.lora_loads``) only when a slot changes; every rank applies the same loads, so the
+ranks' slots agree. A step's rows name their slot in ``StepInput.lora_slots``; ``batch`` turns
+that into the per-row mask every LoRA layer of the step reads (gpu/models/lora_layers.py).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+from contracts.config import LoRAConfig
+from contracts.lora import read_adapter
+from contracts.messages import LoRALoad, StepInput
+from gpu.models.lora_layers import LoRABatch, LoRALinear, install
+
+logger = logging.getLogger(__name__)
+
+AdapterWeights = dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]  # layer -> module -> (A, scaled B)
+
+
+def load_adapter_weights(path: str, hf_config: dict, max_rank: int, dtype: torch.dtype) -> AdapterWeights:
+    """An adapter's tensors by layer and module, B scaled (checked again here: the same rules as
+    the engine's, so a worker never copies a tensor of the wrong shape into a slot)."""
+    from safetensors.torch import load_file
+
+    spec = read_adapter(path, hf_config, max_rank)
+    tensors = load_file(spec.weights_file)
+    out: AdapterWeights = {}
+    for m in spec.modules:
+        a = tensors[m.a_key].to(torch.float32)
+        b = tensors[m.b_key].to(torch.float32) * spec.scaling
+        out.setdefault(m.layer, {})[m.module] = (a.to(dtype), b.to(dtype))
+    return out
+
+
+class WorkerLoRA:
+    def __init__(self, model, config: LoRAConfig, dtype: torch.dtype, device):
+        self.config = config
+        self.dtype, self.device = dtype, device
+        self.hf_config = model.config
+        self.layers: dict[int, list[LoRALinear]] = install(model, config.max_loras, config.max_lora_rank,
+                                                           dtype, device)
+        self.cache: OrderedDict[tuple[int, str], AdapterWeights] = OrderedDict()  # LRU, max_cpu_loras
+        self.slots: list[tuple[int, str] | None] = [None] * config.max_loras
+
+    def apply_loads(self, loads: list[LoRALoad]) -> None:
+        for load in loads:
+            key = (load.lora_id, load.path)
+            weights = self.cache.get(key)
+            if weights is None:
+                weights = load_adapter_weights(load.path, self.hf_config, self.config.max_lora_rank, self.dtype)
+                self.cache[key] = weights
+                while len(self.cache) > self.config.cpu_loras:
+                    self.cache.popitem(last=False)
+                logger.info("loaded LoRA adapter %d from %s", load.lora_id, load.path)
+            self.cache.move_to_end(key)
+            for layer, holders in self.layers.items():
+                modules = weights.get(layer, {})
+                for h in holders:
+                    h.set_slot(load.slot, modules)
+            self.slots[load.slot] = key
+
+    def batch(self, step: StepInput, query_lens: list[int]) -> LoRABatch | None:
+        """The step's per-row slot mask, or None when no row uses an adapter."""
+        if step.lora_loads:
+            self.apply_loads(step.lora_loads)
+        if not step.lora_slots_buf:
+            return None
+        seq_slots = step.lora_slots.tolist()
+        k = max(seq_slots) + 1
+        if k <= 0:
+            return None
+        if k == 1 and min(seq_slots) == 0:  # one adapter, no base row: no mask to apply
+            return LoRABatch(None, 1)
+        rows = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.long),
+                                       torch.tensor(query_lens, dtype=torch.long))
+        mask = (rows.unsqueeze(1) == torch.arange(k)).to(self.dtype)
+        return LoRABatch(mask.to(self.device), k)

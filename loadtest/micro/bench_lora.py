@@ -1,0 +1,113 @@
+"""Multi-LoRA overhead, in process: decode throughput with adapters against the base model.
+
+Random PEFT-layout adapters (every q/k/v/o/gate/up/down of every layer, B != 0) are written for
+the model under test, then the same greedy workload runs base-only and with adapters: single
+stream (one adapter) and ``--concurrency`` streams with ``--num-adapters`` adapters mixed
+round-robin, at each ``--ranks`` (one engine per rank: the slots are max_lora_rank wide). Each
+figure is the best of ``--repeats``, so a busy box skews it less; base rows run on the LoRA
+engine too ("single base row": what --enable-lora costs requests without an adapter). To see how
+much of the cost is leaving the fused C decode path (a step with adapter rows runs per linear), run
+it once more with ``PAGEDSERVE_FAST_DECODE=0 ... --ranks`` (nothing given after it: the base row only).
+
+    python -m loadtest.micro.bench_lora --ranks 8 16 64 --concurrency 16 --num-adapters 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_adapter(path: Path, hf_config: dict, rank: int, seed: int) -> Path:
+    """A random adapter in PEFT's file layout (numpy + safetensors: no model needed)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from contracts.lora import module_shapes
+
+    dims = module_shapes(hf_config)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(int(hf_config["num_hidden_layers"])):
+        for m, block in MODULES.items():
+            fan_in, fan_out = dims[m]
+            key = f"base_model.model.model.layers.{layer}.{block}.{m}"
+            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, fan_in)) * 0.02).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((fan_out, rank)) * 0.02).astype(np.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES), "bias": "none"}))
+    return path
+
+
+def _tokens_per_s(llm, prompts, params, loras) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M (Q4_1 GGUF)")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[8, 16, 64])
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--num-adapters", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    from engine.llm import LLM
+    from engine.lora_request import LoRARequest
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank in [0, *args.ranks]:
+            # One engine per rank (the slots are max_lora_rank wide); base rows on the LoRA engine
+            # are measured too: that is what a server with --enable-lora does for base requests.
+            options = dict(model=args.model, kv_cache_memory=1.0, enable_prefix_caching=False)
+            if rank:
+                options.update(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=rank)
+            llm = LLM(**options)
+            try:
+                hf = llm.config.model.hf_config
+                loras = [LoRARequest(f"r{rank}-{i}", i + 1, str(write_adapter(Path(tmp) / f"r{rank}-{i}", hf, rank, i)))
+                         for i in range(args.num_adapters)] if rank else []
+                vocab = int(hf["vocab_size"])
+                streams = [[(7 * j + 13 * k) % (vocab - 100) + 50 for k in range(args.prompt_len)]
+                           for j in range(args.concurrency)]
+                prompts = [{"prompt_token_ids": p} for p in streams]
+                cases = {"single": ([prompts[0]], [loras[0] if loras else None]),
+                         f"c={args.concurrency}": (prompts, [loras[j % len(loras)] if loras else None
+                                                             for j in range(args.concurrency)])}
+                if rank:
+                    cases["single base row"] = ([prompts[0]], [None])
+                llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
+                             lora_request=[loras[0], None] if loras else None)  # warm-up, adapters loaded
+                row = {}
+                for name, (ps, ls) in cases.items():
+                    row[name] = max(_tokens_per_s(llm, ps, params, ls) for _ in range(args.repeats))
+                results["base" if not rank else f"rank {rank}"] = row
+            finally:
+                llm.shutdown()
+    base = results["base"]
+    print(f"{'':10s}" + "".join(f"{k:>26s}" for k in base))
+    for label, row in results.items():
+        cells = []
+        for k, v in row.items():
+            ref = base.get(k) or base["single"]
+            cells.append(f"{v:9.1f} tok/s ({100 * (v / ref - 1):+5.1f} %)")
+        print(f"{label:10s}" + "".join(f"{c:>26s}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
