@@ -22,7 +22,7 @@ import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import beam_engine
 from engine.sampling_params import BeamSearchParams
@@ -35,6 +35,7 @@ from engine.pooling_requests import PoolingRequests
 from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
+from engine.spec_decode import SpecDecode, check_supported, new_proposer
 from engine.stop_matcher import StopMatcher
 from engine.structured_output.core_hooks import ConstrainedRequests
 from engine.structured_output.tracker import ConstraintTracker
@@ -63,6 +64,11 @@ class EngineStats:
     num_free_blocks: int = 0
     num_blocks: int = 0
     num_worker_restarts: int = 0  # worker pools rebuilt after a failure (set by AsyncEngine)
+    # Speculative decoding (engine/spec_decode.py), cumulative; 0 / [] when it is off.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 def _swap_blocks(config: EngineConfig, executor) -> int:
@@ -88,6 +94,12 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
                                           hash_seed=model_hash_seed(config.model),
                                           num_swap_blocks=_swap_blocks(config, executor))
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.spec: SpecDecode | None = None
+        if config.speculative is not None:
+            check_supported(config)
+            self.spec = SpecDecode(config.speculative)
+            self.scheduler.proposer = new_proposer(config.speculative)
+            self.scheduler.spec_disable_batch = config.speculative.disable_by_batch_size
         self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids or [])
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
@@ -109,6 +121,9 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         salt (None is a salt of its own), so tenants never read each other's K/V.
         ``params`` may be BeamSearchParams (engine/beam_engine.py)."""
         if isinstance(params, BeamSearchParams):
+            if self.spec is not None:
+                raise RequestRejectedError("beam search is not supported with speculative decoding "
+                                           "(--speculative-config); use sampling, or a server without it")
             return beam_engine.add_beam_request(self, request_id, prompt, prompt_token_ids, params,
                                                 arrival_time, priority, cache_salt)
         params = params if params is not None else SamplingParams()
@@ -269,7 +284,10 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         logprobs = step_output.logprobs
         beam_reqs: dict[str, Request] = {}
         failed: dict[str, RequestOutput | None] = {}  # requests whose own processing raised
-        for i, (seq_id, token_id) in enumerate(zip(step_output.seq_ids, step_output.token_ids)):
+        if scheduled.drafts is not None:  # speculative decoding: several tokens per sequence
+            self.spec.append_verified(self, scheduled, step_output, touched, failed, now)
+        for i, (seq_id, token_id) in enumerate(
+                zip(step_output.seq_ids, step_output.token_ids) if scheduled.drafts is None else ()):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -393,7 +411,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
     def stats(self) -> EngineStats:
         running = sum(1 for r in self.requests.values() if any(s.status is SeqStatus.RUNNING for s in r.seqs))
         bm = self.block_manager
-        return EngineStats(
+        stats = EngineStats(
             num_running=running,
             num_waiting=len(self.requests) - running,
             kv_cache_usage=bm.usage,
@@ -405,6 +423,13 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_usable_blocks,
         )
+        if self.spec is not None:
+            sp = self.spec.stats
+            stats.spec_decode_num_drafts = sp.num_drafts
+            stats.spec_decode_num_draft_tokens = sp.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = sp.num_accepted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = list(sp.accepted_per_pos)
+        return stats
 
     # ---- per token --------------------------------------------------------------------------
 

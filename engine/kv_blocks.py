@@ -252,6 +252,24 @@ class BlockManager:
         table.extend(new)
         return new
 
+    def trim(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Give back the tail blocks past those ``num_tokens`` tokens need (speculative decoding:
+        the slots of rejected drafts; the worker cuts its table the same way). Their K/V is never
+        registered (only computed tokens are), so they go to the front of the free LRU. Returns
+        the freed ids."""
+        table = self.tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        freed = table[keep:]
+        del table[keep:]
+        for block_id in reversed(freed):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        return freed
+
     # ---- beams: shared tables, copy-on-write ------------------------------------------------
 
     def fork(self, parent_id: int, child_id: int) -> list[int]:

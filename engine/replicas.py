@@ -208,7 +208,12 @@ class ReplicatedEngine:
             raise EngineDeadError("no replica has stats")
         total = copy.copy(per[0])
         for f in fields(total):
-            if f.name != "kv_cache_usage":
+            if f.name == "spec_decode_num_accepted_tokens_per_pos":  # a count per draft position
+                width = max(len(s.spec_decode_num_accepted_tokens_per_pos) for s in per)
+                setattr(total, f.name, [sum(s.spec_decode_num_accepted_tokens_per_pos[p]
+                                            for s in per if p < len(s.spec_decode_num_accepted_tokens_per_pos))
+                                        for p in range(width)])
+            elif f.name != "kv_cache_usage":
                 setattr(total, f.name, sum(getattr(s, f.name) for s in per))
         blocks = [s.num_blocks for s in per]
         if sum(blocks):

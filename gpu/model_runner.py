@@ -20,6 +20,7 @@ from gpu.kv_alloc import zeroed_tensor
 from gpu.kv_swap import owned_layers
 from contracts.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
 from gpu.pooling import new_pooler
+from gpu.spec_verify import draft_slices, num_accepted
 from kernels import kv_cache_dtype
 from kernels.kv_cache_dtype import index_copy_rows
 from kernels.metadata import AttentionMetadata
@@ -286,10 +287,14 @@ class ModelRunner:
         states = self.begin_step(step)
         if not states:
             return StepOutput(step.step_id)
+        drafts = draft_slices(step)  # speculative decoding: None unless some row has drafts
         requests: list[BatchRequest] = []
-        for s, n in zip(states, step.num_new_tokens):
+        for i, (s, n) in enumerate(zip(states, step.num_new_tokens)):
             start = s.num_computed
-            requests.append(BatchRequest(s.token_ids[start:start + n], start, s.block_table))
+            if drafts is not None and drafts[i]:  # its last token, then its drafts
+                requests.append(BatchRequest(s.token_ids[start:start + 1] + drafts[i], start, s.block_table))
+            else:
+                requests.append(BatchRequest(s.token_ids[start:start + n], start, s.block_table))
         batch = self.prepare(requests)
         hidden = self._run_model(batch)
 
@@ -298,6 +303,8 @@ class ModelRunner:
         sample_ids: list[int] = []
         sample_states: list[SeqState] = []
         sample_batch_idx: list[int] = []
+        sample_tokens: list[list[int]] = []  # the tokens before each sampled position
+        spec_rows: list[tuple[int, list[int]]] = []  # per sampled sequence: (first sampler row, drafts)
         prompt_logprobs: list[PromptLogprobs] = []
         pooled: list[PooledOutput] = []
         for i, (seq_id, s) in enumerate(zip(step.seq_ids, states)):
@@ -310,12 +317,26 @@ class ModelRunner:
                 continue
             if s.options.prompt_logprobs is not None and s.num_computed < s.num_prompt_tokens:
                 prompt_logprobs.append(self._prompt_logprobs(seq_id, s, hidden[qsl[i]:qsl[i + 1]]))
+            d = drafts[i] if drafts is not None else None
+            if d:  # one position per draft and the bonus position (gpu/spec_verify.py)
+                s.num_computed += 1
+                spec_rows.append((len(sample_rows), d))
+                for j in range(len(d) + 1):
+                    sample_rows.append(qsl[i + 1] - 1 - len(d) + j)
+                    sample_states.append(s)
+                    sample_batch_idx.append(i if j == 0 else -1)
+                    sample_tokens.append(s.token_ids + d[:j])
+                sample_ids.append(seq_id)
+                continue
             s.num_computed += n
             if s.num_computed == len(s.token_ids):
                 sample_rows.append(qsl[i + 1] - 1)
                 sample_ids.append(seq_id)
                 sample_states.append(s)
                 sample_batch_idx.append(i)
+                sample_tokens.append(s.token_ids)
+                if drafts is not None:
+                    spec_rows.append((len(sample_rows) - 1, []))
 
         token_ids: list[int] = []
         logprobs = None
@@ -328,18 +349,45 @@ class ModelRunner:
             result = self.sampler.sample(
                 logits,
                 options,
-                [s.token_ids for s in sample_states],
+                sample_tokens,
                 [s.num_prompt_tokens for s in sample_states],
                 token_mask=self._token_mask(step, sample_batch_idx),
                 preps=preps,
             )
-            for s, token in zip(sample_states, result.token_ids):
-                s.token_ids.append(token)
-            token_ids = result.token_ids
-            logprobs = result.logprobs
-        out = StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None)
+            if drafts is not None:
+                token_ids, logprobs, num_tokens = self._verify(spec_rows, sample_states, result)
+            else:
+                for s, token in zip(sample_states, result.token_ids):
+                    s.token_ids.append(token)
+                token_ids = result.token_ids
+                logprobs = result.logprobs
+        out = StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None,
+                              num_tokens if drafts is not None and sample_rows else None)
         out.pooled = pooled or None
         return out
+
+    def _verify(self, spec_rows: list[tuple[int, list[int]]], states: list[SeqState], result):
+        """Each sampled sequence keeps its accepted drafts and the token sampled after them
+        (gpu/spec_verify.py); the accepted drafts count as computed and the block table drops the
+        blocks only rejected drafts used (the engine frees the same ones). Returns the tokens
+        and logprobs flattened, and each sequence's token count."""
+        token_ids: list[int] = []
+        logprobs = [] if result.logprobs is not None else None
+        num_tokens: list[int] = []
+        B = self.block_size
+        for first, d in spec_rows:
+            a = num_accepted(result.token_ids[first:first + len(d)], d) if d else 0
+            kept = result.token_ids[first:first + a + 1]
+            s = states[first]
+            s.token_ids.extend(kept)
+            token_ids.extend(kept)
+            num_tokens.append(a + 1)
+            if logprobs is not None:
+                logprobs.extend(result.logprobs[first:first + a + 1])
+            if d:
+                s.num_computed += a
+                del s.block_table[-(-len(s.token_ids) // B):]
+        return token_ids, logprobs, num_tokens
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of beam forks: block dst takes block src's K/V in every layer."""
