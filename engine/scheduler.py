@@ -351,8 +351,12 @@ class Scheduler:
                 raise RuntimeError("beam forks announced in a step that schedules nothing")
             return None
 
-        # Decodes (one new token) first, otherwise in scheduling order.
-        entries = sorted(scheduled.values(), key=lambda e: e[1] != 1)
+        # Decodes (one new token) first, then decodes with drafts (the worker runs each position as
+        # a decode row), otherwise in scheduling order.
+        if drafts_of:
+            entries = sorted(scheduled.values(), key=lambda e: 0 if e[1] == 1 else (1 if e[0].seq_id in drafts_of else 2))
+        else:
+            entries = sorted(scheduled.values(), key=lambda e: e[1] != 1)
         seqs: list[Sequence] = []
         num_new_tokens: list[int] = []
         new_block_seqs: list[int] = []  # (batch index, block id) pairs, see contracts/messages.py

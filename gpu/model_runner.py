@@ -289,16 +289,24 @@ class ModelRunner:
             return StepOutput(step.step_id)
         drafts = draft_slices(step)  # speculative decoding: None unless some row has drafts
         requests: list[BatchRequest] = []
+        first_request: list[int] = []  # per scheduled row, its first request (several: drafts)
         for i, (s, n) in enumerate(zip(states, step.num_new_tokens)):
             start = s.num_computed
-            if drafts is not None and drafts[i]:  # its last token, then its drafts
-                requests.append(BatchRequest(s.token_ids[start:start + 1] + drafts[i], start, s.block_table))
+            first_request.append(len(requests))
+            if drafts is not None and drafts[i]:
+                # Its last token and each draft as a decode row of its own over the same block table
+                # (all K/V of a layer is written before its attention, so row j sees the drafts
+                # before it): the decode kernels, and the very numbers of a plain decode.
+                tokens = s.token_ids[start:start + 1] + drafts[i]
+                requests.extend(BatchRequest([t], start + j, s.block_table) for j, t in enumerate(tokens))
             else:
                 requests.append(BatchRequest(s.token_ids[start:start + n], start, s.block_table))
         batch = self.prepare(requests)
         hidden = self._run_model(batch)
 
         qsl = batch.meta.query_start_loc_host
+        if drafts is not None:  # each scheduled row's span of hidden rows
+            qsl = [qsl[r] for r in first_request] + [qsl[-1]]
         sample_rows: list[int] = []
         sample_ids: list[int] = []
         sample_states: list[SeqState] = []
