@@ -53,12 +53,28 @@ def check_supported(config: EngineConfig) -> None:
     if config.parallel.pipeline_parallel_size > 1:
         raise ConfigError("--speculative-config cannot be combined with --pipeline-parallel-size > 1 "
                           "(drafts are verified on the last stage only); drop one of them")
-    if spec.method != "ngram":
-        raise ConfigError(f"--speculative-config: method {spec.method!r} (a draft model) is not supported by "
-                          'this server yet; use {"method": "ngram", ...}')
+    if spec.method == "draft_model" and config.parallel.tensor_parallel_size > 1:
+        raise ConfigError("--speculative-config with a draft model cannot be combined with "
+                          "--tensor-parallel-size > 1 here; use the ngram method or one rank")
+
+
+class DraftModelSlots:
+    """Method draft_model: the worker's draft model proposes (gpu/spec_draft.py); the engine only
+    reserves k slots per decode, sent as placeholder drafts (-1) the worker fills in."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.k = num_speculative_tokens
+
+    def propose(self, seq_id: int, token_ids: list[int], max_tokens: int) -> list[int]:
+        return [-1] * min(self.k, max_tokens)
+
+    def forget(self, seq_id: int) -> None:
+        pass
 
 
 def new_proposer(spec: SpeculativeConfig):
+    if spec.method == "draft_model":
+        return DraftModelSlots(spec.num_speculative_tokens)
     from engine.spec_ngram import NgramProposer
 
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

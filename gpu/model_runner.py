@@ -83,6 +83,7 @@ class ModelRunner:
         self.graph_runner = None
         self.swap_pool = None  # gpu/kv_swap.HostSwapPool in --preemption-mode swap
         self.num_swap_blocks = 0
+        self.drafter = None  # gpu/spec_draft.DraftRunner with a draft model (speculative decoding)
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -108,6 +109,12 @@ class ModelRunner:
             sched = self.config.scheduler
             warm_row_buckets(self.model, sched.max_num_batched_tokens, sched.max_num_seqs)
         logger.info("loaded model in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype, self.device)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model":
+            from gpu.spec_draft import DraftRunner
+
+            self.drafter = DraftRunner(spec, self.config.model)
+            self.drafter.load(self.device, self.dtype, (self.config.model.hf_config or {}).get("vocab_size"))
         self.sampler = Sampler()
         self.num_blocks = self._num_blocks()
         self.allocate_kv_cache(self.num_blocks)
@@ -139,6 +146,8 @@ class ModelRunner:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         per_block = self.kv_bytes_per_block()
+        if self.drafter is not None:  # the draft's cache has as many blocks, out of the same budget
+            per_block += self.drafter.bytes_per_block(self.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             budget = self._cuda_kv_budget(cache.gpu_memory_utilization)
         else:
@@ -188,6 +197,8 @@ class ModelRunner:
         self.kv_caches = [(zeroed_tensor(shape, self.kv_dtype, self.device),
                            zeroed_tensor(shape, self.kv_dtype, self.device))
                           for _ in range(m.num_layers)]
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks, self.block_size, self.kv_dtype, self.device)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)", num_blocks, self.block_size,
                     num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / 2**30,
@@ -273,6 +284,8 @@ class ModelRunner:
             self.swap_pool.apply(step, self.kv_caches)
         for seq_id in step.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+        if self.drafter is not None:
+            self.drafter.begin_step(step)
         if step.blocks_to_copy_buf:
             self.copy_blocks(step.blocks_to_copy)
         for new in step.new_seqs:
@@ -288,6 +301,8 @@ class ModelRunner:
         if not states:
             return StepOutput(step.step_id)
         drafts = draft_slices(step)  # speculative decoding: None unless some row has drafts
+        if drafts is not None and self.drafter is not None:  # placeholders: the draft model proposes
+            self.drafter.propose(self, step.seq_ids, states, drafts)
         requests: list[BatchRequest] = []
         first_request: list[int] = []  # per scheduled row, its first request (several: drafts)
         for i, (s, n) in enumerate(zip(states, step.num_new_tokens)):
