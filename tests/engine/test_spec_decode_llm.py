@@ -202,3 +202,62 @@ def test_small_vocab_distribution_kept_chi_square(small_pair):
     b = Counter(tuple(t[1:3]) for t in runs["spec"])
     stat, df = _two_sample_chi2(a, b)
     assert stat < _chi2_quantile(df), (stat, df)
+
+
+# ---- draft model ---------------------------------------------------------------------------------
+
+def _draft_llm(path, **kw):
+    from engine.llm import LLM
+
+    return LLM(kv_cache_memory=0.25, speculative_config={"model": str(path), "num_speculative_tokens": 3}, **kw)
+
+
+def test_draft_model_itself_accepts_everything(base, default_model_path):
+    prompts = chat_prompts(base)
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    want = ids(base.generate(prompts, sp, use_tqdm=False))
+    llm = _draft_llm(default_model_path, max_num_batched_tokens=48)
+    try:
+        assert ids(llm.generate(prompts, sp, use_tqdm=False)) == want
+        s = llm.core.stats()
+        assert s.spec_decode_num_draft_tokens > 0
+        assert s.spec_decode_num_accepted_tokens == s.spec_decode_num_draft_tokens
+        # Seeded sampling: the very tokens of plain sampling (a greedy draft is a point mass).
+        seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=24) for i in range(len(prompts))]
+        assert ids(llm.generate(prompts, seeded, use_tqdm=False)) == ids(base.generate(prompts, seeded,
+                                                                                        use_tqdm=False))
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def random_draft_dir(tmp_path_factory):
+    """A random 2-layer Llama with the default model's vocabulary, saved as safetensors."""
+    from tests.gpu.test_models import save_hf_model
+
+    path = tmp_path_factory.mktemp("draft")
+    save_hf_model(dict(TINY_CONFIG), path)
+    return path
+
+
+def test_random_draft_model_output_as_plain_greedy(base, random_draft_dir):
+    prompts = chat_prompts(base)
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    want = ids(base.generate(prompts, sp, use_tqdm=False))
+    llm = _draft_llm(random_draft_dir, num_gpu_blocks_override=16)  # preemption too
+    try:
+        assert ids(llm.generate(prompts * 2, sp, use_tqdm=False)) == want * 2
+        s = llm.core.stats()
+        assert s.spec_decode_num_draft_tokens > s.spec_decode_num_accepted_tokens
+        assert s.num_preemptions > 0
+    finally:
+        llm.shutdown()
+
+
+def test_draft_model_of_another_vocabulary_refused(tmp_path_factory):
+    from tests.gpu.test_models import save_hf_model
+
+    path = tmp_path_factory.mktemp("draft_vocab")
+    save_hf_model(dict(TINY_CONFIG, vocab_size=1000), path)
+    with pytest.raises(Exception, match="vocabulary of 1000 tokens but the model has 49152"):
+        _draft_llm(path)
