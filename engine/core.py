@@ -302,10 +302,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             except Exception as e:  # noqa: BLE001 - this request's fault: it fails, the step goes on
                 failed[req.request_id] = self.fail_request(req, e)
                 continue
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            touched[req.request_id] = req
+            self.token_arrived(req, now, touched)
         for req in beam_reqs.values():
             if req.request_id not in failed:
                 try:
@@ -432,6 +429,23 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         return stats
 
     # ---- per token --------------------------------------------------------------------------
+
+    @staticmethod
+    def token_arrived(req: Request, now: float, touched: dict[str, Request]) -> None:
+        """A step gave ``req`` tokens: its token times, and it has a delta to send."""
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        touched[req.request_id] = req
+
+    def append_token(self, seq: Sequence, token_id: int, lp: SampledLogprobs | None) -> None:
+        """One generated token (engine/spec_decode.py appends a verified run through here)."""
+        self._append_token(seq, token_id, lp)
+
+    def live_seq(self, seq_id: int) -> Sequence | None:
+        """The running sequence of this id, None when it finished or was aborted meanwhile."""
+        seq = self._seqs.get(seq_id)
+        return seq if seq is not None and seq.status is SeqStatus.RUNNING else None
 
     def _append_token(self, seq: Sequence, token_id: int, lp: SampledLogprobs | None) -> None:
         seq.token_ids.append(token_id)

@@ -261,13 +261,7 @@ class BlockManager:
         keep = self.blocks_for(num_tokens)
         freed = table[keep:]
         del table[keep:]
-        for block_id in reversed(freed):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+        self._release(freed)
         return freed
 
     # ---- beams: shared tables, copy-on-write ------------------------------------------------
@@ -311,8 +305,12 @@ class BlockManager:
         """Drop a sequence's table; blocks nobody else holds return to the free LRU."""
         table = self.tables.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
-        if table is None:
-            return
+        if table is not None:
+            self._release(table)
+
+    def _release(self, table: list[int]) -> None:
+        """One reference less on each block, tail first; blocks nobody holds go to the free LRU
+        (to its front when they hold no cached prefix: reused before any cached block)."""
         for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -3,7 +3,7 @@ their sequences, and the acceptance counters (the metrics and the log line).
 
 The scheduler asks the proposer for drafts and reserves their slots (engine/scheduler.py); the
 worker verifies them (gpu/spec_verify.py) and returns 1 + accepted tokens per sequence. Here each
-token goes through ``EngineCore._append_token`` one by one, so EOS, stop tokens, stop strings and
+token goes through ``EngineCore.append_token`` one by one, so EOS, stop tokens, stop strings and
 max_tokens inside an accepted run end the sequence exactly where they would without drafts (the
 tokens after that point are dropped with the sequence's worker state).
 """
@@ -100,8 +100,8 @@ class SpecDecode:
         for i, seq_id in enumerate(step_output.seq_ids):
             n = counts[i] if counts is not None else 1
             first, at = at, at + n
-            seq = core._seqs.get(seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING:
+            seq = core.live_seq(seq_id)
+            if seq is None:
                 continue  # aborted while the step ran
             d = drafts.get(seq_id) or []
             if d:
@@ -109,7 +109,7 @@ class SpecDecode:
             req = seq.request
             try:
                 for j in range(first, first + n):
-                    core._append_token(seq, tokens[j], logprobs[j] if logprobs is not None else None)
+                    core.append_token(seq, tokens[j], logprobs[j] if logprobs is not None else None)
                     if seq.status is not SeqStatus.RUNNING:
                         break  # finished inside the accepted run: the rest is dropped
                 else:
@@ -118,10 +118,7 @@ class SpecDecode:
             except Exception as e:  # noqa: BLE001 - this request's fault: it fails, the step goes on
                 failed[req.request_id] = core.fail_request(req, e)
                 continue
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            touched[req.request_id] = req
+            core.token_arrived(req, now, touched)
         self._maybe_log(now)
 
     def _maybe_log(self, now: float) -> None:
