@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=3, help="alternating rounds (median reported)")
     parser.add_argument("--batch", type=int, default=16, help="requests of the batched runs")
     parser.add_argument("--kv-cache-memory", type=float, default=1.0)
+    parser.add_argument("--runs", default="single,c_quote,c_random", help="which measurements, comma-separated")
     parser.add_argument("--json", action="store_true")
 
 
@@ -85,22 +86,21 @@ def run(args: argparse.Namespace) -> int:
     batch_random = _random_prompts(args.batch)
     greedy = SamplingParams(temperature=0, max_tokens=args.output_len)
     forced = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    runs = {name: {"single": [], "c_quote": [], "c_random": []} for name in engines}
+    wanted = set(args.runs.split(","))
+    runs = {name: {k: [] for k in ("single", "c_quote", "c_random") if k in wanted} for name in engines}
     outputs: dict[str, dict] = {name: {} for name in engines}
     try:
         for llm in engines.values():  # warm-up
             llm.generate(quote[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         spec_before = engines["ngram"].core.stats()
+        measures = {"single": lambda llm: _single(llm, quote, greedy),
+                    "c_quote": lambda llm: _batched(llm, batch_quote, greedy),
+                    "c_random": lambda llm: _batched(llm, batch_random, forced)}
         for _ in range(args.num_iters):
-            for name, llm in engines.items():
-                tps, outputs[name]["single"] = _single(llm, quote, greedy)
-                runs[name]["single"].append(tps)
-            for name, llm in engines.items():
-                tps, outputs[name]["c_quote"] = _batched(llm, batch_quote, greedy)
-                runs[name]["c_quote"].append(tps)
-            for name, llm in engines.items():
-                tps, outputs[name]["c_random"] = _batched(llm, batch_random, forced)
-                runs[name]["c_random"].append(tps)
+            for what in runs["off"]:
+                for name, llm in engines.items():
+                    tps, outputs[name][what] = measures[what](llm)
+                    runs[name][what].append(tps)
         s = engines["ngram"].core.stats()
     finally:
         for llm in engines.values():
