@@ -248,3 +248,14 @@ def test_speculative_config_as_vllm_reads_it():
     assert c.method == "draft_model" and c.model == "/some/draft"
     config = EngineConfig.from_options(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert EngineConfig.from_options(**config.options()).speculative == config.speculative
+
+
+def test_pipeline_parallel_refused_before_any_worker_starts():
+    from contracts.config import default_model_path
+    from engine.bootstrap import resolve_config
+    from loadtest.tiny_model import TINY_CONFIG
+
+    config = EngineConfig.from_options(model=default_model_path(), load_format="dummy", hf_config=TINY_CONFIG,
+                                       speculative_config=NGRAM, pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="pipeline-parallel-size"):
+        resolve_config(config)  # build_engine's first call, before the executor starts
