@@ -261,3 +261,16 @@ def test_draft_model_of_another_vocabulary_refused(tmp_path_factory):
     save_hf_model(dict(TINY_CONFIG, vocab_size=1000), path)
     with pytest.raises(Exception, match="vocabulary of 1000 tokens but the model has 49152"):
         _draft_llm(path)
+
+
+def test_worker_processes_carry_drafts_and_verified_runs(small_pair):
+    """executor mp (serve's): drafts and multi-token outputs through the step ring."""
+    plain, _ = small_pair
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=20, ignore_eos=True, logprobs=1) for t in (0, 0.8)]
+    want = _sampled(plain, params)
+    llm = tiny_llm(hf_config=SMALL, executor="mp", speculative_config=dict(NGRAM, prompt_lookup_min=1))
+    try:
+        assert _sampled(llm, params) == want
+        assert llm.core.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
