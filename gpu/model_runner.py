@@ -20,7 +20,7 @@ from gpu.kv_alloc import zeroed_tensor
 from gpu.kv_swap import owned_layers
 from contracts.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
 from gpu.pooling import new_pooler
-from gpu.spec_verify import draft_slices, num_accepted
+from gpu.spec_verify import draft_slices, keep_accepted
 from kernels import kv_cache_dtype
 from kernels.kv_cache_dtype import index_copy_rows
 from kernels.metadata import AttentionMetadata
@@ -378,7 +378,7 @@ class ModelRunner:
                 preps=preps,
             )
             if drafts is not None:
-                token_ids, logprobs, num_tokens = self._verify(spec_rows, sample_states, result)
+                token_ids, logprobs, num_tokens = keep_accepted(spec_rows, sample_states, result, self.block_size)
             else:
                 for s, token in zip(sample_states, result.token_ids):
                     s.token_ids.append(token)
@@ -388,29 +388,6 @@ class ModelRunner:
                               num_tokens if drafts is not None and sample_rows else None)
         out.pooled = pooled or None
         return out
-
-    def _verify(self, spec_rows: list[tuple[int, list[int]]], states: list[SeqState], result):
-        """Each sampled sequence keeps its accepted drafts and the token sampled after them
-        (gpu/spec_verify.py); the accepted drafts count as computed and the block table drops the
-        blocks only rejected drafts used (the engine frees the same ones). Returns the tokens
-        and logprobs flattened, and each sequence's token count."""
-        token_ids: list[int] = []
-        logprobs = [] if result.logprobs is not None else None
-        num_tokens: list[int] = []
-        B = self.block_size
-        for first, d in spec_rows:
-            a = num_accepted(result.token_ids[first:first + len(d)], d) if d else 0
-            kept = result.token_ids[first:first + a + 1]
-            s = states[first]
-            s.token_ids.extend(kept)
-            token_ids.extend(kept)
-            num_tokens.append(a + 1)
-            if logprobs is not None:
-                logprobs.extend(result.logprobs[first:first + a + 1])
-            if d:
-                s.num_computed += a
-                del s.block_table[-(-len(s.token_ids) // B):]
-        return token_ids, logprobs, num_tokens
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of beam forks: block dst takes block src's K/V in every layer."""

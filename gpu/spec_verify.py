@@ -40,3 +40,29 @@ def num_accepted(sampled: list[int], drafts: list[int]) -> int:
     while a < len(drafts) and sampled[a] == drafts[a]:
         a += 1
     return a
+
+
+def keep_accepted(spec_rows: list[tuple[int, list[int]]], states: list, result, block_size: int):
+    """Each sampled sequence keeps its accepted drafts and the token sampled after them; the
+    accepted drafts count as computed and the block table drops the blocks only rejected drafts
+    used (the engine frees the same ones, engine/scheduler.py ``accept_drafts``).
+
+    ``spec_rows``: per sampled sequence (its first sampler row, its drafts; [] for none);
+    ``states``: the sampler rows' sequence states; ``result``: the sampler's output. Returns the
+    tokens and logprobs flattened, and each sequence's token count."""
+    token_ids: list[int] = []
+    logprobs = [] if result.logprobs is not None else None
+    num_tokens: list[int] = []
+    for first, d in spec_rows:
+        a = num_accepted(result.token_ids[first:first + len(d)], d) if d else 0
+        kept = result.token_ids[first:first + a + 1]
+        s = states[first]
+        s.token_ids.extend(kept)
+        token_ids.extend(kept)
+        num_tokens.append(a + 1)
+        if logprobs is not None:
+            logprobs.extend(result.logprobs[first:first + a + 1])
+        if d:
+            s.num_computed += a
+            del s.block_table[-(-len(s.token_ids) // block_size):]
+    return token_ids, logprobs, num_tokens
