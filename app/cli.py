@@ -17,6 +17,8 @@ COMMANDS = {
 BENCH_COMMANDS = {
     "throughput": ("loadtest.micro.bench_throughput", "Offline throughput on a workload file (default W1)"),
     "latency": ("loadtest.micro.bench_latency", "One request's prefill time and decode speed"),
+    "spec-decode": ("loadtest.micro.bench_spec_decode",
+                    "ngram speculative decoding against plain decoding (quote workload, c=1 and batched)"),
     "serve": ("loadtest.bench", "Serving benchmark against any OpenAI-compatible server"),
     "ipc": ("loadtest.micro.bench_ipc", "Round trip of step messages: shm ring vs multiprocessing.Queue"),
     "soak": ("loadtest.soak", "Thousands of mixed requests, then proof nothing leaked (RSS, fds, KV)"),

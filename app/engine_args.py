@@ -96,6 +96,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag(g, "--enforce-eager", action="store_true",
          help="no CUDA-graph decode runner (the default on CPU)")
     flag(g, "--model-seed", type=int, help="seed of dummy (random) weights")
+    flag(g, "--speculative-config",
+         help='speculative decoding as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup), optional '
+              '"disable_by_batch_size": N (no drafts in a step with N or more running sequences)')
     flag(g, "--step-timeout", type=float,
          help="seconds a step may take before the workers count as hung and the engine fails "
               "as for a dead worker (executor mp; the first steps get the startup timeout); "

@@ -88,6 +88,7 @@ class EngineStatsCollector:
                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
             g.add_metric([str(s.max_lora), ",".join(s.lora_running), ",".join(s.lora_waiting)], time.time())
             yield g
+        yield from _spec_decode_metrics(s, labels, value)
         for name, doc, v in (
             ("engine_deaths", "Times the engine stopped on a failure it did not recover from "
              "(a worker died or hung, the loop crashed).", self.engine.num_deaths),
@@ -97,6 +98,24 @@ class EngineStatsCollector:
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             c.add_metric(value, float(v))
             yield c
+
+
+def _spec_decode_metrics(s, labels: list[str], value: list[str]):
+    """Speculative decoding counters (vLLM's spec_decode_* names); always present, 0 when off."""
+    for name, doc, v in (
+        ("spec_decode_num_drafts", "Draft runs proposed (one per speculating sequence per step).",
+         s.spec_decode_num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_decode_num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_decode_num_accepted_tokens),
+    ):
+        c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        c.add_metric(value, float(v))
+        yield c
+    c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                            "Draft tokens accepted, by position in the draft run.", labels=labels + ["position"])
+    for pos, v in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+        c.add_metric(value + [str(pos)], float(v))
+    yield c
 
 
 class LoopLagCollector:

@@ -226,6 +226,79 @@ class LoRAConfig:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's keys this server reads from --speculative-config; any other key is refused by name.
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                    "disable_by_batch_size")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` JSON): each step a request proposes
+    ``num_speculative_tokens`` draft tokens that the target model verifies in the same forward.
+
+    ngram (prompt lookup): the drafts are the tokens that followed the latest earlier occurrence of
+    the sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``).
+    draft_model: ``model`` (same vocabulary) proposes them. ``disable_by_batch_size``: no drafts
+    in a step once this many sequences run (vLLM's key; None = never off)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError('--speculative-config: method "draft_model" needs "model": the draft\'s path')
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-config: method {self.method!r} is not supported; choose "
+                              f"{' or '.join(SPECULATIVE_METHODS)}")
+        if not (isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 32):
+            raise ConfigError("--speculative-config: num_speculative_tokens must be an integer in [1, 32], "
+                              f"got {self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            # As vLLM: one bound given sets the other; neither gives 5 (max) and 5 (min).
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (lo if lo is not None else (hi if hi is not None else 5)), (hi if hi is not None else (lo or 5))
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise ConfigError("--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                                  f"got min {lo!r}, max {hi!r}")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.disable_by_batch_size is not None and not (
+                isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1):
+            raise ConfigError("--speculative-config: disable_by_batch_size must be an integer >= 1, "
+                              f"got {self.disable_by_batch_size!r}")
+
+    @classmethod
+    def from_option(cls, value) -> "SpeculativeConfig | None":
+        """From ``LLM(speculative_config=...)`` or the flag: a dict, its JSON text, or a config."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--speculative-config must be a JSON object, e.g. "
+                              '{"method": "ngram", "num_speculative_tokens": 3}')
+        unknown = sorted(set(value) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ConfigError(f"--speculative-config: unsupported key(s) {', '.join(unknown)}; this server "
+                              f"reads {', '.join(SPECULATIVE_KEYS)}")
+        values = dict(value)
+        if values.get("method") is None:  # vLLM: a model without a method is a draft model
+            values["method"] = "draft_model" if values.get("model") else "ngram"
+        return cls(**values)
+
+    def as_option(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
 # Options are named as the CLI flags are (the flag's dest; vLLM's EngineArgs name where one exists):
 # ``LLM(**options)``, ``EngineConfig.from_options`` and the flags all take the same names. These
 # options set a config field named otherwise (vLLM's config objects name them the same way).
@@ -258,31 +331,40 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prep: PrepConfig = field(default_factory=PrepConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig | None = None  # option speculative_config; None = off
 
     def __post_init__(self) -> None:
         if self.lora.enable_lora and self.parallel.pipeline_parallel_size > 1:
             raise ConfigError("--enable-lora does not work with --pipeline-parallel-size > 1 yet: "
                               "use tensor parallelism")
+        if self.lora.enable_lora and self.speculative is not None:
+            raise ConfigError("--enable-lora and --speculative-config together are not supported yet: "
+                              "use one of them")
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
         """Build from flat keyword options (``LLM(**options)``, CLI flags) by option name; each
         part is built once, so its ``__post_init__`` checks what the user gave."""
         values: dict[type, dict] = {part: {} for part in PARTS}
+        speculative = SpeculativeConfig.from_option(options.pop(SPECULATIVE_OPTION, None))
         for name, value in options.items():
             part, field_name = option_field(name)
             values[part][field_name] = value
-        return cls(*(part(**values[part]) for part in PARTS))
+        return cls(*(part(**values[part]) for part in PARTS), speculative=speculative)
 
     def options(self) -> dict:
         """The flat options this config was built from (``LLM(**config.options())``)."""
         fields_to_options = {f: o for o, f in OPTION_FIELDS.items() if o != "distributed_executor_backend"}
-        return {fields_to_options.get(f.name, f.name): getattr(part, f.name)
-                for part in (self.model, self.cache, self.parallel, self.scheduler, self.prep, self.lora)
-                for f in dataclasses.fields(part)}
+        out = {fields_to_options.get(f.name, f.name): getattr(part, f.name)
+               for part in (self.model, self.cache, self.parallel, self.scheduler, self.prep, self.lora)
+               for f in dataclasses.fields(part)}
+        out[SPECULATIVE_OPTION] = self.speculative.as_option() if self.speculative is not None else None
+        return out
 
 
 PARTS = (ModelConfig, CacheConfig, ParallelConfig, SchedulerConfig, PrepConfig, LoRAConfig)
+# The one option that is a whole config part (vLLM's --speculative-config JSON), not a field.
+SPECULATIVE_OPTION = "speculative_config"
 
 
 def option_field(name: str) -> tuple[type, str]:
@@ -290,6 +372,8 @@ def option_field(name: str) -> tuple[type, str]:
     if name in RENAMED_OPTIONS:
         raise ConfigError(f"engine option {name!r} is now {RENAMED_OPTIONS[name]!r} "
                           f"(the name of its CLI flag, as in vLLM)")
+    if name == SPECULATIVE_OPTION:
+        return EngineConfig, "speculative"
     field_name = OPTION_FIELDS.get(name, name)
     for part in PARTS:
         if field_name in {f.name for f in dataclasses.fields(part)}:
@@ -300,5 +384,7 @@ def option_field(name: str) -> tuple[type, str]:
 def option_default(name: str):
     """The default of an option: its config field's (CLI flags take theirs from here)."""
     part, field_name = option_field(name)
+    if part is EngineConfig:
+        return None
     f = next(f for f in dataclasses.fields(part) if f.name == field_name)
     return f.default_factory() if f.default is dataclasses.MISSING else f.default

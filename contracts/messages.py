@@ -33,6 +33,13 @@ Worker-side order of operations for one ``StepInput``:
      ``lora_slots``);
   4. for each scheduled sequence i: compute tokens
      ``token_ids[num_computed : num_computed + num_new_tokens[i]]``;
+  4b. speculative decoding: a row with d > 0 in ``num_draft_tokens`` is a decode whose
+     ``num_new_tokens`` (1 + d) are its last token followed by its d draft tokens (the row's slice
+     of ``draft_token_ids``). The worker samples at all 1 + d positions, each as a plain decode
+     would given the tokens before it; it keeps the longest prefix of drafts equal to what it
+     sampled, plus the token sampled after that prefix (a+1 tokens for a accepted drafts). It
+     appends them, counts the last token and the a accepted drafts as computed, and cuts its
+     block table to the blocks its tokens need (the engine frees the same tail blocks);
   5. a sequence whose ``num_computed`` reaches ``len(token_ids)`` samples one token, appends it
      to its own ``token_ids`` and reports it in ``StepOutput`` (a partial prefill chunk samples
      nothing). A pooling sequence (``NewSeq.pooling`` set: embeddings) samples nothing: each of
@@ -165,6 +172,10 @@ class StepInput(msgspec.Struct, array_like=True):
     # empty when no scheduled sequence uses an adapter.
     lora_loads: list[LoRALoad] | None = None
     lora_slots_buf: bytes = b""
+    # Speculative decoding (step 4b above): int32 draft count per scheduled sequence, empty when no
+    # row has drafts; the drafts themselves, flattened in batch order.
+    num_draft_tokens_buf: bytes = b""
+    draft_token_ids_buf: bytes = b""
 
     @classmethod
     def pack(cls, step_id: int, new_seqs: list[NewSeq], seq_ids: Iterable[int], num_new_tokens: Iterable[int],
@@ -193,6 +204,14 @@ class StepInput(msgspec.Struct, array_like=True):
     @property
     def lora_slots(self) -> memoryview:
         return memoryview(self.lora_slots_buf).cast(INT_FORMAT)
+
+    @property
+    def num_draft_tokens(self) -> memoryview:
+        return memoryview(self.num_draft_tokens_buf).cast(INT_FORMAT)
+
+    @property
+    def draft_token_ids(self) -> memoryview:
+        return memoryview(self.draft_token_ids_buf).cast(INT_FORMAT)
 
     @property
     def token_mask_rows(self) -> memoryview:
@@ -252,12 +271,23 @@ class StepOutput(msgspec.Struct, array_like=True):
     error: str | None = None  # set when the worker failed this step; the engine fails the requests
     # Pooling sequences whose prompt was computed this step (they sample nothing); None = none.
     pooled: list[PooledOutput] | None = None
+    # Speculative decoding: int32 count of tokens each sampled sequence got (1 + accepted drafts),
+    # empty when every one got one. token_ids (and logprobs) then hold them all, flattened.
+    num_tokens_buf: bytes = b""
 
     @classmethod
     def pack(cls, step_id: int, seq_ids: Iterable[int], token_ids: Iterable[int],
              logprobs: list[SampledLogprobs | None] | None = None,
-             prompt_logprobs: list[PromptLogprobs] | None = None) -> StepOutput:
-        return cls(step_id, pack_seq_ids(seq_ids), pack_ints(token_ids), logprobs, prompt_logprobs)
+             prompt_logprobs: list[PromptLogprobs] | None = None,
+             num_tokens: list[int] | None = None) -> StepOutput:
+        out = cls(step_id, pack_seq_ids(seq_ids), pack_ints(token_ids), logprobs, prompt_logprobs)
+        if num_tokens is not None and any(n != 1 for n in num_tokens):
+            out.num_tokens_buf = pack_ints(num_tokens)
+        return out
+
+    @property
+    def num_tokens(self) -> memoryview:
+        return memoryview(self.num_tokens_buf).cast(INT_FORMAT)
 
     @property
     def seq_ids(self) -> memoryview:

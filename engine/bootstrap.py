@@ -58,6 +58,9 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
         raise ConfigError(f"--block-size {bs} must be a power of two >= 8")
     _check_device(config)
     _check_kv_cache_dtype(config)
+    from engine.spec_decode import check_supported
+
+    check_supported(config)  # speculative decoding's refusals, before any worker starts
     return config, hf
 
 

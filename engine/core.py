@@ -22,7 +22,7 @@ import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import beam_engine
 from engine.sampling_params import BeamSearchParams
@@ -38,6 +38,7 @@ from engine.pooling_requests import PoolingRequests
 from engine.request import Request, Sequence, SeqStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
+from engine.spec_decode import SpecDecode, check_supported, new_proposer
 from engine.stop_matcher import StopMatcher
 from engine.structured_output.core_hooks import ConstrainedRequests
 from engine.structured_output.tracker import ConstraintTracker
@@ -71,6 +72,11 @@ class EngineStats:
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()
     max_lora: int = 0
+    # Speculative decoding (engine/spec_decode.py), cumulative; 0 / [] when it is off.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 def _swap_blocks(config: EngineConfig, executor) -> int:
@@ -98,6 +104,12 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         self.lora_slots = (LoRASlots(config.lora, config.model.hf_config or {})
                            if config.lora.enable_lora else None)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.lora_slots)
+        self.spec: SpecDecode | None = None
+        if config.speculative is not None:
+            check_supported(config)
+            self.spec = SpecDecode(config.speculative)
+            self.scheduler.proposer = new_proposer(config.speculative)
+            self.scheduler.spec_disable_batch = config.speculative.disable_by_batch_size
         self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids or [])
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
@@ -123,6 +135,9 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         if lora_request is not None:
             self.check_lora(lora_request, params)
         if isinstance(params, BeamSearchParams):
+            if self.spec is not None:
+                raise RequestRejectedError("beam search is not supported with speculative decoding "
+                                           "(--speculative-config); use sampling, or a server without it")
             return beam_engine.add_beam_request(self, request_id, prompt, prompt_token_ids, params,
                                                 arrival_time, priority, cache_salt)
         params = params if params is not None else SamplingParams()
@@ -308,7 +323,10 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         logprobs = step_output.logprobs
         beam_reqs: dict[str, Request] = {}
         failed: dict[str, RequestOutput | None] = {}  # requests whose own processing raised
-        for i, (seq_id, token_id) in enumerate(zip(step_output.seq_ids, step_output.token_ids)):
+        if scheduled.drafts is not None:  # speculative decoding: several tokens per sequence
+            self.spec.append_verified(self, scheduled, step_output, touched, failed, now)
+        for i, (seq_id, token_id) in enumerate(
+                zip(step_output.seq_ids, step_output.token_ids) if scheduled.drafts is None else ()):
             seq = self._seqs.get(seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -323,10 +341,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             except Exception as e:  # noqa: BLE001 - this request's fault: it fails, the step goes on
                 failed[req.request_id] = self.fail_request(req, e)
                 continue
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.last_token_time = now
-            touched[req.request_id] = req
+            self.token_arrived(req, now, touched)
         for req in beam_reqs.values():
             if req.request_id not in failed:
                 try:
@@ -432,7 +447,7 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
     def stats(self) -> EngineStats:
         running = sum(1 for r in self.requests.values() if any(s.status is SeqStatus.RUNNING for s in r.seqs))
         bm = self.block_manager
-        return EngineStats(
+        stats = EngineStats(
             num_running=running,
             num_waiting=len(self.requests) - running,
             kv_cache_usage=bm.usage,
@@ -445,6 +460,13 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             num_blocks=bm.num_usable_blocks,
             **(self._lora_stats() if self.lora_slots is not None else {}),
         )
+        if self.spec is not None:
+            sp = self.spec.stats
+            stats.spec_decode_num_drafts = sp.num_drafts
+            stats.spec_decode_num_draft_tokens = sp.num_draft_tokens
+            stats.spec_decode_num_accepted_tokens = sp.num_accepted_tokens
+            stats.spec_decode_num_accepted_tokens_per_pos = list(sp.accepted_per_pos)
+        return stats
 
     def _lora_stats(self) -> dict:
         running: set[str] = set()
@@ -457,6 +479,23 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
                 "max_lora": self.config.lora.max_loras}
 
     # ---- per token --------------------------------------------------------------------------
+
+    @staticmethod
+    def token_arrived(req: Request, now: float, touched: dict[str, Request]) -> None:
+        """A step gave ``req`` tokens: its token times, and it has a delta to send."""
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        touched[req.request_id] = req
+
+    def append_token(self, seq: Sequence, token_id: int, lp: SampledLogprobs | None) -> None:
+        """One generated token (engine/spec_decode.py appends a verified run through here)."""
+        self._append_token(seq, token_id, lp)
+
+    def live_seq(self, seq_id: int) -> Sequence | None:
+        """The running sequence of this id, None when it finished or was aborted meanwhile."""
+        seq = self._seqs.get(seq_id)
+        return seq if seq is not None and seq.status is SeqStatus.RUNNING else None
 
     def _append_token(self, seq: Sequence, token_id: int, lp: SampledLogprobs | None) -> None:
         seq.token_ids.append(token_id)

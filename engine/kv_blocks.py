@@ -253,6 +253,18 @@ class BlockManager:
         table.extend(new)
         return new
 
+    def trim(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Give back the tail blocks past those ``num_tokens`` tokens need (speculative decoding:
+        the slots of rejected drafts; the worker cuts its table the same way). Their K/V is never
+        registered (only computed tokens are), so they go to the front of the free LRU. Returns
+        the freed ids."""
+        table = self.tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        freed = table[keep:]
+        del table[keep:]
+        self._release(freed)
+        return freed
+
     # ---- beams: shared tables, copy-on-write ------------------------------------------------
 
     def fork(self, parent_id: int, child_id: int) -> list[int]:
@@ -294,8 +306,12 @@ class BlockManager:
         """Drop a sequence's table; blocks nobody else holds return to the free LRU."""
         table = self.tables.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
-        if table is None:
-            return
+        if table is not None:
+            self._release(table)
+
+    def _release(self, table: list[int]) -> None:
+        """One reference less on each block, tail first; blocks nobody holds go to the free LRU
+        (to its front when they hold no cached prefix: reused before any cached block)."""
         for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -215,6 +215,10 @@ class ReplicatedEngine:
             values = [getattr(s, f.name) for s in per]
             if f.name == "max_lora":  # every replica's own limit, the same
                 total.max_lora = max(values)
+            elif f.name == "spec_decode_num_accepted_tokens_per_pos":  # a count per draft position
+                width = max(len(v) for v in values)
+                total.spec_decode_num_accepted_tokens_per_pos = [sum(v[p] for v in values if p < len(v))
+                                                                 for p in range(width)]
             elif isinstance(values[0], tuple):  # adapter names: those of any replica
                 setattr(total, f.name, tuple(sorted(set().union(*values))))
             elif f.name != "kv_cache_usage":

@@ -22,6 +22,15 @@ scheduled; a sequence samples when it reaches its token count, and the engine ap
 sampled token as the worker does. Sequences of n > 1 requests other than the first wait until
 the prompt has been computed once, so that they hit its blocks in the prefix cache.
 
+Speculative decoding (``proposer`` set, engine/spec_ngram.py): a running sequence with exactly
+one token left to compute may take up to k draft tokens after it, verified in the same step
+(contracts/messages.py step 4b). The drafts count against the token budget and get KV slots
+like any token; a sequence whose drafts find no free block runs without them before anyone is
+preempted. ``num_computed_tokens`` grows by the real token only: ``accept_drafts`` adds the
+accepted drafts once the step is back and frees the blocks only rejected drafts used, so the
+prefix cache only ever registers accepted tokens. ``spec_disable_batch``: no drafts in a step
+once that many sequences run (vLLM's disable_by_batch_size).
+
 Contract: schedule() must not be called again before the previous step was processed, except
 with pipeline stages (``EngineCore`` keeps up to pp steps in flight): a sequence in a step that is
 sent but not yet processed (``in_flight``) is neither scheduled again nor preempted, so each
@@ -48,6 +57,7 @@ class ScheduledStep:
     num_new_tokens: list[int]
     samples: list[bool]  # whether each scheduled sequence samples a token this step
     preempted: list[Sequence] = field(default_factory=list)
+    drafts: list[list[int]] | None = None  # parallel to seqs: each one's draft tokens (None: no drafts)
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +91,9 @@ class Scheduler:
         self.in_flight: set[int] = set()  # seq ids of steps scheduled but not yet processed
         self.lora_slots = lora_slots
         self.max_loras = lora_slots.config.max_loras if lora_slots is not None else 0
+        # Speculative decoding: propose(seq_id, token_ids, max_tokens) -> drafts, forget(seq_id).
+        self.proposer = None
+        self.spec_disable_batch: int | None = None
 
     # ---- ordering ---------------------------------------------------------------------------
 
@@ -123,6 +136,8 @@ class Scheduler:
         self.bm.free(seq.seq_id)
         self.bm.swap.free(seq.seq_id)
         self._forget_on_worker(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
 
     def _forget_on_worker(self, seq: Sequence) -> None:
         if seq.on_worker:
@@ -217,6 +232,22 @@ class Scheduler:
         req = seq.request
         return req.prefill_done or req.seqs[0].is_finished
 
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decode: none for rows whose next token depends on more than the
+        logits (grammars, allowed ids, bad words), beams and pooling; never past max_tokens."""
+        if seq.constraint is not None or seq.request.beam is not None or seq.pooling is not None:
+            return []
+        room = min(budget - 1, seq.max_tokens - seq.num_output_tokens - 1)
+        if room <= 0:
+            return []
+        return self.proposer.propose(seq.seq_id, seq.token_ids, room)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """The step verified ``seq``'s drafts and ``seq`` is still running with its new tokens
+        appended: the accepted drafts count as computed, the blocks only rejected ones used go."""
+        seq.num_computed_tokens += num_accepted
+        self.bm.trim(seq.seq_id, seq.num_tokens)
+
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -228,7 +259,10 @@ class Scheduler:
         prompt_tokens = 0  # tokens of prompt chunks (more than one new token) in this step
         B = self.bm.block_size
         scheduled: dict[int, tuple[Sequence, int, list[int]]] = {}  # seq id -> (seq, n, new blocks)
+        drafts_of: dict[int, list[int]] = {}  # seq id -> its draft tokens (included in its n)
         preempted: list[Sequence] = []
+        speculate = self.proposer is not None and (
+            self.spec_disable_batch is None or len(self.running) < self.spec_disable_batch)
         forks = self._unshare_forks(preempted) if self._forked else []
         adapters: set[tuple[int, str]] = set()  # distinct LoRA adapters of this step
 
@@ -243,14 +277,21 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
+            drafts = self._drafts(seq, budget) if speculate and seq.num_tokens - seq.num_computed_tokens == 1 else []
+            num_new += len(drafts)
             new_blocks = None
             while True:
                 new_blocks = self.bm.append_slots(seq.seq_id, seq.num_computed_tokens + num_new)
                 if new_blocks is not None:
                     break
+                if drafts:  # no room for the drafts: run without them before preempting anyone
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 victim = max((s for s in self.running if s.seq_id not in self.in_flight), key=self._key)
                 if victim.seq_id in scheduled:
                     budget += scheduled.pop(victim.seq_id)[1]
+                    drafts_of.pop(victim.seq_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -259,7 +300,10 @@ class Scheduler:
                 continue
             scheduled[seq.seq_id] = (seq, num_new, new_blocks)
             budget -= num_new
-            prompt_tokens += num_new if num_new > 1 else 0
+            if drafts:
+                drafts_of[seq.seq_id] = drafts
+            else:
+                prompt_tokens += num_new if num_new > 1 else 0
 
         # 2. waiting sequences
         new_seqs, block_copies = self._announce_forks(forks) if forks else ([], [])
@@ -319,15 +363,20 @@ class Scheduler:
                 raise RuntimeError("beam forks announced in a step that schedules nothing")
             return None
 
-        # Decodes (one new token) first, otherwise in scheduling order.
-        entries = sorted(scheduled.values(), key=lambda e: e[1] != 1)
+        # Decodes (one new token) first, then decodes with drafts (the worker runs each position as
+        # a decode row), otherwise in scheduling order.
+        if drafts_of:
+            entries = sorted(scheduled.values(), key=lambda e: 0 if e[1] == 1 else (1 if e[0].seq_id in drafts_of else 2))
+        else:
+            entries = sorted(scheduled.values(), key=lambda e: e[1] != 1)
         seqs: list[Sequence] = []
         num_new_tokens: list[int] = []
         new_block_seqs: list[int] = []  # (batch index, block id) pairs, see contracts/messages.py
         new_block_ids: list[int] = []
         samples: list[bool] = []
         for i, (seq, n, blocks) in enumerate(entries):
-            seq.num_computed_tokens += n
+            # Drafts are not counted as computed until accepted (accept_drafts).
+            seq.num_computed_tokens += n - len(drafts_of.get(seq.seq_id, ()))
             seqs.append(seq)
             num_new_tokens.append(n)
             if blocks:
@@ -355,9 +404,14 @@ class Scheduler:
             slots, loads = self.lora_slots.assign([s.lora_request for s in seqs])
             step_input.lora_slots_buf = pack_ints(slots)
             step_input.lora_loads = loads or None
+        drafts = None
+        if drafts_of:
+            drafts = [drafts_of.get(s.seq_id, []) for s in seqs]
+            step_input.num_draft_tokens_buf = pack_ints(len(d) for d in drafts)
+            step_input.draft_token_ids_buf = pack_ints(t for d in drafts for t in d)
         self._finished_ids = []
         self.in_flight.update(s.seq_id for s in seqs)
-        return ScheduledStep(step_input, seqs, num_new_tokens, samples, preempted)
+        return ScheduledStep(step_input, seqs, num_new_tokens, samples, preempted, drafts)
 
     def _adapter_fits(self, seq: Sequence, adapters: set[tuple[int, str]]) -> bool:
         """Whether ``seq`` may join a step already running ``adapters`` (noted when it may)."""

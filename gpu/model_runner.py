@@ -17,11 +17,13 @@ import torch
 from contracts.config import EngineConfig
 from gpu.device import resolve_device, resolve_dtype
 from gpu.forward_context import forward_context
+from gpu.batch import BatchRequest, PreparedBatch
 from gpu.host_staging import HostStaging
 from gpu.kv_alloc import zeroed_tensor
 from gpu.kv_swap import owned_layers
 from contracts.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
 from gpu.pooling import new_pooler
+from gpu.spec_verify import draft_slices, keep_accepted
 from kernels import kv_cache_dtype
 from kernels.kv_cache_dtype import index_copy_rows
 from kernels.metadata import AttentionMetadata
@@ -42,22 +44,6 @@ class SeqState:
     # gpu.sampling_logits.LogitsPrep: logit_bias / min_tokens ids as tensors, built at the first
     # sample and kept (None when the options have neither).
     logits_prep: Any = None
-
-
-@dataclass(slots=True)
-class BatchRequest:
-    """One request of a hand-built batch (``ModelRunner.forward``): tokens to compute now."""
-
-    token_ids: list[int]  # the new tokens
-    start_position: int  # position of token_ids[0] (= tokens already in the cache)
-    block_table: list[int]
-
-
-@dataclass(slots=True)
-class PreparedBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
 
 
 class ModelRunner:
@@ -86,6 +72,7 @@ class ModelRunner:
         self.swap_pool = None  # gpu/kv_swap.HostSwapPool in --preemption-mode swap
         self.num_swap_blocks = 0
         self.lora = None  # gpu/lora_worker.WorkerLoRA under --enable-lora
+        self.drafter = None  # gpu/spec_draft.DraftRunner with a draft model (speculative decoding)
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -115,6 +102,12 @@ class ModelRunner:
             from gpu.lora_worker import WorkerLoRA
 
             self.lora = WorkerLoRA(self.model, self.config.lora, self.dtype, self.device)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "draft_model":
+            from gpu.spec_draft import DraftRunner
+
+            self.drafter = DraftRunner(spec, self.config.model)
+            self.drafter.load(self.device, self.dtype, (self.config.model.hf_config or {}).get("vocab_size"))
         self.sampler = Sampler()
         self.num_blocks = self._num_blocks()
         self.allocate_kv_cache(self.num_blocks)
@@ -150,6 +143,8 @@ class ModelRunner:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         per_block = self.kv_bytes_per_block()
+        if self.drafter is not None:  # the draft's cache has as many blocks, out of the same budget
+            per_block += self.drafter.bytes_per_block(self.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             budget = self._cuda_kv_budget(cache.gpu_memory_utilization)
         else:
@@ -199,6 +194,8 @@ class ModelRunner:
         self.kv_caches = [(zeroed_tensor(shape, self.kv_dtype, self.device),
                            zeroed_tensor(shape, self.kv_dtype, self.device))
                           for _ in range(m.num_layers)]
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks, self.block_size, self.kv_dtype, self.device)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)", num_blocks, self.block_size,
                     num_blocks * self.block_size, num_blocks * self.kv_bytes_per_block() / 2**30,
@@ -290,6 +287,8 @@ class ModelRunner:
             self.swap_pool.apply(step, self.kv_caches)
         for seq_id in step.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+        if self.drafter is not None:
+            self.drafter.begin_step(step)
         if step.blocks_to_copy_buf:
             self.copy_blocks(step.blocks_to_copy)
         for new in step.new_seqs:
@@ -306,19 +305,35 @@ class ModelRunner:
             if self.lora is not None and step.lora_loads:
                 self.lora.apply_loads(step.lora_loads)
             return StepOutput(step.step_id)
+        drafts = draft_slices(step)  # speculative decoding: None unless some row has drafts
+        if drafts is not None and self.drafter is not None:  # placeholders: the draft model proposes
+            self.drafter.propose(self, step.seq_ids, states, drafts)
         requests: list[BatchRequest] = []
-        for s, n in zip(states, step.num_new_tokens):
+        first_request: list[int] = []  # per scheduled row, its first request (several: drafts)
+        for i, (s, n) in enumerate(zip(states, step.num_new_tokens)):
             start = s.num_computed
-            requests.append(BatchRequest(s.token_ids[start:start + n], start, s.block_table))
+            first_request.append(len(requests))
+            if drafts is not None and drafts[i]:
+                # Its last token and each draft as a decode row of its own over the same block table
+                # (all K/V of a layer is written before its attention, so row j sees the drafts
+                # before it): the decode kernels, and the very numbers of a plain decode.
+                tokens = s.token_ids[start:start + 1] + drafts[i]
+                requests.extend(BatchRequest([t], start + j, s.block_table) for j, t in enumerate(tokens))
+            else:
+                requests.append(BatchRequest(s.token_ids[start:start + n], start, s.block_table))
         batch = self.prepare(requests)
         lora = self.lora.batch(step, step.num_new_tokens.tolist()) if self.lora is not None else None
         hidden = self._run_model(batch, lora)
 
         qsl = batch.meta.query_start_loc_host
+        if drafts is not None:  # each scheduled row's span of hidden rows
+            qsl = [qsl[r] for r in first_request] + [qsl[-1]]
         sample_rows: list[int] = []
         sample_ids: list[int] = []
         sample_states: list[SeqState] = []
         sample_batch_idx: list[int] = []
+        sample_tokens: list[list[int]] = []  # the tokens before each sampled position
+        spec_rows: list[tuple[int, list[int]]] = []  # per sampled sequence: (first sampler row, drafts)
         prompt_logprobs: list[PromptLogprobs] = []
         pooled: list[PooledOutput] = []
         for i, (seq_id, s) in enumerate(zip(step.seq_ids, states)):
@@ -331,12 +346,26 @@ class ModelRunner:
                 continue
             if s.options.prompt_logprobs is not None and s.num_computed < s.num_prompt_tokens:
                 prompt_logprobs.append(self._prompt_logprobs(seq_id, s, hidden[qsl[i]:qsl[i + 1]]))
+            d = drafts[i] if drafts is not None else None
+            if d:  # one position per draft and the bonus position (gpu/spec_verify.py)
+                s.num_computed += 1
+                spec_rows.append((len(sample_rows), d))
+                for j in range(len(d) + 1):
+                    sample_rows.append(qsl[i + 1] - 1 - len(d) + j)
+                    sample_states.append(s)
+                    sample_batch_idx.append(i if j == 0 else -1)
+                    sample_tokens.append(s.token_ids + d[:j])
+                sample_ids.append(seq_id)
+                continue
             s.num_computed += n
             if s.num_computed == len(s.token_ids):
                 sample_rows.append(qsl[i + 1] - 1)
                 sample_ids.append(seq_id)
                 sample_states.append(s)
                 sample_batch_idx.append(i)
+                sample_tokens.append(s.token_ids)
+                if drafts is not None:
+                    spec_rows.append((len(sample_rows) - 1, []))
 
         token_ids: list[int] = []
         logprobs = None
@@ -349,16 +378,20 @@ class ModelRunner:
             result = self.sampler.sample(
                 logits,
                 options,
-                [s.token_ids for s in sample_states],
+                sample_tokens,
                 [s.num_prompt_tokens for s in sample_states],
                 token_mask=self._token_mask(step, sample_batch_idx),
                 preps=preps,
             )
-            for s, token in zip(sample_states, result.token_ids):
-                s.token_ids.append(token)
-            token_ids = result.token_ids
-            logprobs = result.logprobs
-        out = StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None)
+            if drafts is not None:
+                token_ids, logprobs, num_tokens = keep_accepted(spec_rows, sample_states, result, self.block_size)
+            else:
+                for s, token in zip(sample_states, result.token_ids):
+                    s.token_ids.append(token)
+                token_ids = result.token_ids
+                logprobs = result.logprobs
+        out = StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None,
+                              num_tokens if drafts is not None and sample_rows else None)
         out.pooled = pooled or None
         return out
 

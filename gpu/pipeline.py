@@ -37,7 +37,8 @@ import torch
 from gpu.forward_context import forward_context
 from gpu.kv_alloc import zeroed_tensor
 from contracts.messages import StepInput, StepOutput
-from gpu.model_runner import BatchRequest, ModelRunner
+from gpu.batch import BatchRequest
+from gpu.model_runner import ModelRunner
 from gpu.models.stages import StageActivations
 from gpu.parallel_state import get_pp_peers
 

@@ -514,7 +514,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--endpoint", default=COMPLETIONS, help=f"{COMPLETIONS} (default) or {CHAT}")
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
-    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix"])
+    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix", "quote"],
+                   help="quote: chat requests to repeat a passage (the answer quotes the prompt; speculative decoding)")
     p.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON for --dataset-name sharegpt")
     p.add_argument("--sharegpt-output-len", type=int, default=None)
     p.add_argument("--num-prompts", type=int, default=100)

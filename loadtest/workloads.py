@@ -314,6 +314,44 @@ def sharegpt_requests(
     return out
 
 
+# The "quote" workload: the answer quotes the prompt (repeat a passage, edit code given in full),
+# where prompt-lookup speculative decoding pays off. Passages written for this benchmark.
+QUOTE_PASSAGES = [
+    "The river town wakes before the sun. Bakers light their ovens, fishermen check their nets, and the "
+    "first bus rolls down the hill with its lights still on. By seven the market square is full of voices, "
+    "and by nine the bells of the old church have rung twice.",
+    "def moving_average(values, window):\n    if window <= 0:\n        raise ValueError(\"window must be positive\")\n"
+    "    out = []\n    total = 0.0\n    for i, v in enumerate(values):\n        total += v\n"
+    "        if i >= window:\n            total -= values[i - window]\n"
+    "        out.append(total / min(i + 1, window))\n    return out\n",
+    "Dear team, the quarterly review will take place on Thursday at ten in room four. Please bring your "
+    "project notes, the updated budget sheet and a short list of risks for the next quarter. Lunch will be "
+    "served after the meeting.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def is_empty(self):\n        return not self.items\n",
+    "To reset the device, hold the power button for ten seconds until the light blinks twice. Release the "
+    "button, wait for the light to turn green, then connect the cable again. If the light stays red, repeat "
+    "the steps once more before calling support.",
+    "SELECT customer_id, COUNT(*) AS orders, SUM(total) AS spent\nFROM orders\nWHERE created_at >= "
+    "'2024-01-01'\nGROUP BY customer_id\nHAVING COUNT(*) > 3\nORDER BY spent DESC\nLIMIT 20;\n",
+]
+QUOTE_INSTRUCTIONS = [
+    "Repeat the following text exactly, word for word:\n\n",
+    "Copy this text back to me without changing anything:\n\n",
+]
+
+
+def quote_requests(tokenizer: TokenizerLike, num_prompts: int, output_len: int, seed: int = 0) -> list[SampleRequest]:
+    """Chat requests whose answer quotes the prompt: an instruction to repeat one passage."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(num_prompts):
+        prompt = rng.choice(QUOTE_INSTRUCTIONS) + QUOTE_PASSAGES[i % len(QUOTE_PASSAGES)]
+        out.append(SampleRequest(prompt=prompt, prompt_len=len(tokenizer.encode(prompt)), output_len=output_len))
+    return out
+
+
 def build_requests(
     dataset_name: str,
     tokenizer: TokenizerLike,
@@ -331,8 +369,10 @@ def build_requests(
         return random_requests(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)
     if dataset_name == "prefix":
         return prefix_requests(tokenizer, num_prompts, prefix_len, input_len, output_len, range_ratio, seed)
+    if dataset_name == "quote":
+        return quote_requests(tokenizer, num_prompts, output_len, seed)
     if dataset_name == "sharegpt":
         if not dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json")
         return sharegpt_requests(tokenizer, dataset_path, num_prompts, seed, sharegpt_output_len)
-    raise ValueError(f"unknown dataset {dataset_name!r}: use random, sharegpt or prefix")
+    raise ValueError(f"unknown dataset {dataset_name!r}: use random, sharegpt, prefix or quote")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from contracts.config import EngineConfig, ModelConfig
 from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
@@ -52,6 +52,10 @@ class FakeStats:
     lora_running: tuple = ()
     lora_waiting: tuple = ()
     max_lora: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass

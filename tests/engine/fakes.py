@@ -10,6 +10,7 @@ from __future__ import annotations
 from contracts.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from contracts.messages import SampledLogprobs, StepInput, StepOutput
 from gpu.executor import Executor
+from gpu.spec_verify import draft_slices, num_accepted
 from gpu.worker import decode_step, encode_step
 
 PAD, BOS, EOS = 0, 1, 2
@@ -89,6 +90,7 @@ class FakeExecutor(Executor):
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (token id, position)
         self.steps: list[StepInput] = []
         self.error: str | None = None  # set to make the next step fail
+        self.num_verified: list[tuple[int, int]] = []  # (drafts, accepted) of each verified row
 
     def slot(self, s: _WorkerSeq, t: int) -> int:
         B = self.block_size
@@ -143,8 +145,14 @@ class FakeExecutor(Executor):
             self.seqs[step.seq_ids[i]].table.append(b)
         out_ids, out_tokens, out_lps = [], [], []
         any_lp = False
-        for sid, n in zip(step.seq_ids, step.num_new_tokens):
+        drafts = draft_slices(step)
+        counts: list[int] = []  # tokens per sampling sequence (speculative decoding)
+        for idx, (sid, n) in enumerate(zip(step.seq_ids, step.num_new_tokens)):
             s = self.seqs[sid]
+            if drafts is not None and drafts[idx]:
+                self._verify(s, sid, n, drafts[idx], owners, out_ids, out_tokens, out_lps, counts)
+                any_lp = any_lp or s.options.logprobs is not None
+                continue
             assert n >= 1 and s.computed + n <= len(s.token_ids), (sid, n, s.computed, len(s.token_ids))
             assert len(s.table) * self.block_size >= s.computed + n, "block table too short"
             for t in range(s.computed, s.computed + n):
@@ -167,6 +175,7 @@ class FakeExecutor(Executor):
                 s.token_ids.append(tok)
                 out_ids.append(sid)
                 out_tokens.append(tok)
+                counts.append(1)
                 if s.options.logprobs is not None and top is not None:
                     any_lp = True
                     out_lps.append(SampledLogprobs(top[0][1], list(top[: s.options.logprobs])))
@@ -176,7 +185,35 @@ class FakeExecutor(Executor):
                     out_lps.append(SampledLogprobs(-0.25, top))
                 else:
                     out_lps.append(None)
-        return StepOutput.pack(step.step_id, out_ids, out_tokens, logprobs=out_lps if any_lp else None)
+        return StepOutput.pack(step.step_id, out_ids, out_tokens, logprobs=out_lps if any_lp else None,
+                               num_tokens=counts if drafts is not None else None)
+
+    def _verify(self, s, sid, n, drafts, owners, out_ids, out_tokens, out_lps, counts) -> None:
+        """A decode with drafts (contracts/messages.py step 4b): write the K/V of its last token and
+        of each draft, sample every position with the 'model', keep the accepted prefix plus one."""
+        B = self.block_size
+        assert n == 1 + len(drafts) and s.computed + 1 == len(s.token_ids), (sid, n, s.computed, len(s.token_ids))
+        assert len(s.table) * B >= s.computed + n, "block table too short for the drafts"
+        tokens = s.token_ids + drafts
+        for t in range(s.computed, s.computed + n):
+            block = s.table[t // B]
+            assert owners[block] == 1, f"write into block {block} shared by {owners[block]} seqs"
+            self.kv[self.slot(s, t)] = (tokens[t], t)
+        for t in range(len(tokens)):
+            assert self.kv.get(self.slot(s, t)) == (tokens[t], t), f"seq {sid}: bad K/V at {t}"
+        sampled = [self.next_token(tokens[:len(s.token_ids) + j], s.options, s.num_prompt)
+                   for j in range(len(drafts) + 1)]
+        a = num_accepted(sampled, drafts)
+        kept = sampled[:a + 1]
+        s.token_ids.extend(kept)
+        s.computed += 1 + a
+        del s.table[-(-len(s.token_ids) // B):]
+        self.num_verified.append((len(drafts), a))
+        out_ids.append(sid)
+        out_tokens.extend(kept)
+        counts.append(a + 1)
+        for tok in kept:
+            out_lps.append(SampledLogprobs(-0.25, [(tok, -0.25)]) if s.options.logprobs is not None else None)
 
     def _swap(self, step: StepInput) -> None:
         """Swap-outs (device -> host) then swap-ins (host -> device), before anything else."""
@@ -218,13 +255,16 @@ class FakeExecutor(Executor):
 def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
                 max_num_seqs: int = 16, max_model_len: int = 256, policy: str = "fcfs",
                 prefix_caching: bool = True, preemption_mode: str = "recompute",
-                num_swap_blocks: int | None = None) -> EngineConfig:
+                num_swap_blocks: int | None = None, speculative: dict | None = None) -> EngineConfig:
+    from contracts.config import SpeculativeConfig
+
     return EngineConfig(
         model=ModelConfig(max_model_len=max_model_len),
         cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=prefix_caching,
                           num_swap_blocks=num_swap_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   policy=policy, preemption_mode=preemption_mode),
+        speculative=SpeculativeConfig.from_option(speculative),
     )
 
 

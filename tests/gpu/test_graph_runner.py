@@ -10,7 +10,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from contracts.config import EngineConfig, default_model_path
-from gpu.model_runner import BatchRequest, ModelRunner
+from gpu.batch import BatchRequest
+from gpu.model_runner import ModelRunner
 from tests.tiny import TINY_CONFIG, tiny_llm
 
 # Untied embeddings: a random model with tied ones mostly repeats its last input token.

@@ -35,7 +35,8 @@ def test_off_cuda_nothing_is_staged():
 
 def test_prepared_batch_is_the_same_staged_or_not():
     from contracts.config import EngineConfig
-    from gpu.model_runner import BatchRequest, ModelRunner
+    from gpu.batch import BatchRequest
+    from gpu.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig.from_options(block_size=4))
     reqs = [BatchRequest([7], 5, [3, 1]), BatchRequest([8], 2, [2]),

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from contracts.config import EngineConfig
-from gpu.model_runner import BatchRequest, ModelRunner
+from gpu.batch import BatchRequest
+from gpu.model_runner import ModelRunner
 
 PROMPTS = [
     "The capital of France is",

@@ -6,7 +6,8 @@ import random
 import torch
 
 from contracts.config import EngineConfig
-from gpu.model_runner import BatchRequest, ModelRunner
+from gpu.batch import BatchRequest
+from gpu.model_runner import ModelRunner
 
 
 def _runner(block_size: int = 4) -> ModelRunner:
