@@ -13,7 +13,7 @@ from torch import nn
 from contracts.errors import ModelLoadError
 from kernels import fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -30,9 +30,45 @@ def rope_params_from_config(cfg: dict) -> tuple[float, dict | None]:
         if rope_type == "default":
             return theta, None
         scaling = dict(scaling, rope_type=rope_type)
-        if rope_type == "longrope" and scaling.get("original_max_position_embeddings") is None:
-            scaling["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings")
+        if rope_type in ("longrope", "yarn") and scaling.get("original_max_position_embeddings") is None:
+            # transformers' fallbacks: the top-level key (Phi-3), else the model's own length (YaRN)
+            scaling["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings")
+                                                           or (cfg.get("max_position_embeddings")
+                                                               if rope_type == "yarn" else None))
     return theta, scaling
+
+
+def yarn_inv_freq(rotary_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5 / Qwen3 long context, DeepSeek): (inverse frequencies, the factor cos and sin
+    are multiplied by). Dimensions that turn more than ``beta_fast`` times over the original length
+    keep their frequency, those under ``beta_slow`` turns are divided by ``factor``, a linear ramp
+    between; transformers' formula (modeling_rope_utils._compute_yarn_parameters)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    keep = 1 - ramp  # the share of the original frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention)
 
 
 def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -97,6 +133,10 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         if scaling is not None and scaling["rope_type"] == "longrope":
             table = longrope_table(rotary_dim, max_position, theta, scaling)
+        elif scaling is not None and scaling["rope_type"] == "yarn":
+            inv_freq, attention = yarn_inv_freq(rotary_dim, theta, scaling)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            table = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention
         else:
             inv_freq = compute_inv_freq(rotary_dim, theta, scaling)
             t = torch.arange(max_position, dtype=torch.float32)

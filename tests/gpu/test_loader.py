@@ -160,7 +160,7 @@ def test_bad_paths(tmp_path):
         load_model(ModelConfig(model=str(tmp_path), load_format="pickle"), "cpu", torch.float32)
     with pytest.raises(ModelLoadError, match="unsupported rope scaling"):
         load_model(ModelConfig(load_format="dummy", hf_config=dict(
-            ARCHS["llama"], rope_scaling={"rope_type": "yarn", "factor": 4.0})), "cpu", torch.float32)
+            ARCHS["llama"], rope_scaling={"rope_type": "dynamic", "factor": 4.0})), "cpu", torch.float32)
 
 
 def test_dummy_from_path_config(llama_dir):
