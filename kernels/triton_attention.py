@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
+from kernels.triton_keys import attend_keys
 from kernels.triton_prefill import prefill_attention
 
 # The interpreter (3.x) runs tl.dot on bf16 operands as raw uint16 numbers, so when interpreting
@@ -158,26 +159,10 @@ def _paged_attention_kernel(
     share = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
     first = split * share
     last = tl.minimum(first + share, num_keys)
-    for start in range(first, last, BLOCK_N):
-        key_pos = start + tl.arange(0, BLOCK_N)
-        key_mask = key_pos < last
-        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        row = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-        kv_mask = key_mask[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
-        scores = tl.where(key_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    limit = tl.zeros([GROUP_PAD], tl.int64) + position  # every row: keys up to its token's position
+    m_i, l_i, acc = attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head, first, last, limit, scale,
+                                stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, DIM_PAD,
+                                BLOCK_SIZE, BLOCK_N, PRECISION, UPCAST_DOT)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys (padding token) -> zeros
         tl.store(

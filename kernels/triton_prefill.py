@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
+from kernels.triton_keys import attend_keys
 
 
 @triton.jit
@@ -75,27 +76,9 @@ def _prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M * GROUP_PAD, DIM_PAD], tl.float32)
     table = block_tables_ptr + request * stride_table
     num_keys = pos0 + count  # the tile's last token sees keys 0 ..= pos0 + count - 1
-    for start in range(0, num_keys, BLOCK_N):
-        key_pos = start + tl.arange(0, BLOCK_N)
-        key_mask = key_pos < num_keys
-        block = tl.load(table + key_pos // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
-        row = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot + kv_head * stride_cache_head
-        kv_mask = key_mask[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(key_pos[None, :] <= pos[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with no key yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_keys(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table, kv_head, 0, num_keys, pos, scale,
+                                stride_cache_block, stride_cache_slot, stride_cache_head, HEAD_DIM, DIM_PAD,
+                                BLOCK_SIZE, BLOCK_N, PRECISION, UPCAST_DOT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask)

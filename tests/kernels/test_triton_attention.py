@@ -32,6 +32,8 @@ def _import_interpreted():
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
+        if "kernels.triton_keys" in sys.modules:
+            importlib.reload(sys.modules["kernels.triton_keys"])
         if "kernels.triton_prefill" in sys.modules:
             importlib.reload(sys.modules["kernels.triton_prefill"])
         if "kernels.triton_attention" in sys.modules:
