@@ -10,6 +10,7 @@ their weights.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from contracts.config import ConfigError
 from engine.client import EngineClient
 from engine.errors import RequestRejectedError
 from engine.lora_request import LoRARequest
+
+BODY_LIMIT = 64 << 10  # a runtime LoRA route's body: a name and a path
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,19 +65,32 @@ class LoRAAdapters:
         self._ids = itertools.count(1)
 
     def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
-        """Serve the adapter at ``path`` as ``name``; APIError 400 when it cannot serve."""
+        """Serve the adapter at ``path`` as ``name`` (start-up: reads its files here); APIError 400
+        when it cannot serve."""
+        lora = self._new(name, path, base_model_name)
+        self._check(lora)
+        return self._keep(lora)
+
+    def _new(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         if not self.enabled:
             raise APIError.bad_request("LoRA adapters need a server started with --enable-lora", param="lora_name")
         if name == self.base_name:
             raise APIError.bad_request(f"the name {name!r} is the base model's", param="lora_name")
         if name in self.by_name:
             raise APIError.bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-        lora = LoRARequest(name, next(self._ids), path, base_model_name)
+        return LoRARequest(name, next(self._ids), path, base_model_name)
+
+    def _check(self, lora: LoRARequest) -> None:
         try:
-            self.engine.check_lora(lora)
+            self.engine.check_lora(lora)  # reads the adapter's config and safetensors header
         except RequestRejectedError as e:
             raise APIError.bad_request(str(e), param="lora_path") from None
-        self.by_name[name] = lora
+
+    def _keep(self, lora: LoRARequest) -> LoRARequest:
+        if lora.lora_name in self.by_name:  # a concurrent load of the same name won
+            raise APIError.bad_request(f"The lora adapter '{lora.lora_name}' has already been loaded.",
+                                       param="lora_name")
+        self.by_name[lora.lora_name] = lora
         return lora
 
     def resolve(self, model: str | None) -> LoRARequest | None:
@@ -91,11 +107,9 @@ class LoRAAdapters:
         return [(lora.lora_name, lora.lora_path) for lora in self.by_name.values()]
 
     @staticmethod
-    async def _body(request: Request, need_path: bool) -> tuple[str, str | None]:
-        try:
-            data = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError.bad_request(f"the request body is not valid JSON: {e}") from None
+    async def _body(request: Request, need_path: bool, checks) -> tuple[str, str | None]:
+        """(lora_name, lora_path) of a runtime route's body, read up to BODY_LIMIT bytes (413 past it)."""
+        data = await checks.read_json(request, BODY_LIMIT, f"{BODY_LIMIT} bytes for the LoRA routes")
         if not isinstance(data, dict):
             raise APIError.bad_request('send a JSON object {"lora_name": ..., "lora_path": ...}')
         name, path = data.get("lora_name"), data.get("lora_path")
@@ -105,13 +119,16 @@ class LoRAAdapters:
             raise APIError.bad_request("lora_path (a PEFT adapter directory) is required", param="lora_path")
         return name, path
 
-    async def load_route(self, request: Request) -> Response:
-        name, path = await self._body(request, need_path=True)
-        self.add(name, path)
+    async def load_route(self, request: Request, checks) -> Response:
+        """Reads the adapter's files off the event loop: a slow disk holds this request only."""
+        name, path = await self._body(request, True, checks)
+        lora = self._new(name, path)
+        await asyncio.to_thread(self._check, lora)
+        self._keep(lora)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    async def unload_route(self, request: Request) -> Response:
-        name, _ = await self._body(request, need_path=False)
+    async def unload_route(self, request: Request, checks) -> Response:
+        name, _ = await self._body(request, False, checks)
         lora = self.by_name.get(name)
         if lora is None:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "invalid_request_error",

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
@@ -173,8 +174,10 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
                                              allow_runtime_lora_updating), methods=["GET"]),
     ]
     if allow_runtime_lora_updating:  # else absent, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
-        routes += [Route("/v1/load_lora_adapter", _wrap(adapters.load_route), methods=["POST"]),
-                   Route("/v1/unload_lora_adapter", _wrap(adapters.unload_route), methods=["POST"])]
+        routes += [Route("/v1/load_lora_adapter", _wrap(partial(adapters.load_route, checks=s.checks)),
+                         methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", _wrap(partial(adapters.unload_route, checks=s.checks)),
+                         methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if api_key:
