@@ -110,7 +110,7 @@ def check_private(path: Path) -> None:
 def build_kernel(name: str, choice: isa.Build) -> ctypes.CDLL:
     """Build (or load from the cache) the ``choice`` build of kernel ``name`` (kernels/isa.py)."""
     kernel = isa.KERNELS[name]
-    return build(kernel.source, kernel.flags(choice))
+    return build(kernel.source_of(choice), kernel.flags(choice))
 
 
 def build_or_none(name: str, choice: isa.Build, fallback: str) -> ctypes.CDLL | None:
@@ -119,7 +119,7 @@ def build_or_none(name: str, choice: isa.Build, fallback: str) -> ctypes.CDLL | 
     try:
         return build_kernel(name, choice)
     except KernelBuildError as e:
-        logger.warning("%s: the build failed, %s runs: %s", isa.KERNELS[name].source, fallback, e)
+        logger.warning("%s: the build failed, %s runs: %s", isa.KERNELS[name].source_of(choice), fallback, e)
         return None
 
 

@@ -35,6 +35,7 @@ class Build:
     needs: frozenset[str]  # /proc/cpuinfo flags
     cflags: tuple[str, ...]
     opt_in: bool = False  # only where PAGEDSERVE_ISA names this level
+    source: str | None = None  # this build's own source in kernels/csrc (else the kernel's)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class Kernel:
 
     def flags(self, build: Build) -> list[str]:
         return [*self.common_flags, *build.cflags]
+
+    def source_of(self, build: Build) -> str:
+        """The file a build compiles: one ISA's code can live in its own source (same exports)."""
+        return build.source or self.source
 
 
 _M_AVX2 = ("-mavx2", "-mfma", "-mf16c")
@@ -62,7 +67,11 @@ KERNELS: dict[str, Kernel] = {
     )),
     # q8_0 / q4_1 on 16 channels side by side (kernels/qgemm_n16.py): 2x the row kernel for one row of
     # q4_1, 3.8x for 16 rows (loadtest/PERF.md); where it builds it replaces the row kernel for those.
-    "qgemm_n16": Kernel("qgemm_n16.c", (Build("vnni", _VNNI, _M_VNNI),)),
+    # The AVX2 build (its own source) replaces the AVX2 row kernel the same way (PERF.md, twelfth session).
+    "qgemm_n16": Kernel("qgemm_n16.c", (
+        Build("vnni", _VNNI, _M_VNNI),
+        Build("avx2", _AVX2, _M_AVX2, source="qgemm_n16_avx2.c"),
+    )),
     # AMX bf16 tiles on the n16 layout for bf16 batches: 6.8x the row kernel at 16 rows (PERF.md).
     "qgemm_amx": Kernel("qgemm_amx.c", (
         Build("amx", _VNNI | _AMX, (*_M_VNNI, "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),)),

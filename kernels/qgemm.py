@@ -35,7 +35,7 @@ FUSED_MAX_M = 16  # above this many rows, dequantize blocks of W and use the BLA
 # a row's result then depends on that row alone whatever the batch (batch invariance, DESIGN.md),
 # at no cost up to ~128 rows (faster than widening W below that) and ~1.3-1.4x the widened matmul's
 # time for prefill-sized batches of 256+ rows (loadtest/PERF.md, ninth session).
-ALL_ROWS = 1 << 62
+ALL_ROWS = qgemm_n16.ALL_ROWS
 _DEQUANT_ROWS = 2048  # rows of W widened at a time on the large-M path (bounded scratch) ...
 _DEQUANT_BYTES = 4 << 20  # ... or more where they fit in this (one block for the default model's gate_up)
 
@@ -210,14 +210,14 @@ class PackedLinear:
         self._mmargs, self.n16, self._amx = self._wargs, None, None
         self._fused_max = ALL_ROWS if mode != "int8c" and isa() == "avx2" else FUSED_MAX_M
         n16 = qgemm_n16.library() if mode != "int8c" else None
-        if n16 is not None:  # AVX-512 VNNI: only the 16-channel layout is kept (memory = the file's)
+        if n16 is not None:  # VNNI or AVX2: only the 16-channel layout is kept (memory = the file's)
             self.n16 = self.tensors = qgemm_n16.repack(mode, tensors)
             q4 = mode == "q4_1"
             self._mm = n16.qn_q4_mm if q4 else n16.qn_q8_mm
             self._dequant = n16.qn_q4_dequant_t if q4 else n16.qn_q8_dequant_t  # writes W^T
             self._rows = n16.qn_q4_rows if q4 else n16.qn_q8_rows
             self._mmargs = self._wargs = tuple(t.data_ptr() for t in self.n16)
-            self._fused_max = qgemm_n16.FUSED_MAX_M
+            self._fused_max = qgemm_n16.fused_max_m()
             amx = qgemm_n16.amx_library()
             if amx is not None:  # bf16 batches: AMX tiles on the same layout
                 self._amx = amx.qa_q4_mm if mode == "q4_1" else amx.qa_q8_mm

@@ -28,22 +28,32 @@ GROUP = 32
 # on the default model's shapes, loadtest/PERF.md: VNNI beats dequantize + matmul to 64 rows; the
 # AMX kernel, whose widened form reuses each widened group for every 16 rows, to 320-384 rows).
 FUSED_MAX_M = 64
+ALL_ROWS = 1 << 62  # "no limit" for the rows a kernel takes
 FUSED_MAX_M_AMX = 320
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled n16 kernel, or None where it is not wanted or cannot be built (the row-layout
-    kernel then runs; a build failure is logged, never raised)."""
+    """The compiled n16 kernel (the VNNI build, else the AVX2 one), or None where it is not wanted or
+    cannot be built (the row-layout kernel then runs; a build failure is logged, never raised)."""
     choice = isa.choose("qgemm_n16")
     if choice is None:
         return None
-    lib = cbuild.build_or_none("qgemm_n16", choice, "the AVX2 quantized kernel")
+    lib = cbuild.build_or_none("qgemm_n16", choice, "the row-layout quantized kernel")
     if lib is None:
         return None
     abi.bind(lib, "qgemm_n16")
-    logger.info("quantized kernel: AVX-512 VNNI path (16-channel layout)")
+    logger.info("quantized kernel: %s path (16-channel layout)", "AVX-512 VNNI" if choice.level == "vnni" else "AVX2")
     return lib
+
+
+@functools.cache
+def fused_max_m() -> int:
+    """The most rows the n16 kernel takes before qgemm.PackedLinear widens W for torch's matmul.
+    The AVX2 build takes every M (ALL_ROWS): its many-row path widens each group once for all rows,
+    and one kernel for every M keeps a row's result independent of the batch (design invariant)."""
+    choice = isa.choose("qgemm_n16")
+    return ALL_ROWS if choice is not None and choice.level == "avx2" else FUSED_MAX_M
 
 
 AMX_MIN_M = 10  # bf16 batches of this many rows or more go to AMX (VNNI won at 8, AMX at 16: PERF.md)

@@ -1,0 +1,70 @@
+/* The n16 layout's portable readers (csrc/qgemm_n16.c, the VNNI build, and csrc/qgemm_n16_avx2.c):
+ * one code or scale by position, a row widened to fp32, and the exported row lookups (embedding
+ * rows of a quantized table). Included, so each library keeps its own copy of the code. Needs
+ * QN_GROUP, QN_Y_BF16, bf16.h and F16C. */
+#ifndef PAGEDSERVE_QGEMM_N16_ROWS_H
+#define PAGEDSERVE_QGEMM_N16_ROWS_H
+
+static inline int q4_code(const uint16_t *w, int64_t G, int64_t n, int64_t k) {
+    int64_t b = n >> 4, g = k >> 5;
+    int c = (int)(n & 15), kk = (int)(k & 31), j = kk >> 1, e = kk & 1;
+    uint16_t word = w[(b * G + g) * 128 + (j >> 2) * 32 + 2 * c + e];
+    return (word >> (4 * (j & 3))) & 0xF;
+}
+
+static inline int q8_code(const int8_t *w, int64_t G, int64_t n, int64_t k) {
+    int64_t b = n >> 4, g = k >> 5;
+    int c = (int)(n & 15), kk = (int)(k & 31);
+    return w[(b * G + g) * 512 + (kk >> 1) * 32 + 2 * c + (kk & 1)];
+}
+
+static inline float scale_at(const uint16_t *s, int64_t G, int64_t n, int64_t g) {
+    return _cvtsh_ss(s[((n >> 4) * G + g) * 16 + (n & 15)]);
+}
+
+/* One row n of W (K values) as fp32 into buf. */
+static void row_f32(const void *w, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t n, float *buf, int is_q4) {
+    int64_t G = K / QN_GROUP;
+    for (int64_t g = 0; g < G; g++) {
+        float dg = scale_at(d, G, n, g), mg = is_q4 ? scale_at(mn, G, n, g) : 0.0f;
+        for (int64_t k = g * QN_GROUP; k < (g + 1) * QN_GROUP; k++)
+            buf[k] = is_q4 ? dg * (float)q4_code((const uint16_t *)w, G, n, k) + mg
+                           : dg * (float)q8_code((const int8_t *)w, G, n, k);
+    }
+}
+
+static void store_row(void *out, int64_t off, const float *buf, int64_t K, int flags) {
+    if (flags & QN_Y_BF16) {
+        uint16_t *o = (uint16_t *)out + off;
+        for (int64_t k = 0; k < K; k++) o[k] = f32_to_bf16(buf[k]);
+    } else {
+        memcpy((float *)out + off, buf, sizeof(float) * (size_t)K);
+    }
+}
+
+static void rows(const void *w, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t N, const int64_t *ids,
+                 int64_t n_ids, void *out, int flags, int is_q4) {
+    float *buf = (float *)calloc((size_t)K + 1, sizeof(float));
+    if (!buf) return;
+    for (int64_t i = 0; i < n_ids; i++) {
+        int64_t r = ids[i];
+        if (r < 0 || r >= N)
+            memset(buf, 0, sizeof(float) * (size_t)K);
+        else
+            row_f32(w, d, mn, K, r, buf, is_q4);
+        store_row(out, i * K, buf, K, flags);
+    }
+    free(buf);
+}
+
+void qn_q4_rows(const uint16_t *w, const uint16_t *d, const uint16_t *mn, int64_t K, int64_t N, const int64_t *ids,
+                int64_t n_ids, void *out, int flags) {
+    rows(w, d, mn, K, N, ids, n_ids, out, flags, 1);
+}
+
+void qn_q8_rows(const int8_t *w, const uint16_t *d, int64_t K, int64_t N, const int64_t *ids, int64_t n_ids, void *out,
+                int flags) {
+    rows(w, d, NULL, K, N, ids, n_ids, out, flags, 0);
+}
+
+#endif
