@@ -69,6 +69,12 @@ SIGNATURES: dict[str, dict[str, tuple[type | None, list[type]]]] = {
         "fz_decode_stack": (I, [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,
                                 I64, P, I64, F, I64, I, I, P, P, P, P, P, I]),
     },
+    "moe_cpu": {
+        "moe_isa": (I, []),
+        "moe_max_m": (I, []),
+        # router, w13, w2: pointers to LinearSpec (one, and arrays of one per expert)
+        "moe_decode": (I, [P, I64, I64, P, I64, I64, I, P, P, I64, P, P, P, I]),
+    },
     "sample_cpu": {
         "sp_greedy": (I64, [P, I64, P, I64, I64, I, P, I]),
         "sp_draw": (I64, [P, I64, P, I64, I64, I, P, P, P, I]),

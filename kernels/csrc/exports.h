@@ -111,6 +111,13 @@ int fz_decode_stack(const fz_layer *layers, int64_t L, void *x, void *residual, 
                     const int32_t *seq_lens, int64_t block_size, float scale, int64_t part, int attn_threads,
                     int attn_dtype, void *qkv, void *att, void *y, void *h, void *a, int nthreads);
 
+/* ---- moe_cpu.c (kernels/abi.py SIGNATURES["moe_cpu"]) */
+int moe_isa(void);
+int moe_max_m(void);
+int moe_decode(const float *x, int64_t M, int64_t H, const fz_linear *router, int64_t E, int64_t top_k,
+               int renorm, const fz_linear *w13, const fz_linear *w2, int64_t I, float *out, float *route_w,
+               int64_t *route_ids, int nthreads);
+
 /* ---- sample_cpu.c (kernels/abi.py SIGNATURES["sample_cpu"]) */
 int64_t sp_greedy(const void *logits, int64_t n, const int64_t *ids, int64_t cols, int64_t row_stride,
                   int dtype, int64_t *out, int nthreads);

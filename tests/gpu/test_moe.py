@@ -53,6 +53,24 @@ def test_routing_equals_transformers(moe_pair):
     torch.testing.assert_close(got_w[clear], want_w[clear].float())
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+def test_the_c_decode_step_equals_transformers_block(moe_pair, m):
+    """The MoE block's one-call C decode step (kernels/moe_cpu.py) against transformers'
+    Qwen3MoeSparseMoeBlock on random rows (no tie at the top-k cut in these)."""
+    from kernels import moe_cpu
+
+    name, ref, ours, _ = moe_pair
+    if not name.startswith("qwen3moe") or moe_cpu.library() is None:
+        pytest.skip("the C step is for the Qwen3-MoE blocks here; or not built")
+    block = ours.model.layers[0].mlp
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(20 + m))
+    with torch.inference_mode():
+        want = ref.model.layers[0].mlp(x[None])
+        want = (want[0] if isinstance(want, tuple) else want)[0]
+        got = block.c_step()(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_prompt_logits_match_transformers(moe_pair):
     name, ref, ours, _ = moe_pair
     ids = torch.randint(0, 97, (21,), generator=torch.Generator().manual_seed(1))
