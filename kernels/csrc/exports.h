@@ -99,8 +99,11 @@ int fz_silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a, int n
 int fz_silu_mul_f32(const float *h, int64_t M, int64_t I, float *a, int nthreads);
 int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, float eps, int64_t M,
                int64_t H, const fz_linear *w_qkv, int64_t n_qkv, void *qkv, int64_t q_heads, int64_t kv_heads,
-               int64_t head_dim, int64_t rot, const float *cs, const int64_t *positions, void *k_cache,
-               void *v_cache, const int64_t *slots, int64_t num_slots, int kv_fp8, int nthreads, int dtype);
+               int64_t head_dim, int64_t rot, const float *w_qn, const float *w_kn, float eps_qk,
+               const float *cs, const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
+               int64_t num_slots, int kv_fp8, int nthreads, int dtype);
+int fz_attn_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual, const float *w_norm,
+                float eps, int64_t M, int64_t H, int nthreads, int dtype);
 int fz_mlp_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual,
                const float *w_norm, float eps, int64_t M, int64_t H, const fz_linear *w_gu, int64_t I,
                void *h, void *a, const fz_linear *w_down, void *out, int nthreads, int dtype);
