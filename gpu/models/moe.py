@@ -12,6 +12,10 @@ Quantized experts (``qexperts``): ``--quantization int8|int4`` packs a checkpoin
 expert (gpu/models/gguf_experts.py, ``load_packed_part``): each expert then holds its gate/up rows
 and its down weight as two packed weights, and the full-precision stacks are freed.
 
+Decode batches (1-16 fp32 rows) skip all of that: ``SparseMoeBlock.c_step`` runs routing, the
+grouped experts and the weighted sum in one C call (kernels/moe_cpu.py), the same kernels called by
+address; at one row the torch ops around the kernel calls cost as much as the kernels (PERF.md).
+
 Tensor parallelism shards every expert's intermediate dimension (gate/up rows, down columns)
 across ranks, as the dense MLP is sharded: each rank holds a slice of all experts and the down
 projection's partial sums are all-reduced once per layer.
