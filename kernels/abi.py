@@ -62,12 +62,20 @@ SIGNATURES: dict[str, dict[str, tuple[type | None, list[type]]]] = {
         "fz_gemv_f32": (I, [P, I64, I64, P, I64, P, I]),
         "fz_write_kv": (I64, [P, P, I64, P, P, P, I64, I64, I64, I, I]),
         # the fz_linear arguments are pointers to LinearSpec
-        "fz_attn_in": (I, [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, P, P, P, I64, I, I, I]),
+        "fz_attn_in": (I, [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, F, P, P, P, P, P, I64, I,
+                           I, I]),
+        "fz_attn_out": (I, [P, I64, P, P, P, P, F, I64, I64, I, I]),
         "fz_mlp_out": (I, [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I, I]),
         "fz_silu_mul_bf16": (I, [P, I64, I64, P, I]),
         "fz_silu_mul_f32": (I, [P, I64, I64, P, I]),
         "fz_decode_stack": (I, [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,
                                 I64, P, I64, F, I64, I, I, P, P, P, P, P, I]),
+    },
+    "moe_cpu": {
+        "moe_isa": (I, []),
+        "moe_max_m": (I, []),
+        # router, w13, w2: pointers to LinearSpec (one, and arrays of one per expert)
+        "moe_decode": (I, [P, I64, I64, P, I64, I64, I, P, P, I64, P, P, P, I]),
     },
     "sample_cpu": {
         "sp_greedy": (I64, [P, I64, P, I64, I64, I, P, I]),

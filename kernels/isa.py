@@ -96,6 +96,13 @@ KERNELS: dict[str, Kernel] = {
         Build("avx2", frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
         Build("scalar", frozenset(), ()),
     ), common_flags=("-ffp-contract=off",)),
+    # A MoE block's decode step in one call (kernels/moe_cpu.py): routing and SiLU here, the linears in
+    # the kernels above by address. -ffp-contract=off: out += y * w rounds as the eager index_add_.
+    "moe_cpu": Kernel("moe_cpu.c", (
+        Build("avx512", _AVX512, _M_AVX512),
+        Build("avx2", _AVX2, _M_AVX2),
+        Build("scalar", frozenset(), ()),
+    ), common_flags=("-ffp-contract=off",)),
     # Greedy / temperature sampling of plain rows (kernels/sample_cpu.py): 16 or 8 lanes; no scalar
     # build (torch's sampling runs instead).
     "sample_cpu": Kernel("sample_cpu.c", (

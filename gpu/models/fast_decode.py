@@ -12,11 +12,16 @@ attention kernel between them, called by address), which removes the ~45 us of P
 layer's calls and the ~35 us of attention dispatch per layer (2.4 of 14.2 ms a token at batch 1).
 
 When: CPU with AVX512-BF16, bf16 activations, one tensor-parallel rank, a Llama layer without
-biases or q/k norms, and each linear either plain bf16 rows (our bf16 GEMV reads them; up to
+biases, and each linear either plain bf16 rows (our bf16 GEMV reads them; up to
 ``fused.GEMV_MAX_M`` rows) or a q8_0 / q4_1 weight on the 16-channel layout (the fused layer calls
 the same VNNI / AMX kernels the eager path would, up to the rows those take). Larger batches,
 fp32 machines and other layouts take the eager path. ``PAGEDSERVE_FAST_DECODE=0`` turns it off;
 ``PAGEDSERVE_FAST_DECODE=layer`` keeps the per-layer calls and no stack (tests compare the two).
+
+Qwen3 layers (q/k RMS norms, done inside ``fz_attn_in``) and MoE layers take the per-layer calls, not
+the stack: a MoE layer's feed-forward is its SparseMoeBlock (one C call of its own, kernels/moe_cpu.py),
+after ``fz_attn_out`` (o projection, residual add and norm). Before, these layers' attention ran ~15
+eager torch ops (314 us a layer of a 12-layer MoE model, loadtest/PERF.md).
 """
 from __future__ import annotations
 
@@ -94,12 +99,17 @@ class FastDecodeLayer:
         self.q_heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.rotary = attn.rotary_emb
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.qk_norms = None if attn.q_norm is None else (attn.q_norm, attn.k_norm)  # Qwen3
+        self.moe = None if "gate_up" in weights else layer.mlp  # a SparseMoeBlock: its own C step
         self.weights = weights  # (keeps the specs alive)
         self.w_qkv, self.w_o = weights["qkv"].address, weights["o"].address
-        self.w_gu, self.w_down = weights["gate_up"].address, weights["down"].address
         self.hidden = weights["o"].out_features
         self.n_qkv = weights["qkv"].out_features
-        self.inter = weights["gate_up"].out_features // 2
+        if self.moe is None:
+            self.w_gu, self.w_down = weights["gate_up"].address, weights["down"].address
+            self.inter = weights["gate_up"].out_features // 2
+        else:
+            self.w_gu = self.w_down = self.inter = None
         self.max_rows = min(w.max_rows for w in weights.values())
         self.dtype = layer.input_layernorm.weight.dtype  # the activations' (fp32 or bf16)
         self.dtype_code = int(self.dtype is torch.bfloat16)
@@ -121,9 +131,14 @@ class FastDecodeLayer:
             residual = torch.empty_like(x)
         qkv = x.new_empty((M, self.n_qkv))
         slots = meta.slot_mapping
+        qn = kn = None
+        eps_qk = 0.0
+        if self.qk_norms is not None:
+            qn, kn = (n._weight_f32().data_ptr() for n in self.qk_norms)
+            eps_qk = self.qk_norms[0].eps
         rc = lib.fz_attn_in(x.data_ptr(), residual.data_ptr(), int(not first), self.in_norm._weight_f32().data_ptr(),
                             self.in_norm.eps, M, H, self.w_qkv, self.n_qkv, qkv.data_ptr(),
-                            self.q_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim,
+                            self.q_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim, qn, kn, eps_qk,
                             self.rotary.cos_sin_cache.data_ptr(), rope[2].data_ptr(), k_cache.data_ptr(),
                             v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
                             int(k_cache.dtype == FP8), threads, self.dtype_code)
@@ -134,6 +149,13 @@ class FastDecodeLayer:
         if not attn.is_contiguous():
             attn = attn.contiguous()
         y = x.new_empty((M, H))
+        if self.moe is not None:
+            rc = lib.fz_attn_out(attn.data_ptr(), attn.shape[1], self.w_o, y.data_ptr(), residual.data_ptr(),
+                                 self.post_norm._weight_f32().data_ptr(), self.post_norm.eps, M, H, threads,
+                                 self.dtype_code)
+            if rc:
+                _raise_for(rc)
+            return self.moe.forward(y), residual
         h = x.new_empty((M, 2 * self.inter))
         a = x.new_empty((M, self.inter))
         out = x.new_empty((M, H))
@@ -163,7 +185,10 @@ class FastDecodeStack:
 
     @staticmethod
     def compatible(layers: list[FastDecodeLayer]) -> bool:
-        """One stack needs every layer to share shapes, scale and rotary table."""
+        """One stack needs every layer to share shapes, scale and rotary table, and none to have
+        q/k norms or a MoE feed-forward (fz_decode_stack runs Llama layers only)."""
+        if any(x.qk_norms is not None or x.moe is not None for x in layers):
+            return False
         f = layers[0]
         shape = (f.q_heads, f.kv_heads, f.head_dim, f.hidden, f.n_qkv, f.inter, f.scale, id(f.rotary))
         return all((x.q_heads, x.kv_heads, x.head_dim, x.hidden, x.n_qkv, x.inter, x.scale, id(x.rotary)) == shape
@@ -258,6 +283,7 @@ def bind_fast_decode(model: nn.Module) -> int:
         return 0  # a CUDA model: the C layers would read its device pointers on the host
     from gpu.models.layers import GatedMLP, SiluAndMul
     from gpu.models.llama import LlamaDecoderLayer
+    from gpu.models.moe import SparseMoeBlock
     from gpu.parallel_state import get_tp_size
 
     if get_tp_size() != 1:
@@ -267,14 +293,15 @@ def bind_fast_decode(model: nn.Module) -> int:
         if not isinstance(layer, LlamaDecoderLayer):
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        if (attn.q_norm is not None or not attn.attn.plain or not isinstance(mlp, GatedMLP)
-                or not isinstance(mlp.act, SiluAndMul)):
+        moe = isinstance(mlp, SparseMoeBlock)
+        if not attn.attn.plain or not (moe or isinstance(mlp, GatedMLP) and isinstance(mlp.act, SiluAndMul)):
             continue
         dtype = layer.input_layernorm.weight.dtype
         if not (dtype is torch.float32 or (dtype is torch.bfloat16 and fused.has_bf16_gemv())):
             continue
-        weights = {"qkv": bind_linear(attn.qkv_proj, dtype), "o": bind_linear(attn.o_proj, dtype),
-                   "gate_up": bind_linear(mlp.gate_up_proj, dtype), "down": bind_linear(mlp.down_proj, dtype)}
+        weights = {"qkv": bind_linear(attn.qkv_proj, dtype), "o": bind_linear(attn.o_proj, dtype)}
+        if not moe:
+            weights.update(gate_up=bind_linear(mlp.gate_up_proj, dtype), down=bind_linear(mlp.down_proj, dtype))
         if any(w is None for w in weights.values()):
             continue
         layer.fast_decode = FastDecodeLayer(layer, weights)

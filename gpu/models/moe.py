@@ -12,6 +12,10 @@ Quantized experts (``qexperts``): ``--quantization int8|int4`` packs a checkpoin
 expert (gpu/models/gguf_experts.py, ``load_packed_part``): each expert then holds its gate/up rows
 and its down weight as two packed weights, and the full-precision stacks are freed.
 
+Decode batches (1-16 fp32 rows) skip all of that: ``SparseMoeBlock.c_step`` runs routing, the
+grouped experts and the weighted sum in one C call (kernels/moe_cpu.py), the same kernels called by
+address; at one row the torch ops around the kernel calls cost as much as the kernels (PERF.md).
+
 Tensor parallelism shards every expert's intermediate dimension (gate/up rows, down columns)
 across ranks, as the dense MLP is sharded: each rank holds a slice of all experts and the down
 projection's partial sums are all-reduced once per layer.
@@ -28,6 +32,7 @@ from contracts.errors import ModelLoadError
 from gpu.models.layers import _copy_checked, _new_param, default_weight_loader
 from gpu.models.quantization import QuantizedWeight
 from gpu.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from kernels import moe_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -188,9 +193,31 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
 
+    _step_key: tuple | None = None  # the weights the cached C step was built on
+    _step = None
+
+    def c_step(self):
+        """The block's decode step as one C call (kernels/moe_cpu.py MoeStep: the eager block's torch
+        ops between its kernel calls cost as much as the kernels at batch 1), or None where the
+        library is off or a weight is of a kind it does not take. Rebuilt when a weight is replaced
+        (packing, loading): the step holds the weights' addresses."""
+        e = self.experts
+        key = (self.gate.weight.data_ptr(), self.gate.weight.dtype, e.w13.data_ptr(), e.w2.data_ptr(), e.qexperts)
+        if key != self._step_key:
+            experts = ([(e.w13[i], e.w2[i]) for i in range(e.num_experts)] if e.qexperts is None
+                       else [(w13.kernel, w2.kernel) for w13, w2 in e.qexperts])
+            self._step = moe_cpu.MoeStep.build(self.gate.weight.detach(), experts, e.hidden, e.inter, self.top_k,
+                                               self.renormalize)
+            self._step_key = key
+        return self._step
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        out = self.experts.forward(x, weights, ids)
+        step = self.c_step() if x.shape[0] <= moe_cpu.MAX_M and x.dtype is torch.float32 else None
+        if step is not None and step.supports(x):
+            out = step(x)
+        else:
+            weights, ids = self.route(x)
+            out = self.experts.forward(x, weights, ids)
         return tp_all_reduce(out) if self.experts.tp_size > 1 else out
 
 

@@ -99,8 +99,11 @@ int fz_silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a, int n
 int fz_silu_mul_f32(const float *h, int64_t M, int64_t I, float *a, int nthreads);
 int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, float eps, int64_t M,
                int64_t H, const fz_linear *w_qkv, int64_t n_qkv, void *qkv, int64_t q_heads, int64_t kv_heads,
-               int64_t head_dim, int64_t rot, const float *cs, const int64_t *positions, void *k_cache,
-               void *v_cache, const int64_t *slots, int64_t num_slots, int kv_fp8, int nthreads, int dtype);
+               int64_t head_dim, int64_t rot, const float *w_qn, const float *w_kn, float eps_qk,
+               const float *cs, const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
+               int64_t num_slots, int kv_fp8, int nthreads, int dtype);
+int fz_attn_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual, const float *w_norm,
+                float eps, int64_t M, int64_t H, int nthreads, int dtype);
 int fz_mlp_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual,
                const float *w_norm, float eps, int64_t M, int64_t H, const fz_linear *w_gu, int64_t I,
                void *h, void *a, const fz_linear *w_down, void *out, int nthreads, int dtype);
@@ -110,6 +113,13 @@ int fz_decode_stack(const fz_layer *layers, int64_t L, void *x, void *residual, 
                     int64_t num_slots, void *attn, const int32_t *tables, int64_t tables_stride,
                     const int32_t *seq_lens, int64_t block_size, float scale, int64_t part, int attn_threads,
                     int attn_dtype, void *qkv, void *att, void *y, void *h, void *a, int nthreads);
+
+/* ---- moe_cpu.c (kernels/abi.py SIGNATURES["moe_cpu"]) */
+int moe_isa(void);
+int moe_max_m(void);
+int moe_decode(const float *x, int64_t M, int64_t H, const fz_linear *router, int64_t E, int64_t top_k,
+               int renorm, const fz_linear *w13, const fz_linear *w2, int64_t I, float *out, float *route_w,
+               int64_t *route_ids, int nthreads);
 
 /* ---- sample_cpu.c (kernels/abi.py SIGNATURES["sample_cpu"]) */
 int64_t sp_greedy(const void *logits, int64_t n, const int64_t *ids, int64_t cols, int64_t row_stride,

@@ -408,13 +408,15 @@ static int linear_run(const fz_linear *L, const void *x, int64_t M, int64_t K, i
 }
 
 /* Before attention: [residual += x;] x = rms_norm(residual) * w_norm (without a residual yet:
- * residual = x first); qkv = x @ w_qkv^T; the q and k heads rotated; k and v written into the
+ * residual = x first); qkv = x @ w_qkv^T; [each q head and k head rms-normed by w_qn / w_kn with
+ * eps_qk (Qwen3; NULL: none);] the q and k heads rotated; k and v written into the
  * caches at slots (encoded to fp8 when kv_fp8). Activations in `dtype` (0 fp32, 1 bf16). 0 on
  * success, -1 when this build cannot run that dtype's linears, -2 for a slot past the cache, -3
  * when a quantized kernel had no memory. */
 int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, float eps,
                int64_t M, int64_t H, const fz_linear *w_qkv, int64_t n_qkv, void *qkv,
-               int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rot, const float *cs,
+               int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rot, const float *w_qn,
+               const float *w_kn, float eps_qk, const float *cs,
                const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
                int64_t num_slots, int kv_fp8, int nthreads, int dtype) {
     const size_t es = dtype == 1 ? 2 : 4;
@@ -426,6 +428,13 @@ int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, f
     }
     int rc = linear_run(w_qkv, x, M, H, n_qkv, qkv, nthreads, dtype);
     if (rc) return rc;
+    if (w_qn != NULL) /* Qwen3: every q head and k head RMS-normed (in place) before the rotation */
+        for (int64_t m = 0; m < M; m++) {
+            char *q = (char *)qkv + (size_t)(m * n_qkv) * es, *k = q + (size_t)(q_heads * head_dim) * es;
+            if (fz_rms_norm(q, head_dim, w_qn, q, q_heads, head_dim, eps_qk, dtype) ||
+                fz_rms_norm(k, head_dim, w_kn, k, kv_heads, head_dim, eps_qk, dtype))
+                return -1;
+        }
     fz_rotary_neox(qkv, M, n_qkv, q_heads + kv_heads, head_dim, rot, cs, positions, dtype);
     int64_t kv = kv_heads * head_dim;
     const char *k = (const char *)qkv + (size_t)(q_heads * head_dim) * es, *v = k + (size_t)kv * es;
@@ -433,6 +442,15 @@ int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, f
                     kv_fp8))
         return -2;
     return 0;
+}
+
+/* After attention, for a layer whose feed-forward is not the gated MLP (a MoE block, run next by
+ * the caller): y = attn @ w_o^T; residual += y; y = rms_norm(residual) * w_norm. */
+int fz_attn_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual, const float *w_norm,
+                float eps, int64_t M, int64_t H, int nthreads, int dtype) {
+    int rc = linear_run(w_o, attn, M, A, H, y, nthreads, dtype);
+    if (rc) return rc;
+    return fz_add_rms_norm(y, residual, w_norm, M, H, eps, dtype) ? -1 : 0;
 }
 
 /* After attention: y = attn @ w_o^T; residual += y; y = rms_norm(residual) * w_norm;
@@ -488,7 +506,7 @@ int fz_decode_stack(const fz_layer *layers, int64_t L, void *x, void *residual, 
     for (int64_t l = 0; l < L; l++) {
         const fz_layer *ly = &layers[l];
         int rc = fz_attn_in(cur, residual, has_residual || l > 0, ly->w_in_norm, ly->eps_in, M, H, ly->qkv, n_qkv,
-                            qkv, q_heads, kv_heads, head_dim, rot, cs, positions, ly->k_cache, ly->v_cache, slots,
+                            qkv, q_heads, kv_heads, head_dim, rot, NULL, NULL, 0.0f, cs, positions, ly->k_cache, ly->v_cache, slots,
                             num_slots, (attn_dtype & 2) != 0, nthreads, dtype);
         if (rc) return rc;
         if (((fz_attn_fn)attn)(qkv, n_qkv, ly->k_cache, ly->v_cache, tables, tables_stride, seq_lens, M, q_heads,

@@ -53,6 +53,51 @@ def test_routing_equals_transformers(moe_pair):
     torch.testing.assert_close(got_w[clear], want_w[clear].float())
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+def test_the_c_decode_step_equals_transformers_block(moe_pair, m):
+    """The MoE block's one-call C decode step (kernels/moe_cpu.py) against transformers'
+    Qwen3MoeSparseMoeBlock on random rows (no tie at the top-k cut in these)."""
+    from kernels import moe_cpu
+
+    name, ref, ours, _ = moe_pair
+    if not name.startswith("qwen3moe") or moe_cpu.library() is None:
+        pytest.skip("the C step is for the Qwen3-MoE blocks here; or not built")
+    block = ours.model.layers[0].mlp
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(20 + m))
+    with torch.inference_mode():
+        want = ref.model.layers[0].mlp(x[None])
+        want = (want[0] if isinstance(want, tuple) else want)[0]
+        got = block.c_step()(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_decode_rows_take_the_fused_c_layer_and_match_transformers(moe_pair, monkeypatch):
+    """Qwen3-MoE and Mixtral layers take the fused decode layer (gpu/models/fast_decode.py): q/k norms
+    inside fz_attn_in, fz_attn_out, then the MoE block's C step; decode logits match transformers."""
+    from gpu.models import fast_decode
+
+    name, ref, ours, _ = moe_pair
+    assert all(layer.fast_decode is not None for layer in ours.model.layers), name
+    taken = []
+    real = fast_decode.FastDecodeLayer.forward
+
+    def counting(self, rope, x, residual):
+        out = real(self, rope, x, residual)
+        taken.append((x.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(fast_decode.FastDecodeLayer, "forward", counting)
+    ids = torch.randint(0, 97, (14,), generator=torch.Generator().manual_seed(11)).tolist()
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0]
+    caches = make_caches(ours)
+    paged_step(ours, caches, [([3, 1, 4, 6], 0, 10)], [ids])
+    for p in range(10, 14):
+        got = paged_step(ours, caches, [([3, 1, 4, 6], p, 1)], [ids])
+        assert_close(got[0], want[p], f"{name} decode {p}")
+    assert (1, True) in taken and all(done for rows, done in taken if rows == 1)
+
+
 def test_prompt_logits_match_transformers(moe_pair):
     name, ref, ours, _ = moe_pair
     ids = torch.randint(0, 97, (21,), generator=torch.Generator().manual_seed(1))
