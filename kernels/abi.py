@@ -36,6 +36,8 @@ SIGNATURES: dict[str, dict[str, tuple[type | None, list[type]]]] = {
         "qn_q4_dequant_t": (None, [P, P, P, I64, I64, I64, P, I64, I, I]),
         "qn_q8_rows": (None, [P, P, I64, I64, P, I64, P, I]),
         "qn_q4_rows": (None, [P, P, P, I64, I64, P, I64, P, I]),
+        "qn_q4_repack": (None, [P, P, P, I64, I64, P, P, P, I]),
+        "qn_q8_repack": (None, [P, P, I64, I64, P, P, I]),
     },
     "qgemm_amx": {
         "qa_q4_mm": (I, _Q4_MM),

@@ -31,10 +31,10 @@ logger = logging.getLogger(__name__)
 
 GROUP = 32  # values per fp16 scale (and minimum) in q8_0 / q4_1, as in GGUF Q8_0 / Q4_1
 FUSED_MAX_M = 16  # above this many rows, dequantize blocks of W and use the BLAS matmul ...
-# ... except on the AVX2 build (the row layout's kernel of csrc/qgemm_avx2.h), which takes every M:
-# a row's result then depends on that row alone whatever the batch (batch invariance, DESIGN.md),
-# at no cost up to ~128 rows (faster than widening W below that) and ~1.3-1.4x the widened matmul's
-# time for prefill-sized batches of 256+ rows (loadtest/PERF.md, ninth session).
+# ... except on the AVX2 builds (the n16 layout's, csrc/qgemm_n16_avx2.c, or where that cannot be
+# built the row layout's, csrc/qgemm_avx2.h), which take every M: a row's result then depends on
+# that row alone whatever the batch (batch invariance, DESIGN.md); the n16 one is also 1.5-3.6x
+# faster than widening W up to 256 rows and level with it at 1024 (loadtest/PERF.md, twelfth session).
 ALL_ROWS = qgemm_n16.ALL_ROWS
 _DEQUANT_ROWS = 2048  # rows of W widened at a time on the large-M path (bounded scratch) ...
 _DEQUANT_BYTES = 4 << 20  # ... or more where they fit in this (one block for the default model's gate_up)

@@ -118,7 +118,24 @@ def repack_q8_0(w8: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def repack(mode: str, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return repack_q4_1(*tensors) if mode == "q4_1" else repack_q8_0(*tensors)
+    """``repack_q4_1`` / ``repack_q8_0`` (the reference forms, kept for the tests), done by the
+    library's C loop where it is loaded: torch's permutes took ~8 s for the default model."""
+    lib = library()
+    if lib is None:
+        return repack_q4_1(*tensors) if mode == "q4_1" else repack_q8_0(*tensors)
+    w, d = tensors[0], tensors[1]
+    n, g = d.shape
+    nb, nt = -(-n // BLOCK), torch.get_num_threads()
+    d_out = torch.empty(nb, g, BLOCK, dtype=torch.float16)  # (the C loop writes every byte)
+    if mode == "q4_1":
+        words = torch.empty(nb, g * 256, dtype=torch.uint8)
+        mn_out = torch.empty_like(d_out)
+        lib.qn_q4_repack(w.data_ptr(), d.data_ptr(), tensors[2].data_ptr(), n, g * GROUP, words.data_ptr(),
+                         d_out.data_ptr(), mn_out.data_ptr(), nt)
+        return words, d_out, mn_out
+    codes = torch.empty(nb, g * 512, dtype=torch.int8)
+    lib.qn_q8_repack(w.data_ptr(), d.data_ptr(), n, g * GROUP, codes.data_ptr(), d_out.data_ptr(), nt)
+    return codes, d_out
 
 
 def _unscales(s: torch.Tensor, n: int) -> torch.Tensor:

@@ -39,6 +39,10 @@ void qn_q4_rows(const uint16_t *w, const uint16_t *d, const uint16_t *mn, int64_
                 const int64_t *ids, int64_t n_ids, void *out, int flags);
 void qn_q8_rows(const int8_t *w, const uint16_t *d, int64_t K, int64_t N, const int64_t *ids, int64_t n_ids,
                 void *out, int flags);
+void qn_q4_repack(const uint8_t *w4, const uint16_t *d, const uint16_t *mn, int64_t N, int64_t K, uint16_t *w_out,
+                  uint16_t *d_out, uint16_t *mn_out, int nthreads);
+void qn_q8_repack(const int8_t *w8, const uint16_t *d, int64_t N, int64_t K, int8_t *w_out, uint16_t *d_out,
+                  int nthreads);
 
 /* ---- qgemm_amx.c (kernels/abi.py SIGNATURES["qgemm_amx"]) */
 int qa_wide_min_m(void);

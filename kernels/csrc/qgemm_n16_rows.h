@@ -67,4 +67,59 @@ void qn_q8_rows(const int8_t *w, const uint16_t *d, int64_t K, int64_t N, const 
     rows(w, d, NULL, K, N, ids, n_ids, out, flags, 0);
 }
 
+
+/* The row layout (kernels/qgemm.py LAYOUTS: per row, per group of 32, q4_1 bytes j holding values j
+ * and j + 16, or q8_0 bytes in order; fp16 scales [N][G]) re-laid as n16 at load time (the order
+ * csrc/qgemm_n16.c documents; channels past N get zero codes and scales). Torch's permutes did
+ * this in ~8 s for the default model, longer than the whole rest of a cold start. Every output
+ * byte is written (the caller need not zero them). */
+static inline void repack_scales(const uint16_t *s, int64_t N, int64_t G, int64_t b, uint16_t *out) {
+    for (int64_t g = 0; g < G; g++)
+        for (int c = 0; c < 16; c++) {
+            int64_t n = 16 * b + c;
+            out[(b * G + g) * 16 + c] = n < N ? s[n * G + g] : 0;
+        }
+}
+
+void qn_q4_repack(const uint8_t *w4, const uint16_t *d, const uint16_t *mn, int64_t N, int64_t K, uint16_t *w_out,
+                  uint16_t *d_out, uint16_t *mn_out, int nthreads) {
+    const int64_t G = K / QN_GROUP, NB = (N + 15) / 16;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < NB; b++) {
+        repack_scales(d, N, G, b, d_out);
+        repack_scales(mn, N, G, b, mn_out);
+        memset(w_out + b * G * 128, 0, sizeof(uint16_t) * (size_t)(G * 128));
+        for (int c = 0; c < 16 && 16 * b + c < N; c++) {
+            const uint8_t *row = w4 + (16 * b + c) * (K / 2);
+            for (int64_t g = 0; g < G; g++) {
+                uint16_t *wg = w_out + (b * G + g) * 128 + 2 * c;
+                for (int jb = 0; jb < 16; jb++) { /* byte jb: values jb (low nibble) and jb + 16 */
+                    const int e = jb & 1, j0 = jb >> 1, j1 = 8 + (jb >> 1); /* their input pairs */
+                    const uint8_t byte = row[g * 16 + jb];
+                    wg[(j0 >> 2) * 32 + e] |= (uint16_t)((byte & 0xF) << (4 * (j0 & 3)));
+                    wg[(j1 >> 2) * 32 + e] |= (uint16_t)((byte >> 4) << (4 * (j1 & 3)));
+                }
+            }
+        }
+    }
+}
+
+void qn_q8_repack(const int8_t *w8, const uint16_t *d, int64_t N, int64_t K, int8_t *w_out, uint16_t *d_out,
+                  int nthreads) {
+    const int64_t G = K / QN_GROUP, NB = (N + 15) / 16;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < NB; b++) {
+        repack_scales(d, N, G, b, d_out);
+        memset(w_out + b * G * 512, 0, (size_t)(G * 512));
+        for (int c = 0; c < 16 && 16 * b + c < N; c++) {
+            const int8_t *row = w8 + (16 * b + c) * K;
+            for (int64_t g = 0; g < G; g++)
+                for (int kk = 0; kk < QN_GROUP; kk++)
+                    w_out[(b * G + g) * 512 + (kk >> 1) * 32 + 2 * c + (kk & 1)] = row[g * QN_GROUP + kk];
+        }
+    }
+}
+
 #endif

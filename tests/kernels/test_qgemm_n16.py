@@ -298,3 +298,16 @@ def test_amx_below_the_widened_form_multiplies_the_codes_exactly(layout):
     y = lin(x).float()
     exact = x.float() @ w.t() + bias
     assert ((y - exact).abs() <= 2.0 ** -8 * exact.abs() + 1e-5 * exact.abs().max()).all()
+
+
+@needs_n16
+@pytest.mark.parametrize("layout", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", [(16, 32), (21, 96), (50, 1536), (576, 576)])
+def test_c_repack_equals_the_torch_reference(layout, n, k):
+    """repack() runs the library's C loop (torch's permutes took ~8 s for the default model at load
+    time); it must give the documented layout's bytes exactly, padding channels included."""
+    packed = qgemm.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)), layout)
+    ref = qgemm_n16.repack_q4_1(*packed) if layout == "q4_1" else qgemm_n16.repack_q8_0(*packed)
+    got = qgemm_n16.repack(layout, packed)
+    assert len(got) == len(ref)
+    assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, ref))
