@@ -59,39 +59,65 @@ static void lora_expand_row(const fz_linear *L, const void *t_row, const char *b
     }
 }
 
-/* y[M][N] += the LoRA delta of x[M][K] for the rows that name a slot (rows NULL or L without LoRA:
- * nothing). 0, FZ_LORA_NOMEM, or the GEMV's -1 (a dtype this build cannot multiply). */
-static int lora_add(const fz_linear *L, const void *x, int64_t M, int64_t K, int64_t N, void *y,
-                    const int32_t *rows, int nthreads, int dtype) {
-    if (L->lora_a == NULL || rows == NULL) return 0;
+/* Every row of slot s (rows[m] == s, m >= m0; m0 is the first), in groups of up to 16: gather them,
+ * shrink (one fz_gemv_* over the slot's A), expand into their rows of y. Scratch: xs [16][K], ts [16][W],
+ * yf [N]. 0 or the GEMV's -1. */
+static int lora_slot(const fz_linear *L, const void *x, int64_t m0, int64_t M, int64_t K, int64_t N, void *y,
+                     const int32_t *rows, int nthreads, int dtype, char *xs, char *ts, float *yf) {
+    const int32_t s = rows[m0];
     const int64_t W = L->lora_rank * L->lora_sections, es = dtype == 1 ? 2 : 4;
-    char *xs = malloc((size_t)(FZ_LORA_GROUP * K) * es), *ts = malloc((size_t)(FZ_LORA_GROUP * W) * es);
-    float *yf = malloc((size_t)N * 4);
-    unsigned char *done = calloc((size_t)M, 1);
-    int rc = xs && ts && yf && done ? 0 : FZ_LORA_NOMEM;
+    const char *a = (const char *)L->lora_a + (size_t)(s * W * K) * es;
+    const char *b = (const char *)L->lora_b + (size_t)(s * W * N) * es;
     int64_t idx[FZ_LORA_GROUP];
-    for (int64_t m0 = 0; m0 < M && rc == 0; m0++) {
-        const int32_t s = rows[m0];
-        if (s < 0 || done[m0]) continue;
-        int64_t n = 0; /* gather up to 16 rows of slot s, m0 first */
-        for (int64_t m = m0; m < M && n < FZ_LORA_GROUP; m++) {
-            if (done[m] || rows[m] != s) continue;
-            done[m] = 1;
+    for (int64_t m = m0; m < M;) {
+        int64_t n = 0;
+        for (; m < M && n < FZ_LORA_GROUP; m++) {
+            if (rows[m] != s) continue;
             idx[n] = m;
             memcpy(xs + (size_t)(n * K) * es, (const char *)x + (size_t)(m * K) * es, (size_t)K * es);
             n++;
         }
-        const char *a = (const char *)L->lora_a + (size_t)(s * W * K) * es;
-        const char *b = (const char *)L->lora_b + (size_t)(s * W * N) * es;
-        rc = dtype == 1 ? fz_gemv_bf16((const uint16_t *)xs, n, K, (const uint16_t *)a, W, (uint16_t *)ts, nthreads)
-                        : fz_gemv_f32((const float *)xs, n, K, (const float *)a, W, (float *)ts, nthreads);
-        for (int64_t i = 0; i < n && rc == 0; i++)
+        if (n == 0) break;
+        int rc = dtype == 1 ? fz_gemv_bf16((const uint16_t *)xs, n, K, (const uint16_t *)a, W, (uint16_t *)ts, nthreads)
+                            : fz_gemv_f32((const float *)xs, n, K, (const float *)a, W, (float *)ts, nthreads);
+        if (rc) return rc;
+        for (int64_t i = 0; i < n; i++)
             lora_expand_row(L, ts + (size_t)(i * W) * es, b, (char *)y + (size_t)(idx[i] * N) * es, N, yf, dtype);
     }
-    free(xs);
-    free(ts);
-    free(yf);
-    free(done);
+    return 0;
+}
+
+/* y[M][N] += the LoRA delta of x[M][K] for the rows that name a slot (rows NULL or L without LoRA:
+ * nothing). The distinct slots of the step are shared out over the threads (their rows of y are
+ * disjoint); one slot alone gives its threads to the shrink GEMV instead. 0, FZ_LORA_NOMEM, or the
+ * GEMV's -1 (a dtype this build cannot multiply). */
+static int lora_add(const fz_linear *L, const void *x, int64_t M, int64_t K, int64_t N, void *y,
+                    const int32_t *rows, int nthreads, int dtype) {
+    if (L->lora_a == NULL || rows == NULL) return 0;
+    const int64_t W = L->lora_rank * L->lora_sections, es = dtype == 1 ? 2 : 4;
+    int64_t *first = malloc((size_t)M * sizeof(int64_t)); /* the first row of each distinct slot */
+    if (first == NULL) return FZ_LORA_NOMEM;
+    int64_t n_slots = 0;
+    for (int64_t m = 0; m < M; m++) {
+        int seen = rows[m] < 0;
+        for (int64_t i = 0; i < n_slots && !seen; i++) seen = rows[first[i]] == rows[m];
+        if (!seen) first[n_slots++] = m;
+    }
+    if (nthreads < 1) nthreads = 1;
+    const int split = n_slots > 1 && nthreads > 1;
+    int rc = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(min : rc) if (split)
+    for (int64_t i = 0; i < n_slots; i++) {
+        char *xs = malloc((size_t)(FZ_LORA_GROUP * K) * es), *ts = malloc((size_t)(FZ_LORA_GROUP * W) * es);
+        float *yf = malloc((size_t)N * 4);
+        int r = xs && ts && yf ? lora_slot(L, x, first[i], M, K, N, y, rows, split ? 1 : nthreads, dtype, xs, ts, yf)
+                               : FZ_LORA_NOMEM;
+        if (r < rc) rc = r;
+        free(xs);
+        free(ts);
+        free(yf);
+    }
+    free(first);
     return rc;
 }
 #endif
