@@ -74,9 +74,9 @@ class WorkerLoRA:
         k = max(seq_slots) + 1
         if k <= 0:
             return None
-        if k == 1 and min(seq_slots) == 0:  # one adapter, no base row: no mask to apply
-            return LoRABatch(None, 1)
-        rows = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.long),
+        rows = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.int32),
                                        torch.tensor(query_lens, dtype=torch.long))
+        if k == 1 and min(seq_slots) == 0:  # one adapter, no base row: no mask to apply
+            return LoRABatch(None, 1, rows)
         mask = (rows.unsqueeze(1) == torch.arange(k)).to(self.dtype)
-        return LoRABatch(mask.to(self.device), k)
+        return LoRABatch(mask.to(self.device), k, rows)

@@ -65,13 +65,13 @@ SIGNATURES: dict[str, dict[str, tuple[type | None, list[type]]]] = {
         "fz_write_kv": (I64, [P, P, I64, P, P, P, I64, I64, I64, I, I]),
         # the fz_linear arguments are pointers to LinearSpec
         "fz_attn_in": (I, [P, P, I, P, F, I64, I64, P, I64, P, I64, I64, I64, I64, P, P, F, P, P, P, P, P, I64, I,
-                           I, I]),
-        "fz_attn_out": (I, [P, I64, P, P, P, P, F, I64, I64, I, I]),
-        "fz_mlp_out": (I, [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I, I]),
+                           I, I, P]),
+        "fz_attn_out": (I, [P, I64, P, P, P, P, F, I64, I64, I, I, P]),
+        "fz_mlp_out": (I, [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I, I, P]),
         "fz_silu_mul_bf16": (I, [P, I64, I64, P, I]),
         "fz_silu_mul_f32": (I, [P, I64, I64, P, I]),
         "fz_decode_stack": (I, [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,
-                                I64, P, I64, F, I64, I, I, P, P, P, P, P, I]),
+                                I64, P, I64, F, I64, I, I, P, P, P, P, P, I, P]),
     },
     "moe_cpu": {
         "moe_isa": (I, []),
@@ -97,11 +97,12 @@ def bind(lib: ctypes.CDLL, kernel: str) -> ctypes.CDLL:
 class LinearSpec(ctypes.Structure):
     """csrc/exports.h's ``fz_linear``: one linear layer of the fused decode layer, plain rows in the
     activations' dtype (``KIND_PLAIN``: bf16 or fp32) or a packed q8_0 / q4_1 weight with the
-    addresses of the kernels that read it."""
+    addresses of the kernels that read it; with multi-LoRA, its adapter slots (``fused.attach_lora``)."""
 
     _fields_ = [("kind", ctypes.c_int64), ("big_rows", ctypes.c_int64), ("w", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("small", ctypes.c_void_p),
-                ("big", ctypes.c_void_p)]
+                ("big", ctypes.c_void_p), ("lora_a", ctypes.c_void_p), ("lora_b", ctypes.c_void_p),
+                ("lora_rank", ctypes.c_int64), ("lora_sections", ctypes.c_int64), ("lora_col", ctypes.c_int64 * 4)]
 
 
 class LayerSpec(ctypes.Structure):

@@ -150,6 +150,29 @@ def gemv_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
+MAX_LORA_SECTIONS = 3  # fz_linear.lora_col holds 4 boundaries: q/k/v is the widest fused layer
+
+
+def attach_lora(spec: abi.LinearSpec, a: torch.Tensor, b: torch.Tensor, rank: int, cols: list[int]) -> None:
+    """Give a fused linear its multi-LoRA slots, so that the fused decode layer adds each row's
+    adapter delta after the base GEMV (csrc/fused_lora.h) instead of the step leaving it.
+    ``a`` [slots, S*rank, in], ``b`` [slots, S*rank, out] (B^T, block-diagonal, scaling folded in),
+    contiguous CPU tensors of the activations' dtype; section i's rows feed output columns
+    ``cols[i]:cols[i+1]``. The spec keeps their addresses: the caller keeps them alive and copies
+    new adapters into them in place."""
+    sections = len(cols) - 1
+    if not 1 <= sections <= MAX_LORA_SECTIONS or a.shape[1] != sections * rank or b.shape[1] != a.shape[1]:
+        raise ValueError(f"LoRA slots of shape {tuple(a.shape)} / {tuple(b.shape)} do not fit {sections} "
+                         f"sections of rank {rank}")
+    if not (a.is_contiguous() and b.is_contiguous() and a.device.type == b.device.type == "cpu"
+            and a.dtype == b.dtype and a.dtype in _DTYPE_CODE and cols[-1] == b.shape[2]):
+        raise ValueError("LoRA slots must be contiguous CPU tensors of one fp32/bf16 dtype covering the output")
+    spec.lora_a, spec.lora_b = a.data_ptr(), b.data_ptr()
+    spec.lora_rank, spec.lora_sections = rank, sections
+    for i in range(4):
+        spec.lora_col[i] = cols[min(i, sections)]
+
+
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in bf16 for M <= 16 (both contiguous bf16; the model routes
     M <= GEMV_MAX_M here)."""

@@ -15,7 +15,9 @@ When: CPU with AVX512-BF16, bf16 activations, one tensor-parallel rank, a Llama 
 biases, and each linear either plain bf16 rows (our bf16 GEMV reads them; up to
 ``fused.GEMV_MAX_M`` rows) or a q8_0 / q4_1 weight on the 16-channel layout (the fused layer calls
 the same VNNI / AMX kernels the eager path would, up to the rows those take). Larger batches,
-fp32 machines and other layouts take the eager path. ``PAGEDSERVE_FAST_DECODE=0`` turns it off;
+fp32 machines and other layouts take the eager path. With multi-LoRA (``attach_lora``) each linear
+also adds its rows' adapter deltas in C (csrc/fused_lora.h), so a step with adapter rows stays
+here too. ``PAGEDSERVE_FAST_DECODE=0`` turns it off;
 ``PAGEDSERVE_FAST_DECODE=layer`` keeps the per-layer calls and no stack (tests compare the two).
 
 Qwen3 layers (q/k RMS norms, done inside ``fz_attn_in``) and MoE layers take the per-layer calls, not
@@ -113,6 +115,19 @@ class FastDecodeLayer:
         self.max_rows = min(w.max_rows for w in weights.values())
         self.dtype = layer.input_layernorm.weight.dtype  # the activations' (fp32 or bf16)
         self.dtype_code = int(self.dtype is torch.bfloat16)
+        self.lora = None  # the adapter slots its specs point into (attach_lora), kept alive here
+
+    def attach_lora(self, slots: dict) -> bool:
+        """Point the four linears' specs at their multi-LoRA slots (``slots``: qkv / o / gate_up /
+        down -> gpu.models.lora_layers.LoRALinear), so steps with adapter rows stay on this path;
+        False (nothing changed) where the slots are not CPU tensors of the activations' dtype."""
+        if any(h.a.device.type != "cpu" or h.a.dtype != self.dtype for h in slots.values()):
+            return False
+        for name, h in slots.items():
+            cols = [s.out_offset for s in h.sections] + [h.sections[-1].out_offset + h.sections[-1].out_size]
+            fused.attach_lora(self.weights[name].spec, h.a, h.b, h.rank, cols)
+        self.lora = slots
+        return True
 
     def forward(self, rope: tuple, x: torch.Tensor, residual: torch.Tensor | None):
         """(out, residual) like LlamaDecoderLayer.forward, or None when this step is not ours."""
@@ -125,6 +140,9 @@ class FastDecodeLayer:
         threads = torch.get_num_threads()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         if k_cache.dtype not in (x.dtype, FP8):
+            return None
+        lora_rows = _lora_rows(ctx, self.lora is not None)
+        if lora_rows is False:
             return None
         first = residual is None
         if first:
@@ -141,7 +159,7 @@ class FastDecodeLayer:
                             self.q_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim, qn, kn, eps_qk,
                             self.rotary.cos_sin_cache.data_ptr(), rope[2].data_ptr(), k_cache.data_ptr(),
                             v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
-                            int(k_cache.dtype == FP8), threads, self.dtype_code)
+                            int(k_cache.dtype == FP8), threads, self.dtype_code, lora_rows)
         if rc:
             _raise_for(rc)
         q = qkv[:, : self.q_heads * self.head_dim].view(M, self.q_heads, self.head_dim)
@@ -152,7 +170,7 @@ class FastDecodeLayer:
         if self.moe is not None:
             rc = lib.fz_attn_out(attn.data_ptr(), attn.shape[1], self.w_o, y.data_ptr(), residual.data_ptr(),
                                  self.post_norm._weight_f32().data_ptr(), self.post_norm.eps, M, H, threads,
-                                 self.dtype_code)
+                                 self.dtype_code, lora_rows)
             if rc:
                 _raise_for(rc)
             return self.moe.forward(y), residual
@@ -162,7 +180,7 @@ class FastDecodeLayer:
         rc = lib.fz_mlp_out(attn.data_ptr(), attn.shape[1], self.w_o, y.data_ptr(), residual.data_ptr(),
                             self.post_norm._weight_f32().data_ptr(), self.post_norm.eps, M, H,
                             self.w_gu, self.inter, h.data_ptr(), a.data_ptr(), self.w_down, out.data_ptr(), threads,
-                            self.dtype_code)
+                            self.dtype_code, lora_rows)
         if rc:
             _raise_for(rc)
         return out, residual
@@ -230,6 +248,9 @@ class FastDecodeStack:
                 or meta.num_requests != M or not x.is_contiguous() or rope[2] is None
                 or x.dtype != self.layers[0].dtype):
             return None
+        lora_rows = _lora_rows(ctx, all(layer.lora is not None for layer in self.layers))
+        if lora_rows is False:
+            return None
         k0, v0 = ctx.kv_caches[self.layers[0].layer_idx]
         attention = cpu_attention.decode_call_by_address(meta, x.dtype, self.q_heads, k0, v0)
         if attention is None:
@@ -248,10 +269,22 @@ class FastDecodeStack:
             call.seq_lens_ptr, k0.shape[1], self.scale, call.part, call.threads,
             cpu_attention.dtype_code(x.dtype, k0), qkv.data_ptr(),
             att.data_ptr(),
-            y.data_ptr(), h.data_ptr(), a.data_ptr(), torch.get_num_threads())
+            y.data_ptr(), h.data_ptr(), a.data_ptr(), torch.get_num_threads(), lora_rows)
         if rc:
             _raise_for(rc)
         return out, residual
+
+
+def _lora_rows(ctx, has_slots: bool) -> int | None | bool:
+    """The step's per-row adapter slots for the C calls: None (address NULL) for a step without
+    adapter rows, their int32 array's address, or False where this path cannot apply them (no slots
+    attached, or a batch without per-row slots): the caller then steps aside."""
+    lora = ctx.lora
+    if lora is None:
+        return None
+    if not has_slots or lora.rows is None:
+        return False
+    return lora.rows.data_ptr()
 
 
 def _raise_for(rc: int):

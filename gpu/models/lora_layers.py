@@ -38,6 +38,7 @@ class LoRABatch:
 
     mask: torch.Tensor | None  # [rows, k], the model's dtype; None when every row uses slot 0 (k = 1)
     k: int
+    rows: torch.Tensor | None = None  # int32 [rows]: each row's slot, -1 = base (the fused C layer's form)
 
 
 @dataclass(slots=True)
@@ -117,8 +118,9 @@ class LoRALinear:
 
 class SkipFastPathForLoRA:
     """A fused C decode path (gpu/models/fast_decode.py) that steps aside (returns None, so the
-    caller runs the per-linear torch path) when the step has adapter rows: it applies whole
-    layers and knows nothing of adapters. Base-only steps keep it."""
+    caller runs the per-linear torch path) when the step has adapter rows: for the fused layers
+    that cannot carry the adapter slots (``FastDecodeLayer.attach_lora`` refused them). Base-only
+    steps keep it."""
 
     def __init__(self, fast):
         self.fast = fast
@@ -167,8 +169,10 @@ def install(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
         for h in holders:
             h.base.forward = h.forward  # the layer's callers call .forward directly
         out[i] = holders
-        if layer.fast_decode is not None:
-            layer.fast_decode = SkipFastPathForLoRA(layer.fast_decode)
-    if inner.fast_stack is not None:
-        inner.fast_stack = SkipFastPathForLoRA(inner.fast_stack)
+        fast = layer.fast_decode
+        if fast is not None and not fast.attach_lora(dict(zip(("qkv", "o", "gate_up", "down"), holders))):
+            layer.fast_decode = SkipFastPathForLoRA(fast)
+    stack = inner.fast_stack
+    if stack is not None and any(layer.lora is None for layer in stack.layers):
+        inner.fast_stack = SkipFastPathForLoRA(stack)
     return out

@@ -77,6 +77,11 @@ typedef struct {
     int64_t big_rows; /* from this many rows `big` runs instead of `small` (0: never) */
     const void *w, *d, *mn;
     void *small, *big;
+    /* Multi-LoRA (lora_a NULL: none; kernels/fused.py attach_lora): per adapter slot, A of the S
+     * sections stacked [S*R][K] and B^T block-diagonal [S*R][N] (scaling folded in), in the
+     * activations' dtype; section i's R rows feed output columns lora_col[i] .. lora_col[i+1]. */
+    const void *lora_a, *lora_b;
+    int64_t lora_rank, lora_sections, lora_col[4];
 } fz_linear;
 
 /* One decoder layer's weights and caches as fz_decode_stack reads them. kernels/abi.py LayerSpec. */
@@ -105,18 +110,20 @@ int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, f
                int64_t H, const fz_linear *w_qkv, int64_t n_qkv, void *qkv, int64_t q_heads, int64_t kv_heads,
                int64_t head_dim, int64_t rot, const float *w_qn, const float *w_kn, float eps_qk,
                const float *cs, const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
-               int64_t num_slots, int kv_fp8, int nthreads, int dtype);
+               int64_t num_slots, int kv_fp8, int nthreads, int dtype, const int32_t *lora_rows);
 int fz_attn_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual, const float *w_norm,
-                float eps, int64_t M, int64_t H, int nthreads, int dtype);
+                float eps, int64_t M, int64_t H, int nthreads, int dtype, const int32_t *lora_rows);
 int fz_mlp_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual,
                const float *w_norm, float eps, int64_t M, int64_t H, const fz_linear *w_gu, int64_t I,
-               void *h, void *a, const fz_linear *w_down, void *out, int nthreads, int dtype);
+               void *h, void *a, const fz_linear *w_down, void *out, int nthreads, int dtype,
+               const int32_t *lora_rows);
 int fz_decode_stack(const fz_layer *layers, int64_t L, void *x, void *residual, int has_residual, void *out,
                     int64_t M, int64_t H, int64_t n_qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                     int64_t rot, int64_t I, const float *cs, const int64_t *positions, const int64_t *slots,
                     int64_t num_slots, void *attn, const int32_t *tables, int64_t tables_stride,
                     const int32_t *seq_lens, int64_t block_size, float scale, int64_t part, int attn_threads,
-                    int attn_dtype, void *qkv, void *att, void *y, void *h, void *a, int nthreads);
+                    int attn_dtype, void *qkv, void *att, void *y, void *h, void *a, int nthreads,
+                    const int32_t *lora_rows);
 
 /* ---- moe_cpu.c (kernels/abi.py SIGNATURES["moe_cpu"]) */
 int moe_isa(void);

@@ -24,6 +24,7 @@
 #include "exp.h"
 #include "exports.h"
 #include "fp8.h"
+#include "fused_lora.h"
 #include "simd.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -395,8 +396,8 @@ typedef int (*fz_q4_fn)(const void *, int64_t, int64_t, const void *, const void
 /* y[M][N] = x[M][K] @ W^T, activations in and out in `dtype` (0 fp32, 1 bf16). Plain rows (kind 0)
  * are weights of the activations' dtype: bf16 on AVX512-BF16 builds only (-1 elsewhere: the
  * binder never hands them over), fp32 anywhere. */
-static int linear_run(const fz_linear *L, const void *x, int64_t M, int64_t K, int64_t N, void *y, int nthreads,
-                      int dtype) {
+static int linear_base(const fz_linear *L, const void *x, int64_t M, int64_t K, int64_t N, void *y, int nthreads,
+                       int dtype) {
     if (L->kind == 0)
         return dtype == 1 ? fz_gemv_bf16((const uint16_t *)x, M, K, (const uint16_t *)L->w, N, (uint16_t *)y, nthreads)
                           : fz_gemv_f32((const float *)x, M, K, (const float *)L->w, N, (float *)y, nthreads);
@@ -407,10 +408,19 @@ static int linear_run(const fz_linear *L, const void *x, int64_t M, int64_t K, i
     return rc ? FZ_KERNEL_FAILED : 0;
 }
 
+/* The base linear, then the LoRA delta of the rows that name an adapter slot in lora_rows
+ * (csrc/fused_lora.h; NULL lora_rows or a linear without LoRA slots: the base alone). */
+static int linear_run(const fz_linear *L, const void *x, int64_t M, int64_t K, int64_t N, void *y, int nthreads,
+                      int dtype, const int32_t *lora_rows) {
+    int rc = linear_base(L, x, M, K, N, y, nthreads, dtype);
+    return rc ? rc : lora_add(L, x, M, K, N, y, lora_rows, nthreads, dtype);
+}
+
 /* Before attention: [residual += x;] x = rms_norm(residual) * w_norm (without a residual yet:
  * residual = x first); qkv = x @ w_qkv^T; [each q head and k head rms-normed by w_qn / w_kn with
- * eps_qk (Qwen3; NULL: none);] the q and k heads rotated; k and v written into the
- * caches at slots (encoded to fp8 when kv_fp8). Activations in `dtype` (0 fp32, 1 bf16). 0 on
+ * eps_qk (Qwen3; NULL: none);] the q and k heads rotated; k and v written into the caches at slots
+ * (encoded to fp8 when kv_fp8). Activations in `dtype` (0 fp32, 1 bf16). lora_rows (NULL: none):
+ * each row's adapter slot (-1: none); the qkv delta lands before the norms and rotary. 0 on
  * success, -1 when this build cannot run that dtype's linears, -2 for a slot past the cache, -3
  * when a quantized kernel had no memory. */
 int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, float eps,
@@ -418,7 +428,7 @@ int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, f
                int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rot, const float *w_qn,
                const float *w_kn, float eps_qk, const float *cs,
                const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
-               int64_t num_slots, int kv_fp8, int nthreads, int dtype) {
+               int64_t num_slots, int kv_fp8, int nthreads, int dtype, const int32_t *lora_rows) {
     const size_t es = dtype == 1 ? 2 : 4;
     if (has_residual) {
         if (fz_add_rms_norm(x, residual, w_norm, M, H, eps, dtype)) return -1;
@@ -426,7 +436,7 @@ int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, f
         memcpy(residual, x, (size_t)(M * H) * es);
         if (fz_rms_norm(residual, H, w_norm, x, M, H, eps, dtype)) return -1;
     }
-    int rc = linear_run(w_qkv, x, M, H, n_qkv, qkv, nthreads, dtype);
+    int rc = linear_run(w_qkv, x, M, H, n_qkv, qkv, nthreads, dtype, lora_rows);
     if (rc) return rc;
     if (w_qn != NULL) /* Qwen3: every q head and k head RMS-normed (in place) before the rotation */
         for (int64_t m = 0; m < M; m++) {
@@ -445,34 +455,37 @@ int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, f
 }
 
 /* After attention, for a layer whose feed-forward is not the gated MLP (a MoE block, run next by
- * the caller): y = attn @ w_o^T; residual += y; y = rms_norm(residual) * w_norm. */
+ * the caller): y = attn @ w_o^T (+ each row's LoRA delta, lora_rows as fz_attn_in); residual += y;
+ * y = rms_norm(residual) * w_norm. */
 int fz_attn_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual, const float *w_norm,
-                float eps, int64_t M, int64_t H, int nthreads, int dtype) {
-    int rc = linear_run(w_o, attn, M, A, H, y, nthreads, dtype);
+                float eps, int64_t M, int64_t H, int nthreads, int dtype, const int32_t *lora_rows) {
+    int rc = linear_run(w_o, attn, M, A, H, y, nthreads, dtype, lora_rows);
     if (rc) return rc;
     return fz_add_rms_norm(y, residual, w_norm, M, H, eps, dtype) ? -1 : 0;
 }
 
 /* After attention: y = attn @ w_o^T; residual += y; y = rms_norm(residual) * w_norm;
  * h = y @ w_gu^T; a = silu(gate) * up; out = a @ w_down^T. y [M][H], h [M][2I], a [M][I] are
- * scratch, all in `dtype`. 0 on success, -1 when this build cannot run that dtype, -3 as fz_attn_in. */
+ * scratch, all in `dtype`. lora_rows as fz_attn_in (deltas after o, gate/up and down). 0 on success,
+ * -1 when this build cannot run that dtype, -3 as fz_attn_in. */
 int fz_mlp_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual,
                const float *w_norm, float eps, int64_t M, int64_t H, const fz_linear *w_gu, int64_t I,
-               void *h, void *a, const fz_linear *w_down, void *out, int nthreads, int dtype) {
+               void *h, void *a, const fz_linear *w_down, void *out, int nthreads, int dtype,
+               const int32_t *lora_rows) {
 #if !FZ_BF16_GEMV
     if (dtype == 1) return -1; /* the bf16 SiLU is AVX512-BF16 code */
 #endif
-    int rc = linear_run(w_o, attn, M, A, H, y, nthreads, dtype);
+    int rc = linear_run(w_o, attn, M, A, H, y, nthreads, dtype, lora_rows);
     if (rc) return rc;
     if (fz_add_rms_norm(y, residual, w_norm, M, H, eps, dtype)) return -1;
-    if ((rc = linear_run(w_gu, y, M, H, 2 * I, h, nthreads, dtype))) return rc;
+    if ((rc = linear_run(w_gu, y, M, H, 2 * I, h, nthreads, dtype, lora_rows))) return rc;
 #if FZ_BF16_GEMV
     if (dtype == 1)
         silu_mul_bf16((const uint16_t *)h, M, I, (uint16_t *)a);
     else
 #endif
         silu_mul_f32((const float *)h, M, I, (float *)a);
-    return linear_run(w_down, a, M, I, H, out, nthreads, dtype);
+    return linear_run(w_down, a, M, I, H, out, nthreads, dtype, lora_rows);
 }
 
 /* The decode attention kernels' entry point (csrc/paged_attn.c pa_decode, csrc/paged_attn_amx.c
@@ -492,28 +505,29 @@ typedef int (*fz_attn_fn)(const void *, int64_t, const void *, const void *, con
  * the last layer's output lands in out [M][H], the residual stream in residual [M][H]. Scratch:
  * qkv [M][n_qkv], att [M][q_heads*head_dim], y [M][H], h [M][2I], a [M][I]. attn_dtype: the
  * attention kernel's dtype argument (1 bf16, 3 bf16 with fp8 caches, which fz_attn_in then writes
- * as fp8). 0 on success, else fz_attn_in / fz_mlp_out's codes or FZ_ATTN_FAILED. */
+ * as fp8). lora_rows: each row's adapter slot or -1 (NULL: no LoRA), passed to every layer's calls.
+ * 0 on success, else fz_attn_in / fz_mlp_out's codes or FZ_ATTN_FAILED. */
 int fz_decode_stack(const fz_layer *layers, int64_t L, void *x, void *residual, int has_residual,
                     void *out, int64_t M, int64_t H, int64_t n_qkv, int64_t q_heads, int64_t kv_heads,
                     int64_t head_dim, int64_t rot, int64_t I, const float *cs, const int64_t *positions,
                     const int64_t *slots, int64_t num_slots, void *attn, const int32_t *tables,
                     int64_t tables_stride, const int32_t *seq_lens, int64_t block_size, float scale,
                     int64_t part, int attn_threads, int attn_dtype, void *qkv, void *att, void *y,
-                    void *h, void *a, int nthreads) {
+                    void *h, void *a, int nthreads, const int32_t *lora_rows) {
     const int dtype = attn_dtype & 1; /* activations: 0 fp32, 1 bf16 (bit 1: fp8 caches) */
     int64_t A = q_heads * head_dim;
     void *cur = x, *next = out;
     for (int64_t l = 0; l < L; l++) {
         const fz_layer *ly = &layers[l];
         int rc = fz_attn_in(cur, residual, has_residual || l > 0, ly->w_in_norm, ly->eps_in, M, H, ly->qkv, n_qkv,
-                            qkv, q_heads, kv_heads, head_dim, rot, NULL, NULL, 0.0f, cs, positions, ly->k_cache, ly->v_cache, slots,
-                            num_slots, (attn_dtype & 2) != 0, nthreads, dtype);
+                            qkv, q_heads, kv_heads, head_dim, rot, NULL, NULL, 0.0f, cs, positions, ly->k_cache,
+                            ly->v_cache, slots, num_slots, (attn_dtype & 2) != 0, nthreads, dtype, lora_rows);
         if (rc) return rc;
         if (((fz_attn_fn)attn)(qkv, n_qkv, ly->k_cache, ly->v_cache, tables, tables_stride, seq_lens, M, q_heads,
                                kv_heads, head_dim, block_size, scale, att, A, attn_dtype, part, attn_threads))
             return FZ_ATTN_FAILED;
         rc = fz_mlp_out(att, A, ly->o, y, residual, ly->w_post_norm, ly->eps_post, M, H, ly->gu, I, h, a,
-                        ly->down, next, nthreads, dtype);
+                        ly->down, next, nthreads, dtype, lora_rows);
         if (rc) return rc;
         void *t = cur; cur = next; next = t;
     }

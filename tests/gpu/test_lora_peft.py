@@ -135,8 +135,77 @@ def test_tensor_parallel_2_matches_peft(models, references):
         llm.shutdown()
 
 
-def test_lora_rows_skip_the_fused_decode_path_only_in_their_steps(models):
-    """Unit check of the fast-path guard: a LoRA step runs the per-linear path."""
+def _count_fused_lora_steps(monkeypatch):
+    """Record (rows, taken) of every FastDecodeStack call made in a step with adapter rows."""
+    from gpu.forward_context import current_lora
+    from gpu.models import fast_decode
+
+    calls = []
+    real = fast_decode.FastDecodeStack.forward
+
+    def counting(self, rope, x, residual):
+        out = real(self, rope, x, residual)
+        if current_lora() is not None:
+            calls.append((x.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(fast_decode.FastDecodeStack, "forward", counting)
+    return calls
+
+
+def test_lora_decode_steps_stay_on_the_fused_stack_and_match_peft(models, references, monkeypatch):
+    """One stream per adapter (fp32 plain weights: the stack takes 1-row steps): every decode step
+    with an adapter row runs the one-call C stack, LoRA deltas inside it, and still == peft."""
+    from gpu.models.fast_decode import FastDecodeStack
+
+    root, _, adapters = models
+    loras = _requests(adapters)
+    calls = _count_fused_lora_steps(monkeypatch)
+    llm = _llm(root)
+    try:
+        body = llm.parts.executor.runner.model.model
+        assert isinstance(body.fast_stack, FastDecodeStack)  # not wrapped to step aside for LoRA
+        for name, lora in loras.items():
+            outs = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lora)
+            _check_against_reference(outs, [references[name][0]])
+    finally:
+        llm.shutdown()
+    assert calls.count((1, True)) >= 3 * (N_TOKENS - 1) and (1, False) not in calls, calls  # (prompts: declined)
+
+
+def test_mixed_adapters_in_the_fused_stack_equal_the_per_linear_path(models, monkeypatch):
+    """int8 weights (the fp32 stack takes up to 64 rows): 3 adapters and base rows, 12 streams in each
+    decode step, through the C stack and through the per-linear torch path
+    (PAGEDSERVE_FAST_DECODE=0): same greedy tokens, logprobs within 1e-3 (the deltas sum in another
+    order, and the quantized kernels round activations to int8 blocks, which spreads a last-bit
+    difference: 1.2e-4 seen)."""
+    from gpu.models import fast_decode
+
+    root, _, adapters = models
+    loras = _requests(adapters)
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    lora_list = [None, *loras.values()] * len(PROMPTS)
+    results = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(fast_decode.ENV, mode)
+        calls = _count_fused_lora_steps(monkeypatch)
+        llm = _llm(root, quantization="int8")
+        try:
+            results[mode] = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False,
+                                                                lora_request=lora_list)]
+        finally:
+            llm.shutdown()
+        assert (12, True) in calls if mode == "1" else calls == []
+    for eager, fused_ in zip(results["0"], results["1"]):
+        assert fused_.token_ids == eager.token_ids
+        for le, lf in zip(eager.logprobs, fused_.logprobs):
+            for tok, entry in le.items():
+                assert abs(lf[tok].logprob - entry.logprob) < 1e-3
+
+
+def test_fused_paths_step_aside_for_lora_only_where_unsupported(models):
+    """Unit check of the remaining guard (a fused path that cannot carry the adapter slots): a
+    LoRA step runs the per-linear path, a base step the fused one."""
     from gpu.forward_context import forward_context
     from gpu.models.lora_layers import LoRABatch, SkipFastPathForLoRA
 

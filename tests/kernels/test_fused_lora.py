@@ -1,0 +1,183 @@
+"""The fused decode layer's LoRA delta (csrc/fused_cpu.c: after each linear of fz_attn_in and
+fz_mlp_out, ``y[m] += (x[m] @ A[slot]^T) @ B[slot]`` for the rows that name a slot) against torch:
+the base layer plus the delta, rows of adapter 0, adapter 1 and none mixed in one call, each build
+(portable, AVX2, AVX512-BF16 where the CPU has it) forced in a fresh process, fp32 and bf16."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import fused
+from kernels.abi import LinearSpec
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler for the fused ops")
+
+H, I, QH, KVH, D, ROT, R = 64, 96, 4, 2, 16, 16, 4
+N_QKV = (QH + 2 * KVH) * D
+ROWS = [0, 1, -1, 0, 1]  # slot per row: adapter 0, adapter 1, the base model
+SLOTS = 2
+
+
+def _plain(w: torch.Tensor) -> LinearSpec:
+    return LinearSpec(fused.KIND_PLAIN, 0, w.data_ptr(), None, None, None, None)
+
+
+def _lora(g, n_in: int, cols: list[int], dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots as gpu/models/lora_layers.py lays them out: A [slots, S*R, in]; B^T [slots, S*R, out],
+    block-diagonal (section i's R rows feed columns cols[i]..cols[i+1]); slot 1 has rank 2 (rows
+    2, 3 of each section zero, as a smaller adapter is padded)."""
+    S = len(cols) - 1
+    a = torch.randn(SLOTS, S * R, n_in, generator=g) * 0.3
+    b = torch.zeros(SLOTS, S * R, cols[-1])
+    for i in range(S):
+        b[:, i * R:(i + 1) * R, cols[i]:cols[i + 1]] = torch.randn(SLOTS, R, cols[i + 1] - cols[i], generator=g) * 0.3
+    a[1, :, :].view(S, R, n_in)[:, 2:] = 0
+    b[1, :, :].view(S, R, cols[-1])[:, 2:] = 0
+    return a.to(dtype).contiguous(), b.to(dtype).contiguous()
+
+
+def _delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The reference delta in fp32 (base rows: zero)."""
+    out = torch.zeros(x.shape[0], b.shape[2])
+    for m, s in enumerate(ROWS):
+        if s >= 0:
+            out[m] = (x[m].float() @ a[s].float().t()) @ b[s].float()
+    return out
+
+
+def _tol(dtype):
+    return dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+
+
+def _rows():
+    return torch.tensor(ROWS, dtype=torch.int32)
+
+
+def check_mlp_out(dtype) -> None:
+    """fz_mlp_out with LoRA on o, gate/up and down: == torch's layer + deltas; base rows bit-equal
+    to the call without LoRA; a NULL row list is the base layer."""
+    lib = fused.library()
+    g = torch.Generator().manual_seed(5)
+    M, A = len(ROWS), QH * D
+    w_o, w_gu, w_d = (torch.randn(n, k, generator=g).mul(0.2).to(dtype) for n, k in ((H, A), (2 * I, H), (H, I)))
+    norm_w = torch.rand(H, generator=g) + 0.5
+    attn = torch.randn(M, A, generator=g).to(dtype)
+    res0 = torch.randn(M, H, generator=g).to(dtype)
+    loras = {"o": _lora(g, A, [0, H], dtype), "gu": _lora(g, H, [0, I, 2 * I], dtype),
+             "d": _lora(g, I, [0, H], dtype)}
+    specs = {k: _plain(w) for k, w in (("o", w_o), ("gu", w_gu), ("d", w_d))}
+
+    def run(with_lora: bool, rows):
+        for k, spec in specs.items():
+            a, b = loras[k]
+            if with_lora:
+                fused.attach_lora(spec, a, b, R, [0, H] if k != "gu" else [0, I, 2 * I])
+        res = res0.clone()
+        y, h, act, out = (torch.empty(M, n, dtype=dtype) for n in (H, 2 * I, I, H))
+        rc = lib.fz_mlp_out(attn.data_ptr(), A, ctypes.addressof(specs["o"]), y.data_ptr(), res.data_ptr(),
+                            norm_w.data_ptr(), 1e-5, M, H, ctypes.addressof(specs["gu"]), I, h.data_ptr(),
+                            act.data_ptr(), ctypes.addressof(specs["d"]), out.data_ptr(), 2,
+                            int(dtype == torch.bfloat16), None if rows is None else rows.data_ptr())
+        assert rc == 0
+        return out, res
+
+    base_out, base_res = run(False, None)
+    rows = _rows()
+    got_out, got_res = run(True, rows)
+    ref_y = (attn.float() @ w_o.float().t() + _delta(attn, *loras["o"])).to(dtype)
+    ref_res = (res0.float() + ref_y.float()).to(dtype)
+    yn = F.rms_norm(ref_res.float(), (H,), norm_w, 1e-5).to(dtype)
+    hh = (yn.float() @ w_gu.float().t() + _delta(yn, *loras["gu"])).to(dtype)
+    act = (F.silu(hh[:, :I].float()) * hh[:, I:].float()).to(dtype)
+    ref_out = act.float() @ w_d.float().t() + _delta(act, *loras["d"])
+    torch.testing.assert_close(got_res.float(), ref_res.float(), **_tol(dtype))
+    torch.testing.assert_close(got_out.float(), ref_out, **_tol(dtype))
+    assert torch.equal(got_out[2], base_out[2]) and torch.equal(got_res[2], base_res[2])  # the base row
+    assert not torch.allclose(got_out[0].float(), base_out[0].float(), **_tol(dtype))  # the delta is there
+    null_out, _ = run(True, None)
+    assert torch.equal(null_out, base_out)
+
+
+def check_attn_in(dtype) -> None:
+    """fz_attn_in with LoRA on qkv: the delta lands before rotary and the KV write (the cached v
+    rows are the reference's; q and k as the reference rotated by the tested fused rotary)."""
+    lib = fused.library()
+    from gpu.models.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(D, ROT, 256, 10000.0)
+    g = torch.Generator().manual_seed(9)
+    M = len(ROWS)
+    w_qkv = torch.randn(N_QKV, H, generator=g).mul(0.2).to(dtype)
+    norm_w = torch.rand(H, generator=g) + 0.5
+    x0 = torch.randn(M, H, generator=g).to(dtype)
+    res0 = torch.randn(M, H, generator=g).to(dtype)
+    cols = [0, QH * D, (QH + KVH) * D, N_QKV]
+    a, b = _lora(g, H, cols, dtype)
+    positions = torch.tensor([3, 0, 17, 100, 9])
+    slots = torch.tensor([5, 40, 2, 63, 20])
+    spec = _plain(w_qkv)
+    fused.attach_lora(spec, a, b, R, cols)
+    x, res = x0.clone(), res0.clone()
+    qkv = torch.empty(M, N_QKV, dtype=dtype)
+    k_cache, v_cache = (torch.zeros(4, 16, KVH, D, dtype=dtype) for _ in range(2))
+    rows = _rows()
+    rc = lib.fz_attn_in(x.data_ptr(), res.data_ptr(), 1, norm_w.data_ptr(), 1e-5, M, H, ctypes.addressof(spec),
+                        N_QKV, qkv.data_ptr(), QH, KVH, D, ROT, None, None, 0.0, rope.cos_sin_cache.data_ptr(),
+                        positions.data_ptr(),
+                        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), 64, 0, 2,
+                        int(dtype == torch.bfloat16), rows.data_ptr())
+    assert rc == 0
+    ref_res = (x0.float() + res0.float()).to(dtype)
+    xn = F.rms_norm(ref_res.float(), (H,), norm_w, 1e-5).to(dtype)
+    ref = (xn.float() @ w_qkv.float().t() + _delta(xn, a, b)).to(dtype)
+    fused.rotary_neox_(ref, QH + KVH, D, ROT, rope.cos_sin_cache, positions)
+    torch.testing.assert_close(qkv.float(), ref.float(), **_tol(dtype))
+    flat_v = v_cache.view(-1, KVH * D)
+    torch.testing.assert_close(flat_v[slots].float(), ref[:, cols[2]:].float(), **_tol(dtype))
+    flat_k = k_cache.view(-1, KVH * D)
+    torch.testing.assert_close(flat_k[slots].float(), ref[:, cols[1]:cols[2]].float(), **_tol(dtype))
+
+
+def check(dtype_name: str) -> None:
+    dtype = getattr(torch, dtype_name)
+    check_mlp_out(dtype)
+    check_attn_in(dtype)
+
+
+def _in_fresh_process(isa: str, dtype_name: str) -> str:
+    """Run ``check`` with the fused library built for ``isa`` (PAGEDSERVE_ISA caps the level);
+    returns the build's fz_isa()."""
+    code = ("import sys; from kernels import fused; from tests.kernels.test_fused_lora import check; "
+            "check(sys.argv[1]); print(fused.library().fz_isa())")
+    env = dict(os.environ, PAGEDSERVE_ISA=isa)
+    proc = subprocess.run([sys.executable, "-c", code, dtype_name], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("isa,level", [("scalar", "0"), ("avx2", "1")])
+def test_fp32_layer_with_lora_matches_torch(isa, level):
+    from kernels.isa import cpu_flags
+
+    if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("no AVX2 on this CPU")
+    assert _in_fresh_process(isa, "float32") == level
+
+
+@pytest.mark.skipif(not fused.has_bf16_gemv(), reason="the bf16 fused layer needs AVX512-BF16")
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_avx512bf16_layer_with_lora_matches_torch(dtype_name):
+    assert _in_fresh_process("avx512bf16", dtype_name) == "2"
+
+
+def test_this_process_build_with_lora_matches_torch():
+    check("float32")
+    if fused.has_bf16_gemv():
+        check("bfloat16")
