@@ -25,6 +25,7 @@
 #include "exports.h"
 #include "fp8.h"
 #include "fused_lora.h"
+#include "silu.h"
 #include "simd.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -351,24 +352,6 @@ int fz_silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a, int n
     (void)h; (void)M; (void)I; (void)a; (void)nthreads;
     return -1;
 #endif
-}
-
-/* a[M][I] = silu(h[:, :I]) * h[:, I:] in fp32 (the fp32 decode stack's activation). */
-static void silu_mul_f32(const float *h, int64_t M, int64_t I, float *a) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = h + m * 2 * I, *u = g + I;
-        float *o = a + m * I;
-        int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; i + 8 <= I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-        }
-#endif
-        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
 }
 
 /* a[M][I] = silu(h[:, :I]) * h[:, I:] in fp32 for the eager layer too (every batch size), rows split

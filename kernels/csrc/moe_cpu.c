@@ -26,6 +26,7 @@
 
 #include "exp.h"
 #include "exports.h"
+#include "silu.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -66,25 +67,6 @@ static int linear(const fz_linear *L, const float *x, int64_t M, int64_t K, int6
     else
         rc = ((moe_q4_fn)fn)(x, M, K, L->w, L->d, L->mn, NULL, y, N, nthreads, 0);
     return rc ? MOE_KERNEL_FAILED : 0;
-}
-
-/* a[M][I] = silu(h[:, :I]) * h[:, I:], the operations of fused_cpu.c's fp32 SiLU (exp.h's exp256 on
- * AVX2, libm's expf elsewhere), so this and the fused dense layer round alike. */
-static void silu_mul(const float *h, int64_t M, int64_t I, float *a) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = h + m * 2 * I, *u = g + I;
-        float *o = a + m * I;
-        int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; i + 8 <= I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
-        }
-#endif
-        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
 }
 
 /* One row's routing: probs = softmax(logits[E]) in place, then the k largest (descending, the
@@ -156,7 +138,7 @@ int moe_decode(const float *x, int64_t M, int64_t H, const fz_linear *router, in
         if (n == 0) continue;
         for (int64_t r = 0; r < n; r++) memcpy(xe + r * H, x + order[s + r] / top_k * H, sizeof(float) * (size_t)H);
         if ((rc = linear(&w13[e], xe, n, H, 2 * I, h, nthreads))) goto done;
-        silu_mul(h, n, I, a);
+        silu_mul_f32(h, n, I, a); /* (silu.h: the fused dense layer's rounding) */
         if ((rc = linear(&w2[e], a, n, I, H, y, nthreads))) goto done;
         for (int64_t r = 0; r < n; r++) {
             float wgt = pw[order[s + r]], *o = out + order[s + r] / top_k * H;

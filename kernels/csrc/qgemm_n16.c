@@ -39,6 +39,8 @@
 #endif
 #define QN_ROWS 64 /* rows of x per pass: their accumulators (4 KiB) stay in L1 */
 
+#include "qgemm_n16_rows.h"
+
 /* xq[M][K] int16, xs[M] (NaN for a row holding NaN/inf: its outputs become NaN), and for q4_1
  * xsum[M][G] (fp32 sums of each group of x). 0, or -1 when out of memory. */
 typedef struct {
@@ -142,22 +144,6 @@ static inline __attribute__((always_inline)) void all_rows_group(const __m512i w
     if (r < M) rows_group(w, xg + r * K, K, xs + r, xsum ? xsum + r * G : NULL, G, dv, mv, has_min, facc + 16 * r, 1);
 }
 
-static inline void write_block(void *y, int64_t m0, int64_t mr, int64_t N, int64_t n0, const float *facc,
-                               const float *bias, int flags) {
-    int nv = (int)(N - n0 < 16 ? N - n0 : 16);
-    for (int64_t r = 0; r < mr; r++) {
-        const float *f = facc + 16 * r;
-        int64_t o = (m0 + r) * N + n0;
-        if (flags & QN_Y_BF16) {
-            uint16_t *yo = (uint16_t *)y + o;
-            for (int c = 0; c < nv; c++) yo[c] = f32_to_bf16(f[c] + (bias ? bias[n0 + c] : 0.0f));
-        } else {
-            float *yo = (float *)y + o;
-            for (int c = 0; c < nv; c++) yo[c] = f[c] + (bias ? bias[n0 + c] : 0.0f);
-        }
-    }
-}
-
 /* y[M][N] = x[M][K] @ W^T (+ bias) for n16 q4_1 weights. Returns 0, or -1 (no memory). */
 int qn_q4_mm(const void *x, int64_t M, int64_t K, const uint16_t *w, const uint16_t *d, const uint16_t *mn,
              const float *bias, void *y, int64_t N, int nthreads, int flags) {
@@ -228,8 +214,6 @@ int qn_q8_mm(const void *x, int64_t M, int64_t K, const int8_t *w, const uint16_
 /* ---------------------------------------------------------------- dequantize / rows ------
  * The n16 weights widened back to rows (prefill's dequantize-then-matmul, embedding lookups),
  * so a layer keeps only this layout in memory. */
-
-#include "qgemm_n16_rows.h"
 
 /* W^T for rows [n0, n1) of W (n0 a multiple of 16): out[k][n - n0], row stride n1 - n0, fp32 or
  * bf16. Transposed because the n16 lanes already hold 16 channels at one input: even int16 lanes

@@ -37,6 +37,8 @@
 #define QN_PF 1024            /* bytes of weights prefetched ahead */
 #define QN_KEEP (8u << 20)    /* per-thread activation scratch kept between calls up to this size */
 
+#include "qgemm_n16_rows.h"
+
 /* The activation scratch: one buffer per calling thread, kept between calls (a decode step makes
  * ~120 of them), freed and taken per call above QN_KEEP. */
 static _Thread_local void *qn_buf;
@@ -268,22 +270,6 @@ static inline __attribute__((always_inline)) void block_group(const void *wg, in
 #undef QN_ROWS_AT
 }
 
-static inline void write_block(void *y, int64_t m0, int64_t mr, int64_t N, int64_t n0, const float *facc,
-                               const float *bias, int flags) {
-    int nv = (int)(N - n0 < 16 ? N - n0 : 16);
-    for (int64_t r = 0; r < mr; r++) {
-        const float *f = facc + 16 * r;
-        int64_t o = (m0 + r) * N + n0;
-        if (flags & QN_Y_BF16) {
-            uint16_t *yo = (uint16_t *)y + o;
-            for (int c = 0; c < nv; c++) yo[c] = f32_to_bf16(f[c] + (bias ? bias[n0 + c] : 0.0f));
-        } else {
-            float *yo = (float *)y + o;
-            for (int c = 0; c < nv; c++) yo[c] = f[c] + (bias ? bias[n0 + c] : 0.0f);
-        }
-    }
-}
-
 /* y[M][N] = x[M][K] @ W^T (+ bias): blocks of 16 channels split over the threads. */
 static int qn_mm(const void *x, int64_t M, int64_t K, const void *w, const uint16_t *d, const uint16_t *mn,
                  const float *bias, void *y, int64_t N, int nthreads, int flags, int is_q4) {
@@ -344,8 +330,6 @@ int qn_q8_mm(const void *x, int64_t M, int64_t K, const int8_t *w, const uint16_
 }
 
 /* ---------------------------------------------------------------- dequantize / rows ------ */
-
-#include "qgemm_n16_rows.h"
 
 /* W^T of rows n0..n1 into out [K][ld] (ld >= n1 - n0; 0 means n1 - n0), fp32 or bf16: prefill's
  * dequantize-then-matmul where a caller wants it (on AVX2 the kernel above takes every M). */

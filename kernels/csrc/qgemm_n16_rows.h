@@ -1,9 +1,26 @@
 /* The n16 layout's portable readers (csrc/qgemm_n16.c, the VNNI build, and csrc/qgemm_n16_avx2.c):
  * one code or scale by position, a row widened to fp32, and the exported row lookups (embedding
- * rows of a quantized table). Included, so each library keeps its own copy of the code. Needs
- * QN_GROUP, QN_Y_BF16, bf16.h and F16C. */
+ * rows of a quantized table), and the store of a block's 16-channel results. Included, so each
+ * library keeps its own copy of the code. Needs QN_GROUP, QN_Y_BF16, bf16.h and F16C. */
 #ifndef PAGEDSERVE_QGEMM_N16_ROWS_H
 #define PAGEDSERVE_QGEMM_N16_ROWS_H
+
+/* Rows [m0, m0 + mr) of a block's 16 channels (facc, 16 floats a row) + bias into y, fp32 or bf16. */
+static inline void write_block(void *y, int64_t m0, int64_t mr, int64_t N, int64_t n0, const float *facc,
+                               const float *bias, int flags) {
+    int nv = (int)(N - n0 < 16 ? N - n0 : 16);
+    for (int64_t r = 0; r < mr; r++) {
+        const float *f = facc + 16 * r;
+        int64_t o = (m0 + r) * N + n0;
+        if (flags & QN_Y_BF16) {
+            uint16_t *yo = (uint16_t *)y + o;
+            for (int c = 0; c < nv; c++) yo[c] = f32_to_bf16(f[c] + (bias ? bias[n0 + c] : 0.0f));
+        } else {
+            float *yo = (float *)y + o;
+            for (int c = 0; c < nv; c++) yo[c] = f[c] + (bias ? bias[n0 + c] : 0.0f);
+        }
+    }
+}
 
 static inline int q4_code(const uint16_t *w, int64_t G, int64_t n, int64_t k) {
     int64_t b = n >> 4, g = k >> 5;
