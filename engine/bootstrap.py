@@ -82,11 +82,12 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
         return
     import torch
 
-    from gpu.device import resolve_device
+    from gpu.device import resolve_device, resolve_dtype
     from kernels.kv_cache_dtype import KVCacheDtypeError, resolve
 
+    device = resolve_device(config.parallel.device)
     try:
-        resolve(config.cache.cache_dtype, torch.bfloat16, resolve_device(config.parallel.device))
+        resolve(config.cache.cache_dtype, resolve_dtype(config.model.dtype, device), device)
     except KVCacheDtypeError as e:
         raise ConfigError(str(e)) from None
 

@@ -21,7 +21,7 @@ import torch
 from contracts import env
 from kernels import abi, attn_amx, cbuild
 from kernels.isa import choose
-from kernels.kv_cache_dtype import FP8
+from kernels.kv_cache_dtype import FP8, readable
 from kernels.metadata import AttentionMetadata
 from kernels.torch_attention import paged_attention_torch, split_decode_prefill
 
@@ -64,15 +64,18 @@ def isa() -> str:
 
 
 def dtype_code(dtype: torch.dtype, k_cache: torch.Tensor) -> int:
-    """The kernels' ``dtype`` argument: 0 fp32 / 1 bf16 queries and output, + 2 for fp8 caches."""
+    """The kernels' ``dtype`` argument: 0 fp32 / 1 bf16 queries and output, + 2 for fp8 caches;
+    4 for bf16 caches under fp32 queries."""
+    if k_cache.dtype == torch.bfloat16 and dtype == torch.float32:
+        return 4
     return _DTYPES[dtype] | (2 if k_cache.dtype == FP8 else 0)
 
 
 def _kernel_for(dtype: torch.dtype, num_heads: int, k_cache: torch.Tensor) -> ctypes.CDLL | None:
     """The library when the kernel handles these shapes and dtypes (queries fp32 or bf16, caches
-    the same or fp8) in host memory, else None (torch path). A cache on another device (CUDA
+    the same, fp8, or bf16 under fp32: kv_cache_dtype.readable) in host memory, else None (torch path). A cache on another device (CUDA
     without Triton) never reaches C: the kernel would read a device pointer on the host."""
-    if (env.CPU_ATTENTION.get() == "torch" or dtype not in _DTYPES or k_cache.dtype not in (dtype, FP8)
+    if (env.CPU_ATTENTION.get() == "torch" or dtype not in _DTYPES or not readable(k_cache.dtype, dtype)
             or k_cache.device.type != "cpu"):
         return None
     lib = library()

@@ -21,7 +21,7 @@ import torch
 
 from contracts import env
 from kernels import abi, cbuild, isa
-from kernels.kv_cache_dtype import FP8
+from kernels import kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +99,10 @@ def rotary_neox_(x: torch.Tensor, heads: int, head_dim: int, rotary_dim: int, co
 
 
 def can_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor) -> bool:
-    """``write_kv`` takes these: CPU, fp32 or bf16 rows (caches of that dtype or fp8) of contiguous
+    """``write_kv`` takes these: CPU, fp32 or bf16 rows (caches of that dtype, fp8, or bf16 for fp32 rows) of contiguous
     heads with one stride for k and v, contiguous caches in host memory, int64 slots."""
     return (k.device.type == "cpu" and k_cache.device.type == "cpu" and library() is not None and k.dtype == v.dtype and k.dtype in _DTYPE_CODE
-            and k_cache.dtype in (k.dtype, FP8)
+            and kv_cache_dtype.readable(k_cache.dtype, k.dtype)
             and k.dim() == 3 and k.stride(2) == 1 and k.stride(1) == k.shape[2] and k.stride() == v.stride()
             and k_cache.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous())
 
@@ -110,13 +110,13 @@ def can_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slots:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Rows ``k, v [T, Hkv, D]`` into caches ``[blocks, block_size, Hkv, D]`` at ``slots[:T]``
-    (-1 skips a row), encoded to fp8 for fp8 caches; a slot past the cache raises instead of writing."""
+    (-1 skips a row), encoded to fp8 / rounded to bf16 for such caches; a slot past the cache raises instead of writing."""
     T = k.shape[0]
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     assert v_cache.shape == k_cache.shape and v_cache.is_contiguous() and slots.shape[0] >= T
     bad = library().fz_write_kv(k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), k_cache.data_ptr(),
                                 v_cache.data_ptr(), slots.data_ptr(), T, k.shape[1] * k.shape[2], num_slots,
-                                _DTYPE_CODE[k.dtype], int(k_cache.dtype == FP8))
+                                _DTYPE_CODE[k.dtype], kv_cache_dtype.write_kind(k_cache.dtype, k.dtype))
     if bad:
         raise IndexError(f"{bad} KV cache slots out of range (the cache has {num_slots})")
 

@@ -1,5 +1,11 @@
 """The KV cache's element type (``--kv-cache-dtype``, as vLLM names it): the model's dtype
-("auto"), or fp8 e4m3 ("fp8", "fp8_e4m3") on CPU.
+("auto"), bf16 ("bfloat16") or fp8 e4m3 ("fp8", "fp8_e4m3") on CPU.
+
+Why bf16 under fp32 activations (AVX2 machines run the model in fp32): a decode step reads every
+cached K/V row, from DRAM once the step's weights have passed through the caches, and at fp32 that
+read was ~1.3 ms of a 5.5 ms single-stream step of the default model at 256 tokens of context
+(AVX2 EPYC; loadtest/PERF.md). bf16 halves those bytes at llama.cpp's default KV precision (f16);
+rows are rounded to nearest even on write (C and torch alike) and widened exactly on read.
 
 Why fp8: a decode step reads every cached K/V row of every request, and with many streams that
 is most of the step (16 rows of ~300 tokens: ~half of a decode step in the AMX attention kernel,
@@ -16,7 +22,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 # name -> element type; None = the model's dtype
-CHOICES: dict[str, torch.dtype | None] = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
+CHOICES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16, "fp8": FP8, "fp8_e4m3": FP8}
 UNSUPPORTED = {"fp8_e5m2": "use fp8 (e4m3)", "fp8_inc": "use fp8 (e4m3)", "fp8_ds_mla": "use fp8 (e4m3)"}
 
 
@@ -31,12 +37,28 @@ def resolve(name: str, model_dtype: torch.dtype, device: torch.device | str) -> 
     if name not in CHOICES:
         raise KVCacheDtypeError(f"--kv-cache-dtype {name!r} is not one of {', '.join(CHOICES)}")
     dtype = CHOICES[name]
-    if dtype is None:
+    if dtype is None or dtype == model_dtype:
         return model_dtype
+    if not readable(dtype, model_dtype):
+        raise KVCacheDtypeError(f"--kv-cache-dtype {name} needs a float32 model "
+                                f"(this one runs in {str(model_dtype).removeprefix('torch.')})")
     if torch.device(device).type != "cpu":
         raise KVCacheDtypeError(f"--kv-cache-dtype {name} is implemented for the CPU backend only "
                                 f"(this model runs on {torch.device(device).type}); use auto")
     return dtype
+
+
+def readable(cache_dtype: torch.dtype, act_dtype: torch.dtype) -> bool:
+    """Whether attention over activations of ``act_dtype`` can keep its K/V in ``cache_dtype``: the
+    same dtype, fp8 (read in the activations' dtype), or bf16 under fp32."""
+    return cache_dtype in (act_dtype, FP8) or (cache_dtype == torch.bfloat16 and act_dtype == torch.float32)
+
+
+def write_kind(cache_dtype: torch.dtype, act_dtype: torch.dtype) -> int:
+    """The C writers' cache_kind (csrc/exports.h FZ_KV_*): 0 rows as they are, 1 fp8, 2 bf16 from fp32."""
+    if cache_dtype == act_dtype:
+        return 0
+    return 1 if cache_dtype == FP8 else 2
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

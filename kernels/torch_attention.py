@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_cache_dtype import FP8, index_copy_rows
+from kernels.kv_cache_dtype import index_copy_rows, readable
 from kernels.metadata import AttentionMetadata
 
 
@@ -325,7 +325,7 @@ def split_decode_prefill(
     and go to ``decode(q[:n], k_cache, v_cache, meta, scale, out[:n])``; the requests after them
     are prefill chunks (``prefill_attention_torch``). Padding rows past ``meta.num_tokens`` are
     zeroed; ``out`` is allocated when None."""
-    if k_cache.dtype not in (q.dtype, FP8):
+    if not readable(k_cache.dtype, q.dtype):
         raise TypeError(f"KV cache dtype {k_cache.dtype} differs from query dtype {q.dtype}")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k_cache.shape[2]} KV heads")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_cache_dtype import FP8
+from kernels.kv_cache_dtype import readable
 from kernels.metadata import AttentionMetadata
 
 
@@ -46,7 +46,7 @@ def paged_attention_window(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``kernels.attention.paged_attention`` (flat batch, decodes first, padding
     rows zeroed), for every request decode or prefill alike, with ``window`` and ``softcap``."""
-    if k_cache.dtype not in (q.dtype, FP8):
+    if not readable(k_cache.dtype, q.dtype):
         raise TypeError(f"KV cache dtype {k_cache.dtype} differs from query dtype {q.dtype}")
     if out is None:
         out = torch.empty_like(q)

@@ -39,7 +39,7 @@ from gpu.forward_context import get_forward_context
 from kernels import cpu_attention, fused, qgemm_n16
 from kernels.abi import LayerSpec, LinearSpec
 from kernels.attention import paged_attention
-from kernels.kv_cache_dtype import FP8
+from kernels import kv_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class FastDecodeLayer:
         M, H = x.shape
         threads = torch.get_num_threads()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        if k_cache.dtype not in (x.dtype, FP8):
+        if not kv_cache_dtype.readable(k_cache.dtype, x.dtype):
             return None
         lora_rows = _lora_rows(ctx, self.lora is not None)
         if lora_rows is False:
@@ -159,7 +159,7 @@ class FastDecodeLayer:
                             self.q_heads, self.kv_heads, self.head_dim, self.rotary.rotary_dim, qn, kn, eps_qk,
                             self.rotary.cos_sin_cache.data_ptr(), rope[2].data_ptr(), k_cache.data_ptr(),
                             v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1],
-                            int(k_cache.dtype == FP8), threads, self.dtype_code, lora_rows)
+                            kv_cache_dtype.write_kind(k_cache.dtype, x.dtype), threads, self.dtype_code, lora_rows)
         if rc:
             _raise_for(rc)
         q = qkv[:, : self.q_heads * self.head_dim].view(M, self.q_heads, self.head_dim)

@@ -92,13 +92,18 @@ typedef struct {
     void *k_cache, *v_cache;
 } fz_layer;
 
+/* How fz_write_kv / fz_attn_in store K and V rows (kernels/kv_cache_dtype.py write_kind mirrors it). */
+#define FZ_KV_SAME 0 /* the activations' dtype */
+#define FZ_KV_FP8 1  /* fp8 e4m3 (csrc/fp8.h) */
+#define FZ_KV_BF16 2 /* bf16, from fp32 rows */
+
 int fz_isa(void);
 int fz_add_rms_norm(void *x, void *residual, const float *w, int64_t M, int64_t H, float eps, int dtype);
 int fz_rms_norm(const void *x, int64_t x_stride, const float *w, void *out, int64_t M, int64_t H, float eps,
                 int dtype);
 int64_t fz_write_kv(const char *k, const char *v, int64_t src_stride, char *k_cache, char *v_cache,
                     const int64_t *slots, int64_t T, int64_t row_elems, int64_t num_slots, int src_dtype,
-                    int cache_fp8);
+                    int cache_kind);
 void fz_rotary_neox(void *x, int64_t T, int64_t row_stride, int64_t heads, int64_t head_dim, int64_t rot,
                     const float *cs, const int64_t *positions, int dtype);
 int fz_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int64_t N, uint16_t *y,
@@ -110,7 +115,7 @@ int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, f
                int64_t H, const fz_linear *w_qkv, int64_t n_qkv, void *qkv, int64_t q_heads, int64_t kv_heads,
                int64_t head_dim, int64_t rot, const float *w_qn, const float *w_kn, float eps_qk,
                const float *cs, const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
-               int64_t num_slots, int kv_fp8, int nthreads, int dtype, const int32_t *lora_rows);
+               int64_t num_slots, int kv_kind, int nthreads, int dtype, const int32_t *lora_rows);
 int fz_attn_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual, const float *w_norm,
                 float eps, int64_t M, int64_t H, int nthreads, int dtype, const int32_t *lora_rows);
 int fz_mlp_out(const void *attn, int64_t A, const fz_linear *w_o, void *y, void *residual,

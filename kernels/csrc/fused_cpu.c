@@ -116,13 +116,16 @@ int fz_rms_norm(const void *x, int64_t x_stride, const float *w, void *out, int6
 }
 
 /* Copy row t of k and of v (row_elems values of src_dtype each, rows src_stride bytes apart) to
- * row slots[t] of k_cache / v_cache: as they are, or (cache_fp8) encoded to fp8 e4m3 (fp8.h); a
- * negative slot skips the row. Returns the number of slots past num_slots (nothing is written
- * for them: the caller raises). */
+ * row slots[t] of k_cache / v_cache: as they are (cache_kind FZ_KV_SAME), encoded to fp8 e4m3
+ * (FZ_KV_FP8, fp8.h), or rounded from fp32 to bf16 (FZ_KV_BF16: a bf16 cache under fp32
+ * activations); a negative slot skips the row. Returns the number of slots past num_slots (nothing
+ * is written for them: the caller raises). */
 int64_t fz_write_kv(const char *k, const char *v, int64_t src_stride, char *k_cache, char *v_cache,
                     const int64_t *slots, int64_t T, int64_t row_elems, int64_t num_slots, int src_dtype,
-                    int cache_fp8) {
-    const int64_t es = src_dtype == 1 ? 2 : 4, row_bytes = cache_fp8 ? row_elems : row_elems * es;
+                    int cache_kind) {
+    if (cache_kind == FZ_KV_BF16 && src_dtype == 1) cache_kind = FZ_KV_SAME; /* bf16 rows: already the cache's */
+    const int64_t es = src_dtype == 1 ? 2 : 4;
+    const int64_t row_bytes = cache_kind == FZ_KV_FP8 ? row_elems : cache_kind == FZ_KV_BF16 ? row_elems * 2 : row_elems * es;
     int64_t bad = 0;
     for (int64_t t = 0; t < T; t++) {
         int64_t slot = slots[t];
@@ -132,9 +135,12 @@ int64_t fz_write_kv(const char *k, const char *v, int64_t src_stride, char *k_ca
             bad++;
             continue;
         }
-        if (cache_fp8) {
+        if (cache_kind == FZ_KV_FP8) {
             fp8_encode_row(k + t * src_stride, src_dtype == 1, row_elems, (uint8_t *)k_cache + slot * row_bytes);
             fp8_encode_row(v + t * src_stride, src_dtype == 1, row_elems, (uint8_t *)v_cache + slot * row_bytes);
+        } else if (cache_kind == FZ_KV_BF16) {
+            store_row(k_cache + slot * row_bytes, 1, row_elems, (const float *)(k + t * src_stride));
+            store_row(v_cache + slot * row_bytes, 1, row_elems, (const float *)(v + t * src_stride));
         } else {
             memcpy(k_cache + slot * row_bytes, k + t * src_stride, (size_t)row_bytes);
             memcpy(v_cache + slot * row_bytes, v + t * src_stride, (size_t)row_bytes);
@@ -402,7 +408,7 @@ static int linear_run(const fz_linear *L, const void *x, int64_t M, int64_t K, i
 /* Before attention: [residual += x;] x = rms_norm(residual) * w_norm (without a residual yet:
  * residual = x first); qkv = x @ w_qkv^T; [each q head and k head rms-normed by w_qn / w_kn with
  * eps_qk (Qwen3; NULL: none);] the q and k heads rotated; k and v written into the caches at slots
- * (encoded to fp8 when kv_fp8). Activations in `dtype` (0 fp32, 1 bf16). lora_rows (NULL: none):
+ * as fz_write_kv writes them for kv_kind (FZ_KV_SAME, FZ_KV_FP8, FZ_KV_BF16). Activations in `dtype` (0 fp32, 1 bf16). lora_rows (NULL: none):
  * each row's adapter slot (-1: none); the qkv delta lands before the norms and rotary. 0 on
  * success, -1 when this build cannot run that dtype's linears, -2 for a slot past the cache, -3
  * when a quantized kernel had no memory. */
@@ -411,7 +417,7 @@ int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, f
                int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t rot, const float *w_qn,
                const float *w_kn, float eps_qk, const float *cs,
                const int64_t *positions, void *k_cache, void *v_cache, const int64_t *slots,
-               int64_t num_slots, int kv_fp8, int nthreads, int dtype, const int32_t *lora_rows) {
+               int64_t num_slots, int kv_kind, int nthreads, int dtype, const int32_t *lora_rows) {
     const size_t es = dtype == 1 ? 2 : 4;
     if (has_residual) {
         if (fz_add_rms_norm(x, residual, w_norm, M, H, eps, dtype)) return -1;
@@ -431,8 +437,9 @@ int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, f
     fz_rotary_neox(qkv, M, n_qkv, q_heads + kv_heads, head_dim, rot, cs, positions, dtype);
     int64_t kv = kv_heads * head_dim;
     const char *k = (const char *)qkv + (size_t)(q_heads * head_dim) * es, *v = k + (size_t)kv * es;
+    if (kv_kind == FZ_KV_BF16 && dtype != 0) return -1; /* bf16 caches are written from fp32 rows only */
     if (fz_write_kv(k, v, n_qkv * (int64_t)es, (char *)k_cache, (char *)v_cache, slots, M, kv, num_slots, dtype,
-                    kv_fp8))
+                    kv_kind))
         return -2;
     return 0;
 }
@@ -487,8 +494,8 @@ typedef int (*fz_attn_fn)(const void *, int64_t, const void *, const void *, con
  * per-layer path; the arithmetic is the same calls in the same order. x [M][H] is clobbered;
  * the last layer's output lands in out [M][H], the residual stream in residual [M][H]. Scratch:
  * qkv [M][n_qkv], att [M][q_heads*head_dim], y [M][H], h [M][2I], a [M][I]. attn_dtype: the
- * attention kernel's dtype argument (1 bf16, 3 bf16 with fp8 caches, which fz_attn_in then writes
- * as fp8). lora_rows: each row's adapter slot or -1 (NULL: no LoRA), passed to every layer's calls.
+ * attention kernel's dtype argument (bit 0: bf16 activations; 2: fp8 caches, 4: bf16 caches under
+ * fp32 activations, which fz_attn_in then writes in that form). lora_rows: each row's adapter slot or -1 (NULL: no LoRA), passed to every layer's calls.
  * 0 on success, else fz_attn_in / fz_mlp_out's codes or FZ_ATTN_FAILED. */
 int fz_decode_stack(const fz_layer *layers, int64_t L, void *x, void *residual, int has_residual,
                     void *out, int64_t M, int64_t H, int64_t n_qkv, int64_t q_heads, int64_t kv_heads,
@@ -504,7 +511,9 @@ int fz_decode_stack(const fz_layer *layers, int64_t L, void *x, void *residual, 
         const fz_layer *ly = &layers[l];
         int rc = fz_attn_in(cur, residual, has_residual || l > 0, ly->w_in_norm, ly->eps_in, M, H, ly->qkv, n_qkv,
                             qkv, q_heads, kv_heads, head_dim, rot, NULL, NULL, 0.0f, cs, positions, ly->k_cache,
-                            ly->v_cache, slots, num_slots, (attn_dtype & 2) != 0, nthreads, dtype, lora_rows);
+                            ly->v_cache, slots, num_slots,
+                            attn_dtype & 2 ? FZ_KV_FP8 : attn_dtype & 4 ? FZ_KV_BF16 : FZ_KV_SAME, nthreads, dtype,
+                            lora_rows);
         if (rc) return rc;
         if (((fz_attn_fn)attn)(qkv, n_qkv, ly->k_cache, ly->v_cache, tables, tables_stride, seq_lens, M, q_heads,
                                kv_heads, head_dim, block_size, scale, att, A, attn_dtype, part, attn_threads))

@@ -13,7 +13,8 @@
  *                 anything, NaN included)
  *   block_tables  int32, row n at n * bt_stride
  * dtype 0 = fp32 (q, caches, out), 1 = bf16 (q, caches, out; arithmetic in fp32); plus 2 when
- * the caches hold fp8 e4m3 (csrc/fp8.h; --kv-cache-dtype fp8): 2 = fp32 q and out, 3 = bf16.
+ * the caches hold fp8 e4m3 (csrc/fp8.h; --kv-cache-dtype fp8): 2 = fp32 q and out, 3 = bf16;
+ * 4 = fp32 q and out with bf16 caches (--kv-cache-dtype bfloat16 under fp32 activations).
  *
  * The build has exactly one vector width (pa_width()): AVX-512 (16 fp32 lanes) when compiled with
  * -mavx512f -mavx512bw, AVX2+FMA (8 lanes), or portable scalar code (1); D must be a multiple of
@@ -348,7 +349,7 @@ static inline __attribute__((always_inline)) void run_item(
     int64_t out_row_stride, int64_t part_tokens, float *scratch, float *work) {
     (void)D_unused;
     const int G = Gc ? Gc : (int)Grt; /* Gc: compile-time group size, 0 = use the runtime one */
-    const int bf16 = dt & 1, kv = dt & 2 ? KV_FP8 : bf16 ? KV_BF16 : KV_F32;
+    const int bf16 = dt & 1, kv = dt & 2 ? KV_FP8 : bf16 || dt & 4 ? KV_BF16 : KV_F32;
     const int64_t H = Hkv * G;
     float *qf = work, *acc = work + H * D;
     float m[PA_MAX_H], l[PA_MAX_H];
@@ -364,7 +365,7 @@ static inline __attribute__((always_inline)) void run_item(
     if (t1 < t0) t1 = t0;
     const int32_t *table = block_tables + n * bt_stride;
     const uint16_t *qb = (const uint16_t *)q + qoff; /* read only on the dp path (bf16) */
-    if (PA_BF16DP && kv == KV_BF16 && D % 32 == 0) {
+    if (PA_BF16DP && bf16 && kv == KV_BF16 && D % 32 == 0) {
         attend_range(qf, qb, scale, G, Hkv, D, k_cache, v_cache, table, BS, t0, t1, m, l, acc, kv, 1);
         unpermute_acc(acc, H, D);
     } else {
@@ -454,7 +455,8 @@ static void dispatch_item(int G, int dt, int64_t n, int64_t part, int64_t nparts
     case 0: PA_SWITCH(0) break;
     case 1: PA_SWITCH(1) break;
     case 2: PA_SWITCH(2) break;
-    default: PA_SWITCH(3)
+    case 3: PA_SWITCH(3) break;
+    default: PA_SWITCH(4)
     }
 }
 
@@ -466,7 +468,7 @@ int pa_decode(const void *q, int64_t q_row_stride, const void *k_cache, const vo
               int64_t Hkv, int64_t D, int64_t BS, float scale, void *out, int64_t out_row_stride, int dtype,
               int64_t part_tokens, int nthreads) {
     if (N <= 0) return 0;
-    if (Hkv <= 0 || H % Hkv || H > PA_MAX_H || D % PA_W || D > PA_MAX_D || BS <= 0 || dtype < 0 || dtype > 3)
+    if (Hkv <= 0 || H % Hkv || H > PA_MAX_H || D % PA_W || D > PA_MAX_D || BS <= 0 || dtype < 0 || dtype > 4)
         return -1;
     int64_t G = H / Hkv;
     if (G > PA_MAX_G) return -1;

@@ -207,6 +207,14 @@ def test_fp32_stack_over_an_fp8_kv_cache_matches_eager(monkeypatch):
     assert 2 in _stack_calls(calls)
 
 
+def test_fp32_stack_over_a_bf16_kv_cache_matches_eager(monkeypatch):
+    """--kv-cache-dtype bfloat16 under fp32 activations: the stack's fz_attn_in rounds the new K/V
+    rows to bf16 and its attention widens them, as the eager layers' writer and kernel do."""
+    make = lambda: tiny_llm(quantization="int4", kv_cache_dtype="bfloat16")  # noqa: E731
+    calls = _compare(make, PROMPTS[:2], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack, exact=True)
+    assert 2 in _stack_calls(calls)
+
+
 def test_fp32_default_model_gguf_q4_1_stack_greedy_tokens_match_eager(monkeypatch):
     """The shipped Q4_1 GGUF in fp32 (what --dtype auto picks on AVX2 CPUs): same greedy tokens."""
     from engine.llm import LLM
