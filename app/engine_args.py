@@ -59,8 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag(g, "--num-gpu-blocks-override", type=int)
     flag(g, "--block-size", type=int)
     flag(g, "--kv-cache-dtype",
-         help="KV cache element type: auto (the model's dtype) or fp8 / fp8_e4m3 (CPU: one byte an "
-              "element, half the attention reads and twice the tokens per GiB)")
+         help="KV cache element type: auto (the model's dtype; bfloat16 for an fp32 model with "
+              "quantized weights on CPU), bfloat16 (CPU under an fp32 model: half the bytes) or "
+              "fp8 / fp8_e4m3 (CPU: one byte an element, twice the tokens per GiB of bf16)")
     flag(g, "--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     flag(g, "--scheduling-policy", choices=SCHEDULING_POLICIES,
          help="priority: lower value first, and a waiting request preempts running ones of "

@@ -88,8 +88,9 @@ class CacheConfig:
     # memory on CUDA. Allocated only in swap mode.
     swap_space: float = 4.0
     num_swap_blocks: int | None = None  # fixed host block count (tests); overrides swap_space
-    # The cache's element type (vLLM's --kv-cache-dtype): auto = the model's dtype, fp8 = e4m3 (CPU;
-    # kernels/kv_cache_dtype.py says why and how).
+    # The cache's element type (vLLM's --kv-cache-dtype): auto = the model's dtype (bf16 for an fp32
+    # model with quantized weights on CPU), bfloat16, fp8 = e4m3 (CPU; kernels/kv_cache_dtype.py
+    # says why and how).
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -98,6 +98,9 @@ class ModelRunner:
             sched = self.config.scheduler
             warm_row_buckets(self.model, sched.max_num_batched_tokens, sched.max_num_seqs)
         logger.info("loaded model in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype, self.device)
+        if self.config.cache.cache_dtype == "auto":
+            quantized = any(getattr(m, "qweight", None) is not None for m in self.model.modules())
+            self.kv_dtype = kv_cache_dtype.auto(self.dtype, self.device, quantized)
         if self.config.lora.enable_lora:
             from gpu.lora_worker import WorkerLoRA
 

@@ -1,5 +1,7 @@
-"""The KV cache's element type (``--kv-cache-dtype``, as vLLM names it): the model's dtype
-("auto"), bf16 ("bfloat16") or fp8 e4m3 ("fp8", "fp8_e4m3") on CPU.
+"""The KV cache's element type (``--kv-cache-dtype``, as vLLM names it): "auto", bf16 ("bfloat16")
+or fp8 e4m3 ("fp8", "fp8_e4m3") on CPU. "auto" is the model's dtype, except an fp32 model with
+quantized weights on CPU (what AVX2 machines run the shipped GGUF as) keeps bf16 K/V (``auto``):
+its weights are far coarser than bf16, and llama.cpp keeps f16 K/V for the same files.
 
 Why bf16 under fp32 activations (AVX2 machines run the model in fp32): a decode step reads every
 cached K/V row, from DRAM once the step's weights have passed through the caches, and at fp32 that
@@ -22,7 +24,8 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 # name -> element type; None = the model's dtype
-CHOICES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16, "fp8": FP8, "fp8_e4m3": FP8}
+CHOICES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                                          "fp8": FP8, "fp8_e4m3": FP8}
 UNSUPPORTED = {"fp8_e5m2": "use fp8 (e4m3)", "fp8_inc": "use fp8 (e4m3)", "fp8_ds_mla": "use fp8 (e4m3)"}
 
 
@@ -40,12 +43,21 @@ def resolve(name: str, model_dtype: torch.dtype, device: torch.device | str) -> 
     if dtype is None or dtype == model_dtype:
         return model_dtype
     if not readable(dtype, model_dtype):
-        raise KVCacheDtypeError(f"--kv-cache-dtype {name} needs a float32 model "
+        needs = "float32" if dtype == torch.bfloat16 else name
+        raise KVCacheDtypeError(f"--kv-cache-dtype {name} needs a {needs} model "
                                 f"(this one runs in {str(model_dtype).removeprefix('torch.')})")
     if torch.device(device).type != "cpu":
         raise KVCacheDtypeError(f"--kv-cache-dtype {name} is implemented for the CPU backend only "
                                 f"(this model runs on {torch.device(device).type}); use auto")
     return dtype
+
+
+def auto(model_dtype: torch.dtype, device: torch.device | str, weights_quantized: bool) -> torch.dtype:
+    """What "auto" resolves to once the model is loaded (``weights_quantized``: any linear layer
+    holds packed quantized weights)."""
+    if weights_quantized and model_dtype == torch.float32 and torch.device(device).type == "cpu":
+        return torch.bfloat16
+    return model_dtype
 
 
 def readable(cache_dtype: torch.dtype, act_dtype: torch.dtype) -> bool:

@@ -39,25 +39,37 @@ def test_bf16_cache_holds_twice_the_blocks_and_swaps_exactly():
         ref_llm.shutdown()
 
 
+def test_auto_is_bf16_for_quantized_fp32_weights_only():
+    for options, want in (({}, torch.float32), ({"quantization": "int4"}, torch.bfloat16),
+                          ({"quantization": "int4", "kv_cache_dtype": "float32"}, torch.float32)):
+        llm = tiny_llm(executor="inproc", **options)
+        try:
+            runner = _runner(llm)
+            assert runner.kv_dtype == want, options
+            assert all(k.dtype == want for k, _ in runner.kv_caches)
+        finally:
+            llm.shutdown()
+
+
 def test_a_float16_model_is_refused_before_start():
     with pytest.raises(ConfigError, match="needs a float32 model"):
         tiny_llm(dtype="float16", kv_cache_dtype="bfloat16")
 
 
 def test_default_model_greedy_agreement_with_the_fp32_cache():
-    """16 prompts x 32 greedy tokens of the shipped Q4_1 GGUF in fp32, bf16 cache against fp32
-    cache, position by position (strict: one flip changes the rest of a continuation). Measured
+    """16 prompts x 32 greedy tokens of the shipped Q4_1 GGUF in fp32, auto (a bf16 cache: the
+    weights are quantized) against ``float32``, position by position (strict: one flip changes the rest of a continuation). Measured
     in loadtest/PERF.md; below 0.6 fails. A cache read wrongly agrees near 0."""
     from engine.llm import LLM
     from loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
 
     out = {}
-    for kv in ("auto", "bfloat16"):
+    for kv in ("float32", "auto"):
         llm = LLM(dtype="float32", kv_cache_memory=0.25, kv_cache_dtype=kv)
         try:
             out[kv] = greedy_tokens(llm, PROMPTS, 32)
         finally:
             llm.shutdown()
-    same, _ = agreement(out["auto"], out["bfloat16"])
+    same, _ = agreement(out["float32"], out["auto"])
     print("greedy agreement, bf16 vs fp32 cache:", same)
     assert same >= 0.6, same

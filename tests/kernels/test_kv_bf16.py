@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import cpu_attention, fused
-from kernels.kv_cache_dtype import FP8, KVCacheDtypeError, readable, resolve, write_kind
+from kernels.kv_cache_dtype import FP8, KVCacheDtypeError, auto, readable, resolve, write_kind
 from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
 from tests.kernels.test_cpu_attention import ISAS
@@ -114,6 +114,11 @@ def test_names_dtypes_and_devices() -> None:
         resolve("bfloat16", torch.float16, "cpu")
     with pytest.raises(KVCacheDtypeError, match="CPU backend only"):
         resolve("bfloat16", torch.float32, "cuda")
+    assert resolve("float32", torch.float32, "cpu") == torch.float32
+    with pytest.raises(KVCacheDtypeError, match="needs a float32 model"):
+        resolve("float32", torch.bfloat16, "cpu")
+    assert auto(torch.float32, "cpu", True) == torch.bfloat16 and auto(torch.float32, "cpu", False) == torch.float32
+    assert auto(torch.float32, "cuda", True) == torch.float32 and auto(torch.bfloat16, "cpu", True) == torch.bfloat16
     assert readable(torch.bfloat16, torch.float32) and not readable(torch.float32, torch.bfloat16)
     assert readable(FP8, torch.float16) and not readable(torch.bfloat16, torch.float16)
     assert [write_kind(c, torch.float32) for c in (torch.float32, FP8, torch.bfloat16)] == [0, 1, 2]
