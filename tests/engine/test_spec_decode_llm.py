@@ -10,9 +10,17 @@ from collections import Counter
 import pytest
 
 from engine.sampling_params import SamplingParams
+from gpu.device import cpu_has_bf16
 from loadtest.tiny_model import TINY_CONFIG
 from tests.tiny import tiny_llm
 
+# The exactness claims hold to the last bit of the arithmetic: a verified run's attention is one SDPA
+# chunk, a plain decode's the C kernel, and they agree to fp32 rounding. Under the bf16 K/V that
+# "auto" keeps for the quantized model on AVX2 machines, such a last-bit difference can round a K or
+# V element one bf16 step the other way (~1e3 times larger), and a near-tie then flips a greedy
+# token with or without speculation alike; so the engines compared here keep fp32 K/V where the
+# model runs in fp32.
+EXACT_KV = {} if cpu_has_bf16() else {"kv_cache_dtype": "float32"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 TEXTS = [
     "The committee will meet on Tuesday at noon in the main hall to review the budget for next year.",
@@ -33,7 +41,7 @@ def chat_prompts(llm) -> list[str]:
 def base():
     from engine.llm import LLM
 
-    llm = LLM(kv_cache_memory=0.25)
+    llm = LLM(kv_cache_memory=0.25, **EXACT_KV)
     yield llm
     llm.shutdown()
 
@@ -43,7 +51,7 @@ def spec():
     """Chunked prefill with a small budget (drafts compete with prompt chunks), prefix caching on."""
     from engine.llm import LLM
 
-    llm = LLM(kv_cache_memory=0.25, max_num_batched_tokens=48, speculative_config=NGRAM)
+    llm = LLM(kv_cache_memory=0.25, max_num_batched_tokens=48, speculative_config=NGRAM, **EXACT_KV)
     yield llm
     llm.shutdown()
 
@@ -95,7 +103,8 @@ def test_default_model_preemption_mid_run(base, mode):
     sp = SamplingParams(temperature=0, max_tokens=40)
     want = ids(base.generate(prompts, sp, use_tqdm=False))
     # 12 blocks of 16 tokens: one request fits, eight at once do not.
-    llm = LLM(num_gpu_blocks_override=16, preemption_mode=mode, swap_space=0.05, speculative_config=NGRAM)
+    llm = LLM(num_gpu_blocks_override=16, preemption_mode=mode, swap_space=0.05, speculative_config=NGRAM,
+              **EXACT_KV)
     try:
         assert ids(llm.generate(prompts, sp, use_tqdm=False)) == want
         s = llm.core.stats()
@@ -209,7 +218,8 @@ def test_small_vocab_distribution_kept_chi_square(small_pair):
 def _draft_llm(path, **kw):
     from engine.llm import LLM
 
-    return LLM(kv_cache_memory=0.25, speculative_config={"model": str(path), "num_speculative_tokens": 3}, **kw)
+    return LLM(kv_cache_memory=0.25, speculative_config={"model": str(path), "num_speculative_tokens": 3},
+               **EXACT_KV, **kw)
 
 
 def test_draft_model_itself_accepts_everything(base, default_model_path):
