@@ -23,6 +23,7 @@ def parse_exports(text: str) -> dict[str, dict[str, tuple]]:
     """kernel -> function -> (restype, argtypes), read from exports.h's sections."""
     text = re.sub(r"/\*(?!\s*----).*?\*/", "", text, flags=re.S)  # comments, but the section markers
     text = re.sub(r"typedef struct \{.*?\}\s*\w+;", "", text, flags=re.S)
+    text = re.sub(r"^\s*#.*$", "", text, flags=re.M)  # preprocessor lines (guards, the FZ_KV_* constants)
     out: dict[str, dict[str, tuple]] = {}
     kernel = None
     for token in re.finditer(r'SIGNATURES\["(\w+)"\]|(\w[\w\s]*?)\b(\w+)\s*\(([^)]*)\)\s*;', text):
