@@ -4,7 +4,8 @@ Each adapted linear (qkv_proj, o_proj, gate_up_proj, down_proj of every decoder 
 ``LoRALinear`` holding, for each of ``max_loras`` slots, A of its S sections stacked ([S*R, in])
 and B^T block-diagonal over them ([S*R, out]: section i's R rows feed only section i's output
 columns), the adapter's scaling folded into B; R = max_lora_rank (a smaller rank is zero-padded,
-so it contributes exact zeros). A step's rows carry a slot each (-1 = base model), as a 0/1 mask
+so it contributes exact zeros). The slots' dtype is --lora-dtype's (gpu/lora_worker.py
+resolve_lora_dtype): the model's, or bf16 under fp32 activations over a quantized base. A step's rows carry a slot each (-1 = base model), as a 0/1 mask
 ``[rows, k]`` over the k lowest slots in use (``LoRABatch``).
 
 The delta is punica's shrink/expand written as two dense matmuls over the k slots, with no loop
@@ -93,10 +94,12 @@ class LoRALinear:
     def delta_into(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """y += this step's LoRA delta for every row (base rows get exact zeros)."""
         k, width = batch.k, self.a.shape[1]
-        t = F.linear(x, self.a[:k].view(k * width, self.in_local))
+        # slots of another dtype than the activations (--lora-dtype) are widened (exactly, for bf16
+        # under fp32) for the matmuls, as the fused C layer widens them
+        t = F.linear(x, self.a[:k].view(k * width, self.in_local).to(x.dtype))
         if batch.mask is not None:
             t.view(x.shape[0], k, width).mul_(batch.mask.unsqueeze(2))
-        y.addmm_(t, self.b[:k].view(k * width, self.out_local))
+        y.addmm_(t, self.b[:k].view(k * width, self.out_local).to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = current_lora()
