@@ -15,7 +15,7 @@ import torch
 from contracts.config import LoRAConfig
 from contracts.lora import read_adapter
 from contracts.messages import LoRALoad, StepInput
-from gpu.models.lora_layers import LoRABatch, LoRALinear, install
+from gpu.models.lora_layers import LoRABatch, LoRALinear, install, slot_runs
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,8 @@ class WorkerLoRA:
             return None
         rows = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.int32),
                                        torch.tensor(query_lens, dtype=torch.long))
-        if k == 1 and min(seq_slots) == 0:  # one adapter, no base row: no mask to apply
-            return LoRABatch(None, 1, rows)
+        runs = slot_runs(seq_slots, query_lens)
+        if runs is not None or (k == 1 and min(seq_slots) == 0):  # no mask to apply (one adapter, no base row)
+            return LoRABatch(None, k, rows, runs)
         mask = (rows.unsqueeze(1) == torch.arange(k)).to(self.dtype)
         return LoRABatch(mask.to(self.device), k, rows)
