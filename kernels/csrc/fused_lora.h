@@ -37,7 +37,12 @@
 #define FZ_LORA_NOMEM (-3)       /* = FZ_KERNEL_FAILED: no memory for a (very large) step's scratch */
 #define FZ_LORA_A_ROWS 16        /* rows of A per shrink work item */
 #define FZ_LORA_COLS 256         /* output columns per expand work item (a multiple of 16) */
-#define FZ_LORA_PAR_MACS 200000  /* fewer multiply-adds a call: no parallel region (measured: PERF.md) */
+/* Fewer multiply-adds than this a call: no parallel region. A region costs a few us quiet and can cost
+ * ms when a partner thread is descheduled on a busy box (PERF.md, twelfth session: a rank-64 one-stream
+ * step at 1139 ms with three more regions a layer); 500 K keeps every one-row call up to rank 64 (at
+ * most ~270 K on the default model) on the calling thread, and splits c=16 steps' qkv, gate/up and
+ * down at rank 16 (0.5-1.1 M). */
+#define FZ_LORA_PAR_MACS 500000
 #define FZ_LORA_STACK_T 8192     /* floats of t kept on the stack (32 KB) */
 #define FZ_LORA_STACK_GROUPS 32  /* groups kept on the stack */
 

@@ -153,7 +153,7 @@ def check_groups_and_tails(dtype, lora_dtype) -> None:
     residual gets base + delta per row, the base rows the base alone."""
     lib = fused.library()
     g = torch.Generator().manual_seed(13)
-    K, N, rank = 1001, 523, 12
+    K, N, rank = 1501, 523, 20
     pattern = [0] * 6 + [1] * 5 + [2] * 2 + [3] + [-1] * 2
     rows = [pattern[(7 * i) % len(pattern)] for i in range(len(pattern))]  # interleaved
     w = torch.randn(N, K, generator=g).mul(0.05).to(dtype)
