@@ -108,7 +108,8 @@ class WorkerLoRA:
             return None
         rows = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.int32),
                                        torch.tensor(query_lens, dtype=torch.long))
-        runs = slot_runs(seq_slots, query_lens)
+        # run by run on CPU only: measured there (PERF.md); on CUDA each run would be two more launches
+        runs = slot_runs(seq_slots, query_lens) if self.device.type == "cpu" else None
         if runs is not None or (k == 1 and min(seq_slots) == 0):  # no mask to apply (one adapter, no base row)
             return LoRABatch(None, k, rows, runs)
         mask = (rows.unsqueeze(1) == torch.arange(k)).to(self.dtype)
