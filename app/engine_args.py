@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from contracts.config import (PREEMPTION_MODES, RAY_PLACEMENT_STRATEGIES, SCHEDULING_POLICIES,
+from contracts.config import (LORA_DTYPES, PREEMPTION_MODES, RAY_PLACEMENT_STRATEGIES, SCHEDULING_POLICIES,
                               STEP_TRANSPORTS, ConfigError, EngineConfig, option_default, option_field)
 
 
@@ -112,6 +112,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     flag(lora, "--max-lora-rank", type=int, help="highest adapter rank accepted (default: %(default)s)")
     flag(lora, "--max-cpu-loras", type=int,
          help="adapters each worker keeps loaded in host memory (default: --max-loras)")
+    flag(lora, "--lora-dtype", choices=list(LORA_DTYPES),
+         help="dtype of the adapter weights: auto = the model's, but bfloat16 over quantized base "
+              "weights with fp32 activations (default: %(default)s)")
     p = parser.add_argument_group("request preparation (each kind in a bounded pool of its own; past its "
                                   "deadline a request gets 400 naming the flag; 0 = no limit)")
     flag(p, "--grammar-compile-timeout", type=float,

@@ -202,6 +202,9 @@ class PrepConfig:
     tokenize_timeout: float = 30.0  # tokenizing (or detokenizing) one prompt
 
 
+LORA_DTYPES = ("auto", "float32", "bfloat16")  # the fused C layer reads fp32 or bf16 slots (no float16)
+
+
 @dataclass(slots=True)
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's LoRAConfig): PEFT adapters over the base model's linear layers."""
@@ -212,12 +215,18 @@ class LoRAConfig:
     max_lora_rank: int = 16  # adapters of a higher rank are refused when they are loaded
     # Adapters each worker keeps loaded in host memory (a reload from disk beyond); None = max_loras.
     max_cpu_loras: int | None = None
+    # The adapter slots' dtype (vLLM's --lora-dtype). "auto": the model's dtype, except bf16 where the base
+    # linears are quantized with fp32 activations (half the bytes a decode step streams; the base is
+    # already approximate there). gpu/lora_worker.py resolve_lora_dtype; docs/lora.md.
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ConfigError(f"--max-loras must be at least 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ConfigError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ConfigError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
                               f"({self.max_loras})")

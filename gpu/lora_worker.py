@@ -15,7 +15,7 @@ import torch
 from contracts.config import LoRAConfig
 from contracts.lora import read_adapter
 from contracts.messages import LoRALoad, StepInput
-from gpu.models.lora_layers import LoRABatch, LoRALinear, install
+from gpu.models.lora_layers import LoRABatch, LoRALinear, install, slot_runs
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +37,44 @@ def load_adapter_weights(path: str, hf_config: dict, max_rank: int, dtype: torch
     return out
 
 
+def base_is_quantized(model) -> bool:
+    """Whether the decoder layers' linears compute from quantized weights (GGUF q8_0 / q4_1 kept as
+    stored, --quantization int8 / int4): gpu.models.quantization.attach gave them a ``qweight``."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers:
+        return False
+    attn = getattr(layers[0], "self_attn", None)
+    return getattr(getattr(attn, "qkv_proj", None), "qweight", None) is not None
+
+
+def resolve_lora_dtype(choice: str, model_dtype: torch.dtype, quantized: bool) -> torch.dtype:
+    """The adapter slots' dtype for --lora-dtype ``choice`` (contracts.config.LORA_DTYPES).
+
+    "auto" is the model's dtype, so an unquantized fp32 model adds exactly the fp32 delta PEFT adds,
+    except over quantized base weights with fp32 activations: there it is bf16, because a decode step
+    with adapters streams the adapter weights next to a base model that is 4-8x smaller than fp32, and
+    the delta's weights rounded to bf16 (8 significant bits) sit far below the base's own quantization
+    error; the sums stay fp32 (loadtest/PERF.md, "LoRA overhead, thirteenth session")."""
+    if choice == "float32":
+        return torch.float32
+    if choice == "bfloat16":
+        return torch.bfloat16
+    if choice != "auto":
+        raise ValueError(f"unknown LoRA dtype {choice!r}")
+    if quantized and model_dtype == torch.float32:
+        return torch.bfloat16
+    return model_dtype
+
+
 class WorkerLoRA:
     def __init__(self, model, config: LoRAConfig, dtype: torch.dtype, device):
         self.config = config
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = dtype, device  # the model's (activations, the step's row mask)
         self.hf_config = model.config
+        # the slots': fp32 or bf16, independent of the activations' (either pair runs in the fused layer)
+        self.lora_dtype = resolve_lora_dtype(config.lora_dtype, dtype, base_is_quantized(model))
         self.layers: dict[int, list[LoRALinear]] = install(model, config.max_loras, config.max_lora_rank,
-                                                           dtype, device)
+                                                           self.lora_dtype, device)
         self.cache: OrderedDict[tuple[int, str], AdapterWeights] = OrderedDict()  # LRU, max_cpu_loras
         self.slots: list[tuple[int, str] | None] = [None] * config.max_loras
 
@@ -52,7 +83,8 @@ class WorkerLoRA:
             key = (load.lora_id, load.path)
             weights = self.cache.get(key)
             if weights is None:
-                weights = load_adapter_weights(load.path, self.hf_config, self.config.max_lora_rank, self.dtype)
+                weights = load_adapter_weights(load.path, self.hf_config, self.config.max_lora_rank,
+                                               self.lora_dtype)
                 self.cache[key] = weights
                 while len(self.cache) > self.config.cpu_loras:
                     self.cache.popitem(last=False)
@@ -76,7 +108,9 @@ class WorkerLoRA:
             return None
         rows = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.int32),
                                        torch.tensor(query_lens, dtype=torch.long))
-        if k == 1 and min(seq_slots) == 0:  # one adapter, no base row: no mask to apply
-            return LoRABatch(None, 1, rows)
+        # run by run on CPU only: measured there (PERF.md); on CUDA each run would be two more launches
+        runs = slot_runs(seq_slots, query_lens) if self.device.type == "cpu" else None
+        if runs is not None or (k == 1 and min(seq_slots) == 0):  # no mask to apply (one adapter, no base row)
+            return LoRABatch(None, k, rows, runs)
         mask = (rows.unsqueeze(1) == torch.arange(k)).to(self.dtype)
         return LoRABatch(mask.to(self.device), k, rows)

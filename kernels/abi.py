@@ -102,7 +102,8 @@ class LinearSpec(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int64), ("big_rows", ctypes.c_int64), ("w", ctypes.c_void_p),
                 ("d", ctypes.c_void_p), ("mn", ctypes.c_void_p), ("small", ctypes.c_void_p),
                 ("big", ctypes.c_void_p), ("lora_a", ctypes.c_void_p), ("lora_b", ctypes.c_void_p),
-                ("lora_rank", ctypes.c_int64), ("lora_sections", ctypes.c_int64), ("lora_col", ctypes.c_int64 * 4)]
+                ("lora_rank", ctypes.c_int64), ("lora_sections", ctypes.c_int64), ("lora_col", ctypes.c_int64 * 4),
+                ("lora_dtype", ctypes.c_int64)]
 
 
 class LayerSpec(ctypes.Structure):

@@ -157,9 +157,10 @@ def attach_lora(spec: abi.LinearSpec, a: torch.Tensor, b: torch.Tensor, rank: in
     """Give a fused linear its multi-LoRA slots, so that the fused decode layer adds each row's
     adapter delta after the base GEMV (csrc/fused_lora.h) instead of the step leaving it.
     ``a`` [slots, S*rank, in], ``b`` [slots, S*rank, out] (B^T, block-diagonal, scaling folded in),
-    contiguous CPU tensors of the activations' dtype; section i's rows feed output columns
-    ``cols[i]:cols[i+1]``. The spec keeps their addresses: the caller keeps them alive and copies
-    new adapters into them in place."""
+    contiguous CPU tensors of one dtype, fp32 or bf16 (the adapter dtype, ``--lora-dtype``: any of the
+    two with either activations' dtype; the C delta widens bf16 exactly and sums in fp32); section i's
+    rows feed output columns ``cols[i]:cols[i+1]``. The spec keeps their addresses: the caller keeps
+    them alive and copies new adapters into them in place."""
     sections = len(cols) - 1
     if not 1 <= sections <= MAX_LORA_SECTIONS or a.shape[1] != sections * rank or b.shape[1] != a.shape[1]:
         raise ValueError(f"LoRA slots of shape {tuple(a.shape)} / {tuple(b.shape)} do not fit {sections} "
@@ -169,6 +170,7 @@ def attach_lora(spec: abi.LinearSpec, a: torch.Tensor, b: torch.Tensor, rank: in
         raise ValueError("LoRA slots must be contiguous CPU tensors of one fp32/bf16 dtype covering the output")
     spec.lora_a, spec.lora_b = a.data_ptr(), b.data_ptr()
     spec.lora_rank, spec.lora_sections = rank, sections
+    spec.lora_dtype = _DTYPE_CODE[a.dtype]
     for i in range(4):
         spec.lora_col[i] = cols[min(i, sections)]
 

@@ -120,8 +120,9 @@ class FastDecodeLayer:
     def attach_lora(self, slots: dict) -> bool:
         """Point the four linears' specs at their multi-LoRA slots (``slots``: qkv / o / gate_up /
         down -> gpu.models.lora_layers.LoRALinear), so steps with adapter rows stay on this path;
-        False (nothing changed) where the slots are not CPU tensors of the activations' dtype."""
-        if any(h.a.device.type != "cpu" or h.a.dtype != self.dtype for h in slots.values()):
+        False (nothing changed) where the slots are not fp32 / bf16 CPU tensors (either dtype with
+        either activations' dtype: csrc/fused_lora.h widens bf16 and sums in fp32)."""
+        if any(h.a.device.type != "cpu" or not fused.supports(h.a) for h in slots.values()):
             return False
         for name, h in slots.items():
             cols = [s.out_offset for s in h.sections] + [h.sections[-1].out_offset + h.sections[-1].out_size]

@@ -4,7 +4,8 @@ Each adapted linear (qkv_proj, o_proj, gate_up_proj, down_proj of every decoder 
 ``LoRALinear`` holding, for each of ``max_loras`` slots, A of its S sections stacked ([S*R, in])
 and B^T block-diagonal over them ([S*R, out]: section i's R rows feed only section i's output
 columns), the adapter's scaling folded into B; R = max_lora_rank (a smaller rank is zero-padded,
-so it contributes exact zeros). A step's rows carry a slot each (-1 = base model), as a 0/1 mask
+so it contributes exact zeros). The slots' dtype is --lora-dtype's (gpu/lora_worker.py
+resolve_lora_dtype): the model's, or bf16 under fp32 activations over a quantized base. A step's rows carry a slot each (-1 = base model), as a 0/1 mask
 ``[rows, k]`` over the k lowest slots in use (``LoRABatch``).
 
 The delta is punica's shrink/expand written as two dense matmuls over the k slots, with no loop
@@ -39,6 +40,34 @@ class LoRABatch:
     mask: torch.Tensor | None  # [rows, k], the model's dtype; None when every row uses slot 0 (k = 1)
     k: int
     rows: torch.Tensor | None = None  # int32 [rows]: each row's slot, -1 = base (the fused C layer's form)
+    # (start, end, slot) of each run of consecutive adapter rows, where runs are long (prefill): the
+    # delta then multiplies each run by its own slot only (slot_runs)
+    runs: list[tuple[int, int, int]] | None = None
+
+
+RUN_MIN_ROWS = 8  # mean adapter rows per run from which a step's delta goes run by run
+
+
+def slot_runs(seq_slots: list[int], query_lens: list[int]) -> list[tuple[int, int, int]] | None:
+    """The step's adapter rows as runs of one slot, (start, end, slot), when they average at least
+    RUN_MIN_ROWS rows a run (a prefill's rows share its sequence's slot); else None.
+
+    Why: the dense form (``LoRALinear.delta_into``) multiplies every row by all k slots' A and B and
+    masks; over a 16-sequence prefill of 4 adapters that is 4x the delta's flops (~15 G multiply-adds
+    a 512-token prefill of the default model at rank 16, +19 % of its CPU time; loadtest/PERF.md,
+    "LoRA overhead, thirteenth session"). Run by run it is two matmuls per run on row slices (no
+    copies), worth it only when runs are long: a decode step's runs are single rows."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for slot, n in zip(seq_slots, query_lens):
+        if slot >= 0 and n > 0:
+            if runs and runs[-1][2] == slot and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], start + n, slot)
+            else:
+                runs.append((start, start + n, slot))
+        start += n
+    adapter_rows = sum(end - begin for begin, end, _ in runs)
+    return runs if runs and adapter_rows >= RUN_MIN_ROWS * len(runs) else None
 
 
 @dataclass(slots=True)
@@ -91,12 +120,19 @@ class LoRALinear:
         self.b[slot].zero_()
 
     def delta_into(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
-        """y += this step's LoRA delta for every row (base rows get exact zeros)."""
+        """y += this step's LoRA delta for every row (base rows get exact zeros, or are left alone)."""
+        if batch.runs is not None:
+            a, b = self.a[:batch.k].to(x.dtype), self.b[:batch.k].to(x.dtype)  # widened once a call
+            for start, end, slot in batch.runs:
+                y[start:end].addmm_(F.linear(x[start:end], a[slot]), b[slot])
+            return
         k, width = batch.k, self.a.shape[1]
-        t = F.linear(x, self.a[:k].view(k * width, self.in_local))
+        # slots of another dtype than the activations (--lora-dtype) are widened (exactly, for bf16
+        # under fp32) for the matmuls, as the fused C layer widens them
+        t = F.linear(x, self.a[:k].view(k * width, self.in_local).to(x.dtype))
         if batch.mask is not None:
             t.view(x.shape[0], k, width).mul_(batch.mask.unsqueeze(2))
-        y.addmm_(t, self.b[:k].view(k * width, self.out_local))
+        y.addmm_(t, self.b[:k].view(k * width, self.out_local).to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = current_lora()

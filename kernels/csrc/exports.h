@@ -79,9 +79,10 @@ typedef struct {
     void *small, *big;
     /* Multi-LoRA (lora_a NULL: none; kernels/fused.py attach_lora): per adapter slot, A of the S
      * sections stacked [S*R][K] and B^T block-diagonal [S*R][N] (scaling folded in), in the
-     * activations' dtype; section i's R rows feed output columns lora_col[i] .. lora_col[i+1]. */
+     * adapter dtype lora_dtype (0 fp32, 1 bf16: --lora-dtype); section i's R rows feed output columns
+     * lora_col[i] .. lora_col[i+1]. */
     const void *lora_a, *lora_b;
-    int64_t lora_rank, lora_sections, lora_col[4];
+    int64_t lora_rank, lora_sections, lora_col[4], lora_dtype;
 } fz_linear;
 
 /* One decoder layer's weights and caches as fz_decode_stack reads them. kernels/abi.py LayerSpec. */

@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lora-dtype", default=None,
+                        help="the engine's --lora-dtype (default: the engine's own default, auto)")
     args = parser.parse_args()
 
     from engine.llm import LLM
@@ -77,6 +79,8 @@ def main() -> None:
             options = dict(model=args.model, kv_cache_memory=1.0, enable_prefix_caching=False)
             if rank:
                 options.update(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=rank)
+                if args.lora_dtype:
+                    options["lora_dtype"] = args.lora_dtype
             llm = LLM(**options)
             try:
                 hf = llm.config.model.hf_config

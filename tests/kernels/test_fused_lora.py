@@ -1,7 +1,9 @@
 """The fused decode layer's LoRA delta (csrc/fused_cpu.c: after each linear of fz_attn_in and
 fz_mlp_out, ``y[m] += (x[m] @ A[slot]^T) @ B[slot]`` for the rows that name a slot) against torch:
 the base layer plus the delta, rows of adapter 0, adapter 1 and none mixed in one call, each build
-(portable, AVX2, AVX512-BF16 where the CPU has it) forced in a fresh process, fp32 and bf16."""
+(portable, AVX2, AVX512-BF16 where the CPU has it) forced in a fresh process, fp32 and bf16
+activations, each with fp32 and with bf16 adapter weights (--lora-dtype: the reference then uses the
+weights as stored, widened to fp32, as the kernel does)."""
 from __future__ import annotations
 
 import ctypes
@@ -28,24 +30,24 @@ def _plain(w: torch.Tensor) -> LinearSpec:
     return LinearSpec(fused.KIND_PLAIN, 0, w.data_ptr(), None, None, None, None)
 
 
-def _lora(g, n_in: int, cols: list[int], dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _lora(g, n_in: int, cols: list[int], dtype, R: int = R, slots: int = SLOTS) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots as gpu/models/lora_layers.py lays them out: A [slots, S*R, in]; B^T [slots, S*R, out],
     block-diagonal (section i's R rows feed columns cols[i]..cols[i+1]); slot 1 has rank 2 (rows
     2, 3 of each section zero, as a smaller adapter is padded)."""
     S = len(cols) - 1
-    a = torch.randn(SLOTS, S * R, n_in, generator=g) * 0.3
-    b = torch.zeros(SLOTS, S * R, cols[-1])
+    a = torch.randn(slots, S * R, n_in, generator=g) * 0.3
+    b = torch.zeros(slots, S * R, cols[-1])
     for i in range(S):
-        b[:, i * R:(i + 1) * R, cols[i]:cols[i + 1]] = torch.randn(SLOTS, R, cols[i + 1] - cols[i], generator=g) * 0.3
+        b[:, i * R:(i + 1) * R, cols[i]:cols[i + 1]] = torch.randn(slots, R, cols[i + 1] - cols[i], generator=g) * 0.3
     a[1, :, :].view(S, R, n_in)[:, 2:] = 0
     b[1, :, :].view(S, R, cols[-1])[:, 2:] = 0
     return a.to(dtype).contiguous(), b.to(dtype).contiguous()
 
 
-def _delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The reference delta in fp32 (base rows: zero)."""
+def _delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows=ROWS) -> torch.Tensor:
+    """The reference delta in fp32 of the weights as stored (base rows: zero)."""
     out = torch.zeros(x.shape[0], b.shape[2])
-    for m, s in enumerate(ROWS):
+    for m, s in enumerate(rows):
         if s >= 0:
             out[m] = (x[m].float() @ a[s].float().t()) @ b[s].float()
     return out
@@ -59,7 +61,7 @@ def _rows():
     return torch.tensor(ROWS, dtype=torch.int32)
 
 
-def check_mlp_out(dtype) -> None:
+def check_mlp_out(dtype, lora_dtype) -> None:
     """fz_mlp_out with LoRA on o, gate/up and down: == torch's layer + deltas; base rows bit-equal
     to the call without LoRA; a NULL row list is the base layer."""
     lib = fused.library()
@@ -69,8 +71,8 @@ def check_mlp_out(dtype) -> None:
     norm_w = torch.rand(H, generator=g) + 0.5
     attn = torch.randn(M, A, generator=g).to(dtype)
     res0 = torch.randn(M, H, generator=g).to(dtype)
-    loras = {"o": _lora(g, A, [0, H], dtype), "gu": _lora(g, H, [0, I, 2 * I], dtype),
-             "d": _lora(g, I, [0, H], dtype)}
+    loras = {"o": _lora(g, A, [0, H], lora_dtype), "gu": _lora(g, H, [0, I, 2 * I], lora_dtype),
+             "d": _lora(g, I, [0, H], lora_dtype)}
     specs = {k: _plain(w) for k, w in (("o", w_o), ("gu", w_gu), ("d", w_d))}
 
     def run(with_lora: bool, rows):
@@ -104,7 +106,7 @@ def check_mlp_out(dtype) -> None:
     assert torch.equal(null_out, base_out)
 
 
-def check_attn_in(dtype) -> None:
+def check_attn_in(dtype, lora_dtype) -> None:
     """fz_attn_in with LoRA on qkv: the delta lands before rotary and the KV write (the cached v
     rows are the reference's; q and k as the reference rotated by the tested fused rotary)."""
     lib = fused.library()
@@ -118,7 +120,7 @@ def check_attn_in(dtype) -> None:
     x0 = torch.randn(M, H, generator=g).to(dtype)
     res0 = torch.randn(M, H, generator=g).to(dtype)
     cols = [0, QH * D, (QH + KVH) * D, N_QKV]
-    a, b = _lora(g, H, cols, dtype)
+    a, b = _lora(g, H, cols, lora_dtype)
     positions = torch.tensor([3, 0, 17, 100, 9])
     slots = torch.tensor([5, 40, 2, 63, 20])
     spec = _plain(w_qkv)
@@ -144,10 +146,47 @@ def check_attn_in(dtype) -> None:
     torch.testing.assert_close(flat_k[slots].float(), ref[:, cols[1]:cols[2]].float(), **_tol(dtype))
 
 
+def check_groups_and_tails(dtype, lora_dtype) -> None:
+    """fz_attn_out with shapes off the kernel's blocks: K and N not multiples of 8 / 16, 16 rows (the
+    plain GEMV's most) of four slots (6, 5, 2, 1 rows: every tail of the 4-row blocks), base rows
+    between them, one and two threads (16 rows take the parallel region, 3 rows do not): the
+    residual gets base + delta per row, the base rows the base alone."""
+    lib = fused.library()
+    g = torch.Generator().manual_seed(13)
+    K, N, rank = 1501, 523, 20
+    pattern = [0] * 6 + [1] * 5 + [2] * 2 + [3] + [-1] * 2
+    rows = [pattern[(7 * i) % len(pattern)] for i in range(len(pattern))]  # interleaved
+    w = torch.randn(N, K, generator=g).mul(0.05).to(dtype)
+    a, b = _lora(g, K, [0, N], lora_dtype, R=rank, slots=4)
+    norm_w = torch.rand(N, generator=g) + 0.5
+    spec = _plain(w)
+    fused.attach_lora(spec, a, b, rank, [0, N])
+    for m_rows in (rows, rows[:3]):
+        M = len(m_rows)
+        x = torch.randn(M, K, generator=g).to(dtype)
+        ref = x.float() @ w.float().t() + _delta(x, a, b, m_rows)
+        def run(threads, rows_tensor):
+            res = torch.zeros(M, N, dtype=dtype)
+            y = torch.empty(M, N, dtype=dtype)
+            assert lib.fz_attn_out(x.data_ptr(), K, ctypes.addressof(spec), y.data_ptr(), res.data_ptr(),
+                                   norm_w.data_ptr(), 1e-5, M, N, threads, int(dtype == torch.bfloat16),
+                                   None if rows_tensor is None else rows_tensor.data_ptr()) == 0
+            return res
+
+        for threads in (1, 2):
+            res = run(threads, torch.tensor(m_rows, dtype=torch.int32))
+            torch.testing.assert_close(res.float(), ref, **_tol(dtype))
+            base = run(threads, None)
+            for m, s in enumerate(m_rows):
+                assert torch.equal(res[m], base[m]) == (s < 0), (m, s)
+
+
 def check(dtype_name: str) -> None:
     dtype = getattr(torch, dtype_name)
-    check_mlp_out(dtype)
-    check_attn_in(dtype)
+    for lora_dtype in (torch.float32, torch.bfloat16):
+        check_mlp_out(dtype, lora_dtype)
+        check_attn_in(dtype, lora_dtype)
+        check_groups_and_tails(dtype, lora_dtype)
 
 
 def _in_fresh_process(isa: str, dtype_name: str) -> str:
