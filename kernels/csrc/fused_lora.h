@@ -39,10 +39,11 @@
 #define FZ_LORA_COLS 256         /* output columns per expand work item (a multiple of 16) */
 /* Fewer multiply-adds than this a call: no parallel region. A region costs a few us quiet and can cost
  * ms when a partner thread is descheduled on a busy box (PERF.md, twelfth session: a rank-64 one-stream
- * step at 1139 ms with three more regions a layer); 500 K keeps every one-row call up to rank 64 (at
- * most ~270 K on the default model) on the calling thread, and splits c=16 steps' qkv, gate/up and
- * down at rank 16 (0.5-1.1 M). */
-#define FZ_LORA_PAR_MACS 500000
+ * step at 1139 ms with three more regions a layer). 100 K keeps one-row calls up to rank 16 (<= ~68 K
+ * on the default model) on the calling thread and splits every c=16 call at rank 16 (0.3-1.1 M): on a
+ * quiet box 500 K (o serial at c=16) cost 19.5 % at c=16 with 4 rank-16 adapters, 100 K 14.5 %
+ * (PERF.md, thirteenth session). */
+#define FZ_LORA_PAR_MACS 100000
 #define FZ_LORA_STACK_T 8192     /* floats of t kept on the stack (32 KB) */
 #define FZ_LORA_STACK_GROUPS 32  /* groups kept on the stack */
 
