@@ -33,16 +33,21 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=No
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed=None) -> torch.Tensor:
     """The layer's prepacked weight when it has one (gpu/models/packed_linear.py); else F.linear,
-    except small-batch bf16 on AVX512-BF16 CPUs: there torch's GEMV reads the weights at about
-    0.7x the rate of our kernel (loadtest/PERF.md), and decode is that read."""
+    except small batches on CPU: bf16 on AVX512-BF16 CPUs, where torch's GEMV reads the weights at
+    about 0.7x the rate of our kernel, and fp32, where it reads them at ~12 GB/s against our
+    kernel's ~23 GB/s on the AVX2 box (a tied fp32 LM head of the default model: 8.9 ms a step;
+    loadtest/PERF.md). Decode is that read."""
     if packed is not None:
         return packed.linear(x, bias)
-    if (x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] <= fused.GEMV_MAX_M
-            and weight.dtype is torch.bfloat16 and weight.is_contiguous() and x.device.type == "cpu"
-            and weight.device.type == "cpu"
-            and fused.has_bf16_gemv()):
-        y = fused.gemv_bf16(x.contiguous(), weight)
-        return y if bias is None else y.add_(bias)
+    if (x.dim() == 2 and x.device.type == "cpu" and weight.device.type == "cpu" and weight.is_contiguous()
+            and x.dtype is weight.dtype):
+        if (x.dtype is torch.bfloat16 and x.shape[0] <= fused.GEMV_MAX_M and fused.has_bf16_gemv()):
+            y = fused.gemv_bf16(x.contiguous(), weight)
+            return y if bias is None else y.add_(bias)
+        if (x.dtype is torch.float32 and 1 <= x.shape[0] <= fused.GEMV_F32_MAX_M
+                and fused.library() is not None):
+            y = fused.gemv_f32(x.contiguous(), weight)
+            return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
 
 

@@ -142,9 +142,11 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.small_rows and x.dim() == 2 and x.shape[0] <= self.small_rows:
-            if self.dtype is torch.float32:
+            if self.dtype is torch.float32 and (x.shape[0] > fused.GEMV_F32_MAX_M or fused.library() is None):
                 return F.linear(x, self.plain, bias)
-            y = fused.gemv_bf16(x.contiguous(), self.plain)
+            # fp32: our GEMV reads the plain weight at ~2.5x torch's rate on the AVX2 box (the tied
+            # LM head of the default model: 3.2 against 8.2 ms a row; loadtest/PERF.md)
+            y = (fused.gemv_f32 if self.dtype is torch.float32 else fused.gemv_bf16)(x.contiguous(), self.plain)
             return y if bias is None else y.add_(bias)
         return _packed_mm(x, self.packed, bias)
 
