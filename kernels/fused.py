@@ -64,6 +64,13 @@ def has_bf16_gemv() -> bool:
     return lib is not None and lib.fz_isa() == 2
 
 
+def has_f32_gemv() -> bool:
+    """fz_gemv_f32 is vector code here (an AVX2 or AVX-512 build; the portable build's loop is
+    slower than torch's GEMV, so small fp32 batches stay on torch there)."""
+    lib = library()
+    return lib is not None and lib.fz_isa() >= 1
+
+
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 

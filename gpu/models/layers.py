@@ -44,8 +44,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if (x.dtype is torch.bfloat16 and x.shape[0] <= fused.GEMV_MAX_M and fused.has_bf16_gemv()):
             y = fused.gemv_bf16(x.contiguous(), weight)
             return y if bias is None else y.add_(bias)
-        if (x.dtype is torch.float32 and 1 <= x.shape[0] <= fused.GEMV_F32_MAX_M
-                and fused.library() is not None):
+        if x.dtype is torch.float32 and 1 <= x.shape[0] <= fused.GEMV_F32_MAX_M and fused.has_f32_gemv():
             y = fused.gemv_f32(x.contiguous(), weight)
             return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)

@@ -142,7 +142,7 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.small_rows and x.dim() == 2 and x.shape[0] <= self.small_rows:
-            if self.dtype is torch.float32 and (x.shape[0] > fused.GEMV_F32_MAX_M or fused.library() is None):
+            if self.dtype is torch.float32 and (x.shape[0] > fused.GEMV_F32_MAX_M or not fused.has_f32_gemv()):
                 return F.linear(x, self.plain, bias)
             # fp32: our GEMV reads the plain weight at ~2.5x torch's rate on the AVX2 box (the tied
             # LM head of the default model: 3.2 against 8.2 ms a row; loadtest/PERF.md)
