@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from contracts.config import ConfigError
-from tests.gpu.test_mp_equivalence import GREEDY, UNTIED, prompts, token_ids
+from tests.gpu.test_kv_fp8_engine import assert_swap_preemption_is_exact
+from tests.gpu.test_mp_equivalence import GREEDY, prompts, token_ids
 from tests.tiny import tiny_llm
 
 
@@ -26,17 +27,7 @@ def test_bf16_cache_holds_twice_the_blocks_and_swaps_exactly():
     finally:
         auto.shutdown()
         bf16.shutdown()
-    llm = tiny_llm(hf_config=UNTIED, kv_cache_dtype="bfloat16", preemption_mode="swap", num_swap_blocks=64,
-                   num_gpu_blocks_override=14, block_size=16)
-    ref_llm = tiny_llm(hf_config=UNTIED, kv_cache_dtype="bfloat16")
-    try:
-        want = token_ids(ref_llm.generate(prompts(), GREEDY, use_tqdm=False))
-        assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
-        swap = llm.core.block_manager.swap
-        assert llm.core.stats().num_preemptions > 0 and swap.num_swapped_out > 0
-    finally:
-        llm.shutdown()
-        ref_llm.shutdown()
+    assert_swap_preemption_is_exact("bfloat16")
 
 
 def test_auto_is_bf16_for_quantized_fp32_weights_only():

@@ -31,9 +31,15 @@ def test_fp8_cache_holds_twice_the_blocks_and_swaps_exactly():
     finally:
         auto.shutdown()
         fp8.shutdown()
-    llm = tiny_llm(hf_config=UNTIED, kv_cache_dtype="fp8", preemption_mode="swap", num_swap_blocks=64,
+    assert_swap_preemption_is_exact("fp8")
+    assert reference  # (the first run's tokens: the fp8 engine ran)
+
+
+def assert_swap_preemption_is_exact(kv_cache_dtype: str) -> None:
+    """Swap preemption (exact byte copies of the blocks) gives the tokens of a run without it."""
+    llm = tiny_llm(hf_config=UNTIED, kv_cache_dtype=kv_cache_dtype, preemption_mode="swap", num_swap_blocks=64,
                    num_gpu_blocks_override=14, block_size=16)
-    ref_llm = tiny_llm(hf_config=UNTIED, kv_cache_dtype="fp8")
+    ref_llm = tiny_llm(hf_config=UNTIED, kv_cache_dtype=kv_cache_dtype)
     try:
         want = token_ids(ref_llm.generate(prompts(), GREEDY, use_tqdm=False))
         assert token_ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == want
@@ -42,7 +48,6 @@ def test_fp8_cache_holds_twice_the_blocks_and_swaps_exactly():
     finally:
         llm.shutdown()
         ref_llm.shutdown()
-    assert reference  # (the first run's tokens: the fp8 engine ran)
 
 
 @pytest.mark.parametrize("name, message", [("fp8_e5m2", "not supported"), ("int3", "not one of")])
