@@ -15,7 +15,7 @@ import torch
 from contracts.config import LoRAConfig
 from contracts.lora import read_adapter
 from contracts.messages import LoRALoad, StepInput
-from gpu.models.lora_layers import LoRABatch, LoRALinear, install, slot_runs
+from gpu.models.lora_layers import LoRABatch, LoRALinear, install
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +108,7 @@ class WorkerLoRA:
             return None
         rows = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.int32),
                                        torch.tensor(query_lens, dtype=torch.long))
-        # run by run on CPU only: measured there (PERF.md); on CUDA each run would be two more launches
-        runs = slot_runs(seq_slots, query_lens) if self.device.type == "cpu" else None
-        if runs is not None or (k == 1 and min(seq_slots) == 0):  # no mask to apply (one adapter, no base row)
-            return LoRABatch(None, k, rows, runs)
+        if k == 1 and min(seq_slots) == 0:  # no mask to apply (one adapter, no base row)
+            return LoRABatch(None, k, rows)
         mask = (rows.unsqueeze(1) == torch.arange(k)).to(self.dtype)
         return LoRABatch(mask.to(self.device), k, rows)

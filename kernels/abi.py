@@ -68,6 +68,7 @@ SIGNATURES: dict[str, dict[str, tuple[type | None, list[type]]]] = {
                            I, I, P]),
         "fz_attn_out": (I, [P, I64, P, P, P, P, F, I64, I64, I, I, P]),
         "fz_mlp_out": (I, [P, I64, P, P, P, P, F, I64, I64, P, I64, P, P, P, P, I, I, P]),
+        "fz_lora_add": (I, [P, P, I64, I64, I64, P, P, I, I]),
         "fz_silu_mul_bf16": (I, [P, I64, I64, P, I]),
         "fz_silu_mul_f32": (I, [P, I64, I64, P, I]),
         "fz_decode_stack": (I, [P, I64, P, P, I, P, I64, I64, I64, I64, I64, I64, I64, I64, P, P, P, I64, P, P,

@@ -182,6 +182,18 @@ def attach_lora(spec: abi.LinearSpec, a: torch.Tensor, b: torch.Tensor, rank: in
         spec.lora_col[i] = cols[min(i, sections)]
 
 
+def lora_add(spec: abi.LinearSpec, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor) -> None:
+    """y += the multi-LoRA delta of x's rows (``rows``: int32, each row's slot, -1 = none) through the
+    slots ``attach_lora`` gave ``spec``: the fused layer's arithmetic, for steps it does not run.
+    x [M, K], y [M, N]: contiguous CPU tensors of the activations' dtype (fp32 or bf16)."""
+    M, K = x.shape
+    if rows.dtype != torch.int32 or rows.numel() != M or y.shape[0] != M or y.dtype != x.dtype:
+        raise ValueError("lora_add takes int32 slots for each of x's rows and y of x's dtype")
+    if library().fz_lora_add(ctypes.byref(spec), x.data_ptr(), M, K, y.shape[1], y.data_ptr(), rows.data_ptr(),
+                             torch.get_num_threads(), _DTYPE_CODE[x.dtype]):
+        raise MemoryError("no memory for the LoRA delta's scratch")
+
+
 def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in bf16 for M <= 16 (both contiguous bf16; the model routes
     M <= GEMV_MAX_M here)."""

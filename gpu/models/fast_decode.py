@@ -125,8 +125,7 @@ class FastDecodeLayer:
         if any(h.a.device.type != "cpu" or not fused.supports(h.a) for h in slots.values()):
             return False
         for name, h in slots.items():
-            cols = [s.out_offset for s in h.sections] + [h.sections[-1].out_offset + h.sections[-1].out_size]
-            fused.attach_lora(self.weights[name].spec, h.a, h.b, h.rank, cols)
+            fused.attach_lora(self.weights[name].spec, h.a, h.b, h.rank, h.cols())
         self.lora = slots
         return True
 

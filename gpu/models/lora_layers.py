@@ -5,16 +5,21 @@ Each adapted linear (qkv_proj, o_proj, gate_up_proj, down_proj of every decoder 
 and B^T block-diagonal over them ([S*R, out]: section i's R rows feed only section i's output
 columns), the adapter's scaling folded into B; R = max_lora_rank (a smaller rank is zero-padded,
 so it contributes exact zeros). The slots' dtype is --lora-dtype's (gpu/lora_worker.py
-resolve_lora_dtype): the model's, or bf16 under fp32 activations over a quantized base. A step's rows carry a slot each (-1 = base model), as a 0/1 mask
-``[rows, k]`` over the k lowest slots in use (``LoRABatch``).
+resolve_lora_dtype): the model's, or bf16 under fp32 activations over a quantized base. A step's
+rows carry a slot each (-1 = base model): as int32 slots (``LoRABatch.rows``) and as a 0/1 mask
+``[rows, k]`` over the k lowest slots in use.
 
-The delta is punica's shrink/expand written as two dense matmuls over the k slots, with no loop
-over rows, adapters or sections: ``t = x @ A[:k]^T`` ([rows, k*S*R]), ``t *= mask`` (each row keeps
-its own slot's columns; a base row keeps none; skipped when every row uses slot 0), then
-``y += t @ B[:k]``. Three torch ops per layer whatever the mix, at the price of multiplying the
-other slots' and sections' zeros too, which at LoRA ranks is small next to the base matmul; on a
-busy CPU each op's dispatch (tens of us) costs more than those flops (per-section expands
-measured slower).
+On CPU the delta is C (csrc/fused_lora.h, through ``kernels.fused.lora_add`` here and inside the
+fused decode layer): rows grouped by slot, each row times its own slot's A and the live columns of
+its B only, one parallel region a call. Measured against the torch forms it replaced (loadtest/
+PERF.md, fourteenth session): a 16-sequence prefill of 4 adapters ran ~3,800 small MKL matmuls a
+step, each its own OpenMP region, which on a shared 2-core box cost more than their flops.
+
+Elsewhere (CUDA, or a CPU without the C library) it is punica's shrink/expand as two dense matmuls
+over the k slots, with no loop over rows, adapters or sections: ``t = x @ A[:k]^T`` ([rows,
+k*S*R]), ``t *= mask`` (each row keeps its own slot's columns; a base row keeps none; skipped when
+every row uses slot 0), then ``y += t @ B[:k]``: three ops a layer whatever the mix, with fixed
+shapes (CUDA graphs), at the price of multiplying the other slots' and sections' zeros too.
 
 Tensor parallelism follows the base layer: a column-parallel layer (qkv, gate/up) keeps this
 rank's output columns of B; a row-parallel one (o, down) keeps this rank's input columns of A and
@@ -31,6 +36,7 @@ from torch import nn
 from gpu.forward_context import current_lora
 from gpu.models.layers import QKVParallelLinear, RowParallelLinear, linear
 from gpu.parallel_state import divide, tp_all_reduce
+from kernels import abi, fused
 
 
 @dataclass(slots=True)
@@ -39,35 +45,7 @@ class LoRABatch:
 
     mask: torch.Tensor | None  # [rows, k], the model's dtype; None when every row uses slot 0 (k = 1)
     k: int
-    rows: torch.Tensor | None = None  # int32 [rows]: each row's slot, -1 = base (the fused C layer's form)
-    # (start, end, slot) of each run of consecutive adapter rows, where runs are long (prefill): the
-    # delta then multiplies each run by its own slot only (slot_runs)
-    runs: list[tuple[int, int, int]] | None = None
-
-
-RUN_MIN_ROWS = 8  # mean adapter rows per run from which a step's delta goes run by run
-
-
-def slot_runs(seq_slots: list[int], query_lens: list[int]) -> list[tuple[int, int, int]] | None:
-    """The step's adapter rows as runs of one slot, (start, end, slot), when they average at least
-    RUN_MIN_ROWS rows a run (a prefill's rows share its sequence's slot); else None.
-
-    Why: the dense form (``LoRALinear.delta_into``) multiplies every row by all k slots' A and B and
-    masks; over a 16-sequence prefill of 4 adapters that is 4x the delta's flops (~15 G multiply-adds
-    a 512-token prefill of the default model at rank 16, +19 % of its CPU time; loadtest/PERF.md,
-    "LoRA overhead, thirteenth session"). Run by run it is two matmuls per run on row slices (no
-    copies), worth it only when runs are long: a decode step's runs are single rows."""
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for slot, n in zip(seq_slots, query_lens):
-        if slot >= 0 and n > 0:
-            if runs and runs[-1][2] == slot and runs[-1][1] == start:
-                runs[-1] = (runs[-1][0], start + n, slot)
-            else:
-                runs.append((start, start + n, slot))
-        start += n
-    adapter_rows = sum(end - begin for begin, end, _ in runs)
-    return runs if runs and adapter_rows >= RUN_MIN_ROWS * len(runs) else None
+    rows: torch.Tensor | None = None  # int32 [rows] on the host: each row's slot, -1 = base (the C delta's form)
 
 
 @dataclass(slots=True)
@@ -96,6 +74,15 @@ class LoRALinear:
         self.out_local = sum(s.out_size for s in sections)
         self.a = torch.zeros(max_loras, len(sections) * max_rank, in_local, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, len(sections) * max_rank, self.out_local, dtype=dtype, device=device)
+        # CPU: the C delta (kernels/fused.py lora_add) reads the same slots through this spec
+        self.spec = None
+        if fused.supports(self.a):
+            self.spec = abi.LinearSpec()
+            fused.attach_lora(self.spec, self.a, self.b, max_rank, self.cols())
+
+    def cols(self) -> list[int]:
+        """Section i feeds output columns cols[i]:cols[i+1] (the C delta's section bounds)."""
+        return [s.out_offset for s in self.sections] + [self.out_local]
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot ``slot`` takes the adapter's (A, scaled B) per module (full checkpoint shapes);
@@ -121,10 +108,9 @@ class LoRALinear:
 
     def delta_into(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """y += this step's LoRA delta for every row (base rows get exact zeros, or are left alone)."""
-        if batch.runs is not None:
-            a, b = self.a[:batch.k].to(x.dtype), self.b[:batch.k].to(x.dtype)  # widened once a call
-            for start, end, slot in batch.runs:
-                y[start:end].addmm_(F.linear(x[start:end], a[slot]), b[slot])
+        if self.spec is not None and batch.rows is not None and fused.supports(x) and y.dtype == x.dtype:
+            # CPU: each row times its own slot only, in C (the fused decode layer's arithmetic)
+            fused.lora_add(self.spec, x.contiguous(), y, batch.rows)
             return
         k, width = batch.k, self.a.shape[1]
         # slots of another dtype than the activations (--lora-dtype) are widened (exactly, for bf16

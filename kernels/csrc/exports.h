@@ -110,6 +110,8 @@ void fz_rotary_neox(void *x, int64_t T, int64_t row_stride, int64_t heads, int64
 int fz_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, int64_t N, uint16_t *y,
                  int nthreads);
 int fz_gemv_f32(const float *x, int64_t M, int64_t K, const float *W, int64_t N, float *y, int nthreads);
+int fz_lora_add(const fz_linear *L, const void *x, int64_t M, int64_t K, int64_t N, void *y, const int32_t *rows,
+                int nthreads, int dtype);
 int fz_silu_mul_bf16(const uint16_t *h, int64_t M, int64_t I, uint16_t *a, int nthreads);
 int fz_silu_mul_f32(const float *h, int64_t M, int64_t I, float *a, int nthreads);
 int fz_attn_in(void *x, void *residual, int has_residual, const float *w_norm, float eps, int64_t M,

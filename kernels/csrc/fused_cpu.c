@@ -405,6 +405,15 @@ static int linear_run(const fz_linear *L, const void *x, int64_t M, int64_t K, i
     return rc ? rc : lora_add(L, x, M, K, N, y, lora_rows, nthreads, dtype);
 }
 
+/* The LoRA delta alone, y[M][N] += x[M][K]'s adapter rows' deltas: for the steps the fused layer does
+ * not run (prefill chunks through the per-linear path, gpu/models/lora_layers.py), so every CPU step
+ * adds a row's delta with the same arithmetic, and a slot's weights are read once per four rows
+ * instead of every slot's over every row (the torch form). 0, or FZ_KERNEL_FAILED (no memory). */
+int fz_lora_add(const fz_linear *L, const void *x, int64_t M, int64_t K, int64_t N, void *y, const int32_t *rows,
+                int nthreads, int dtype) {
+    return lora_add(L, x, M, K, N, y, rows, nthreads, dtype);
+}
+
 /* Before attention: [residual += x;] x = rms_norm(residual) * w_norm (without a residual yet:
  * residual = x first); qkv = x @ w_qkv^T; [each q head and k head rms-normed by w_qn / w_kn with
  * eps_qk (Qwen3; NULL: none);] the q and k heads rotated; k and v written into the caches at slots
