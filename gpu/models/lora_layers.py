@@ -80,7 +80,7 @@ class StaticLoRABatch:
         if batch.mask is not None:
             mask[:n, :batch.k].copy_(batch.mask)
             mask[:n, batch.k:].zero_()
-        elif batch.runs is None:  # k = 1: every row on slot 0
+        elif batch.runs is None and batch.k == 1:  # every row on slot 0
             mask[:n, 0].fill_(1)
             mask[:n, 1:].zero_()
         else:  # the run-by-run form carries no mask: built from the rows
