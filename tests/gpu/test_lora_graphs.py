@@ -138,6 +138,8 @@ def test_static_lora_batch_fill():
     assert batch.mask.tolist() == [[1, 0, 0]] * 3 + [[0, 0, 0]] and batch.rows.tolist() == [0, 0, 0, -1]
     s.fill(LoRABatch(None, 3, torch.tensor([2, 2, 2, 2, 2, 2, 2, 2], dtype=torch.int32), [(0, 8, 2)]), 8, 8)
     assert s.mask[:, 2].tolist() == [1] * 8 and not s.mask[:, :2].any()  # runs: the mask from rows
+    batch = s.fill(LoRABatch(torch.tensor([[0., 0.], [0., 1.]]), 2), 2, 2)  # a mask without rows
+    assert batch.rows.tolist() == [-1, 1] and batch.mask.tolist() == [[0, 0, 0], [0, 1, 0]]
     batch = s.fill(None, 2, 2)  # base-only step: the rows the step reads are reset
     assert not batch.mask.any() and batch.rows.tolist() == [-1] * 2 and batch.mask.shape == (2, 3)
     assert (s.mask.data_ptr(), s.rows.data_ptr()) == (mask_ptr, rows_ptr)
