@@ -7,6 +7,12 @@ static-buffer path runs eagerly, which keeps the padding logic covered by the te
 
 Padding rows compute a harmless 1-token sequence: token 0 at position 0, seq_len 1, block table
 of zeros, and slot -1 so nothing is written to the cache; their outputs are dropped.
+
+Under --enable-lora every step (adapter rows or none) runs over the adapter slots in static
+buffers (gpu/models/lora_layers.py StaticLoRABatch, k = max_loras), so the LoRA delta is part of
+each captured graph and the step's slot choice lives only in the buffers' contents; padding rows
+and base-only steps read mask 0, slot -1. Slot loads copy into the same A/B tensors in place, so
+the graphs keep reading the current adapters.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import logging
 import torch
 
 from gpu.forward_context import forward_context
+from gpu.models.lora_layers import LoRABatch, StaticLoRABatch
 from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -23,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 class DecodeGraphRunner:
     def __init__(self, model, kv_caches, capture_sizes: list[int], max_blocks_per_seq: int,
-                 device: torch.device, max_model_len: int):
+                 device: torch.device, max_model_len: int, max_loras: int = 0, mask_dtype=None):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(set(capture_sizes))
@@ -38,6 +45,8 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(S, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((S, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)
+        # the adapter slots' static form when LoRA is on (max_loras > 0); mask_dtype: the model's
+        self.lora = StaticLoRABatch(S, max_loras, mask_dtype, device) if max_loras else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_outputs: dict[int, torch.Tensor] = {}
 
@@ -80,10 +89,13 @@ class DecodeGraphRunner:
             seq_lens_host=seq_lens_host,
         )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of the n decode tokens, computed at the padded batch size."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            lora: LoRABatch | None = None) -> torch.Tensor:
+        """Hidden states of the n decode tokens, computed at the padded batch size. ``lora``: the
+        step's LoRABatch (None: no adapter rows), written into the static slot buffers."""
         n = meta.num_requests
         size = self._fill(input_ids, positions, meta)
+        static_lora = self.lora.fill(lora, n, size) if self.lora is not None else None
         if size in self.graphs:
             self.graphs[size].replay()
             return self.graph_outputs[size][:n]
@@ -91,7 +103,7 @@ class DecodeGraphRunner:
         width = meta.block_tables.shape[1]
         padded_lens = meta.seq_lens_host + [1] * (size - n)
         static = self._static_meta(size, width, padded_lens, meta.max_seq_len)
-        with forward_context(static, self.kv_caches):
+        with forward_context(static, self.kv_caches, static_lora):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
         return hidden[:n]
 
@@ -102,7 +114,8 @@ class DecodeGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             meta = self._static_meta(size, self.max_blocks, [1] * size, self.max_model_len)
-            with forward_context(meta, self.kv_caches):
+            static_lora = self.lora.view(size) if self.lora is not None else None
+            with forward_context(meta, self.kv_caches, static_lora):
                 self.model(self.input_ids[:size], self.positions[:size])  # warm-up (Triton autotune, allocs)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()

@@ -133,7 +133,8 @@ class ModelRunner:
         max_len = self.config.model.max_model_len or 2048
         self.graph_runner = DecodeGraphRunner(
             self.model, self.kv_caches, self.config.parallel.cuda_graph_batch_sizes,
-            max_blocks_per_seq=-(-max_len // self.block_size), device=self.device, max_model_len=max_len)
+            max_blocks_per_seq=-(-max_len // self.block_size), device=self.device, max_model_len=max_len,
+            max_loras=self.config.lora.max_loras if self.lora is not None else 0, mask_dtype=self.dtype)
         self.graph_runner.capture()
 
     def kv_bytes_per_block(self) -> int:
@@ -275,10 +276,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last])
 
     def _run_model(self, batch: PreparedBatch, lora=None) -> torch.Tensor:
-        """``lora``: the step's LoRABatch when rows use adapters; such a step runs eagerly (the
-        captured decode graphs hold no adapter slots)."""
-        if lora is None and self.graph_runner is not None and self.graph_runner.can_run(batch.meta):
-            return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta)
+        """``lora``: the step's LoRABatch when rows use adapters (a decode step the graph runner
+        takes carries it in its static slot buffers)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch.meta):
+            return self.graph_runner.run(batch.input_ids, batch.positions, batch.meta, lora)
         with forward_context(batch.meta, self.kv_caches, lora):
             return self.model(batch.input_ids, batch.positions)
 

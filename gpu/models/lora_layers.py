@@ -48,6 +48,48 @@ class LoRABatch:
     rows: torch.Tensor | None = None  # int32 [rows] on the host: each row's slot, -1 = base (the C delta's form)
 
 
+class StaticLoRABatch:
+    """A step's adapter slots in fixed buffers, for the decode graph runner (gpu/graphs.py): a
+    captured CUDA graph reads the mask at one address and shape, so every step's LoRABatch (any
+    k <= max_loras, a mask or None, or no adapter rows at all) is written into ``mask``
+    [max_size, max_loras] (the model's dtype) and ``rows`` int32 [max_size] (host memory: only the
+    fused C decode layer on CPU reads it, by address), and the graph runs over a LoRABatch of
+    views of them with k = max_loras. Rows past the step's, and every row of a base-only step, get
+    mask 0 and slot -1, so one set of graphs serves adapter and base steps."""
+
+    def __init__(self, max_size: int, max_loras: int, dtype: torch.dtype, device):
+        self.max_loras = max_loras
+        self.mask = torch.zeros(max_size, max_loras, dtype=dtype, device=device)
+        self.rows = torch.full((max_size,), -1, dtype=torch.int32)
+
+    def view(self, size: int) -> LoRABatch:
+        """The LoRABatch a graph of batch size ``size`` is captured with and runs over."""
+        return LoRABatch(self.mask[:size], self.max_loras, self.rows[:size])
+
+    def fill(self, batch: LoRABatch | None, n: int, size: int) -> LoRABatch:
+        """Write the step's ``n`` rows (``batch``: None when none uses an adapter), reset rows n..size."""
+        mask, rows = self.mask, self.rows
+        if batch is None:
+            mask[:size].zero_()
+            rows[:size].fill_(-1)
+            return self.view(size)
+        if batch.rows is not None:
+            rows[:n].copy_(batch.rows)
+        else:  # only a mask (or slot 0 everywhere): each row's slot, -1 where it has none
+            rows[:n].copy_(batch.mask.argmax(1).masked_fill(batch.mask.sum(1) == 0, -1).to(torch.int32)
+                           if batch.mask is not None else torch.zeros(n, dtype=torch.int32))
+        rows[n:size].fill_(-1)
+        if batch.mask is not None:
+            mask[:n, :batch.k].copy_(batch.mask)
+            mask[:n, batch.k:].zero_()
+        else:  # k = 1: every row on slot 0
+            mask[:n, 0].fill_(1)
+            mask[:n, 1:].zero_()
+        mask[n:size].zero_()
+        return self.view(size)
+
+
+
 @dataclass(slots=True)
 class Section:
     """One adapted checkpoint module inside a (possibly fused) layer, on this rank."""

@@ -23,8 +23,9 @@ MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def write_adapter(path: Path, hf_config: dict, rank: int, seed: int) -> Path:
-    """A random adapter in PEFT's file layout (numpy + safetensors: no model needed)."""
+def write_adapter(path: Path, hf_config: dict, rank: int, seed: int, std: float = 0.02) -> Path:
+    """A random adapter in PEFT's file layout (numpy + safetensors: no model needed); ``std``: of
+    A and B (larger moves greedy tokens of a random model: loadtest/micro/gpu_check_lora.py)."""
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -37,8 +38,8 @@ def write_adapter(path: Path, hf_config: dict, rank: int, seed: int) -> Path:
         for m, block in MODULES.items():
             fan_in, fan_out = dims[m]
             key = f"base_model.model.model.layers.{layer}.{block}.{m}"
-            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, fan_in)) * 0.02).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((fan_out, rank)) * 0.02).astype(np.float32)
+            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, fan_in)) * std).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((fan_out, rank)) * std).astype(np.float32)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({

@@ -7,7 +7,7 @@ How to run it on the lent machine (the wheels and the tokenizer it carries, the 
 docs/gpu-check.md. Each phase runs in its own subprocess under its own timeout; its record (status
 pass / fail / skip, the reason, its checks and figures) is appended to the JSON file after it
 ends, and a failing, hanging or crashing phase never stops the next. All phases together stay
-under 8 minutes on a bare H100; no network is used.
+under 9 minutes on a bare H100; no network is used.
 
 | phase | on the GPU | in --dry-run (CPU) |
 |---|---|---|
@@ -15,6 +15,7 @@ under 8 minutes on a bare H100; no network is used.
 | model | a random Llama (head_dim 64, the default vocabulary) in fp32: prompt logprobs vs transformers (<= 1e-4) with chunked prefill; greedy 48 tokens x 8 prompts, eager and with graphs, equal to generate(do_sample=False); bf16 agreement reported | the same, 12 tokens x 3 prompts, graphs = the padded static-buffer path |
 | graphs | greedy equality eager vs graphs at batch 1, 3, 8, 37, 64, 200, 256, 300; start-up time and memory of capture; decode step time and LLM tokens/s both ways | batch 1, 3, 8 |
 | serve | a real `serve` on a random model: greedy equals offline, a streamed chat ends with [DONE], 64 concurrent requests, /metrics, SIGTERM exits 0 | the same on the CPU |
+| lora | tiny model, 2 random adapters, fp32: greedy tokens with graphs equal eager, row for row: both adapters and base rows in a batch padded to a capture size, one adapter on every row, then base-only steps; the adapter steps replayed graphs | the same, the padded static-buffer path |
 | decode_1b | a ~1B random Llama (hidden 2048, 16 layers, 32/8 heads, bf16): decode step time with graphs (and eager) at batch 1/16/64/256 vs (weights + KV bytes) / measured copy bandwidth; LLM tokens/s | a small model, batch 1 and 4 |
 | refusals | fp8 KV and int8 / int4 on CUDA refused cleanly; a model whose position table is below max_num_batched_tokens starts (the profile forward) | the refusal checks on a CUDA device name; the profile forward on the CPU |
 """
@@ -33,11 +34,14 @@ import time
 import traceback
 from pathlib import Path
 
+from loadtest.micro.gpu_check_common import (as_inputs, first_difference, greedy, random_prompts, tiny_options,
+                                             token_ids)
+from loadtest.micro.gpu_check_lora import phase_lora
 from loadtest.tiny_model import TINY_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
-# (phase, seconds it may take on a bare H100): 480 s in all, inside the check's 8 minutes.
-PHASES = {"kernels": 110, "model": 80, "graphs": 85, "serve": 75, "decode_1b": 90, "refusals": 40}
+# (phase, seconds it may take on a bare H100): 520 s in all, inside the call's 570 s.
+PHASES = {"kernels": 110, "model": 80, "graphs": 85, "lora": 40, "serve": 75, "decode_1b": 90, "refusals": 40}
 DRY_RUN_TIMEOUT_S = 60  # per phase in --dry-run (the test's whole budget is 2 minutes)
 
 
@@ -75,39 +79,6 @@ class Ctx:
 
 
 # ---- shared pieces ----------------------------------------------------------------------------
-
-
-def greedy(max_tokens: int, **extra):
-    from engine.sampling_params import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
-
-
-def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 49152) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def as_inputs(prompts: list[list[int]]) -> list[dict]:
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def tiny_options(ctx: Ctx, **over) -> dict:
-    """LLM / serve options for a random-weight model over the carried tokenizer."""
-    return {"model": ctx.model_dir, "load_format": "dummy", "hf_config": TINY_CONFIG, "dtype": "float32",
-            "device": ctx.device, "num_gpu_blocks_override": 1024, **over}
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def first_difference(a: list[list[int]], b: list[list[int]]) -> dict | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            at = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-            return {"prompt": i, "position": at, "got": x[at:at + 4], "want": y[at:at + 4]}
-    return None if len(a) == len(b) else {"lengths": [len(a), len(b)]}
 
 
 def synchronize(device: str) -> None:
@@ -639,8 +610,8 @@ def phase_refusals(ctx: Ctx, rep: Report) -> None:
 
 # ---- the runner -----------------------------------------------------------------------------------
 
-PHASE_FUNCTIONS = {"kernels": phase_kernels, "model": phase_model, "graphs": phase_graphs, "serve": phase_serve,
-                   "decode_1b": phase_decode_1b, "refusals": phase_refusals}
+PHASE_FUNCTIONS = {"kernels": phase_kernels, "model": phase_model, "graphs": phase_graphs, "lora": phase_lora,
+                   "serve": phase_serve, "decode_1b": phase_decode_1b, "refusals": phase_refusals}
 
 
 def run_phase(name: str, ctx: Ctx, result_path: str) -> int:
