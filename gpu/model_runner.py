@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from contracts.config import EngineConfig
-from gpu.device import resolve_device, resolve_dtype
+from gpu.device import checkpoint_dtype, resolve_device, resolve_dtype
 from gpu.forward_context import forward_context
 from gpu.batch import BatchRequest, PreparedBatch
 from gpu.host_staging import HostStaging
@@ -59,7 +59,7 @@ class ModelRunner:
             from gpu.device import describe_device
 
             logger.info("%s", describe_device(self.device))
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, checkpoint_dtype(config.model.hf_config))
         self.kv_dtype = kv_cache_dtype.resolve(config.cache.cache_dtype, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.staging = HostStaging(self.device)  # a step's index arrays: one copy to a GPU
