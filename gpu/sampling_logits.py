@@ -39,17 +39,15 @@ class LogitsPrep:
         self.bias_vals: Tensor | None = None
         self.blocked_ids: Tensor | None = None
         if opt.logit_bias:
-            ids = torch.tensor(list(opt.logit_bias.keys()), dtype=torch.long, device=device)
-            # float64 keeps each bias as given; it becomes the logits' dtype when applied.
-            vals = torch.tensor(list(opt.logit_bias.values()), dtype=torch.float64, device=device)
-            inside = (ids >= 0) & (ids < vocab)
-            if bool(inside.any()):
-                self.bias_ids, self.bias_vals = ids[inside], vals[inside]
+            kept = [(t, v) for t, v in opt.logit_bias.items() if 0 <= t < vocab]  # on the host: no read back
+            if kept:
+                self.bias_ids = on_device(device, [t for t, _ in kept], torch.long)
+                # float64 keeps each bias as given; it becomes the logits' dtype when applied.
+                self.bias_vals = on_device(device, [v for _, v in kept], torch.float64)
         if opt.min_tokens > 0 and opt.min_tokens_blocked_ids:
-            ids = torch.tensor(opt.min_tokens_blocked_ids, dtype=torch.long, device=device)
-            ids = ids[(ids >= 0) & (ids < vocab)]
-            if ids.numel():
-                self.blocked_ids = ids
+            ids = [t for t in opt.min_tokens_blocked_ids if 0 <= t < vocab]
+            if ids:
+                self.blocked_ids = on_device(device, ids, torch.long)
 
     def fits(self, logits: Tensor) -> bool:
         return self.vocab == logits.shape[1] and self.device == logits.device
@@ -123,8 +121,8 @@ def process_logits(
 def _rows_and_cols(logits: Tensor, rows: list[int], ids: list[Tensor]) -> tuple[Tensor, Tensor]:
     """(row index, column) pairs of every listed row's ids, as two flat tensors."""
     cols = ids[0] if len(ids) == 1 else torch.cat(ids)
-    lens = on_device(logits, [t.shape[0] for t in ids])
-    return torch.repeat_interleave(on_device(logits, rows), lens), cols
+    sizes = [t.shape[0] for t in ids]
+    return torch.repeat_interleave(on_device(logits, rows), on_device(logits, sizes), output_size=sum(sizes)), cols
 
 
 def _apply_penalties(
