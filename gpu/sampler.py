@@ -34,10 +34,17 @@ values never fail the step for the others and finite rows draw exactly as before
 
 Devices: every tensor made here lives on the logits' device (on CUDA a tensor made without
 ``device=`` would be a CPU tensor and the op mixing it with the logits fails). Host values
-become tensors only through ``on_device(like, data)``; factories take ``device=<input>.device``.
-Results come back to the host once, at the end, in one copy (``fetch_to_host``: token ids and
-logprobs). The only other host reads are data-dependent branches (``bool(x.all())``) on rare
-paths (a top-p nucleus beyond the candidates, a draw rounding onto a zero-width token).
+become tensors only through ``on_device(like, data)`` (pinned, non-blocking on CUDA); factories
+take ``device=<input>.device``.
+
+One host read per step (issue 24): on CUDA every read of a device value waits for the GPU. A
+step draws without looking (every index stays in range whatever the values), then reads back in
+one copy (``fetch_to_host``) the tokens, each row's flag "finite and its top-p nucleus inside
+the first candidates", and the logprobs. Rows whose flag is off (rare) are repaired and drawn
+again by ``_redo`` with reads of their own; a row's draw depends on that row alone, so the
+others keep their tokens. Penalties take a dense pass on CUDA for the same reason
+(gpu.sampling_logits.dense_penalties). More than one read only for those rare rows; prompt
+logprobs (``compute_prompt_logprobs``) make one copy of their own.
 """
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ from torch import Tensor
 from contracts.messages import SampledLogprobs, SamplingOptions
 from gpu.sampling_draws import (
     draw_from_candidates, draw_full_vocab, draw_top_p_by_histogram, seeded_uniform)
-from gpu.sampling_host import fetch_to_host, on_device, select_rows, to_host
+from gpu.sampling_host import fetch_to_host, on_device, select_rows, spread_rows, to_host
 from gpu.sampling_logits import (  # noqa: F401  (process_logits: re-exported)
     LogitsPrep, changes_logits, needs_prep, num_generated, process_logits, repair_non_finite)
 from gpu.sampling_logprobs import (  # noqa: F401  (compute_prompt_logprobs: re-exported)
@@ -281,7 +288,7 @@ class Sampler:
         tokens[g] = greedy(logits[g])
         r = on_device(logits, random_rows)
         tokens[r] = drawn
-        return tokens, _spread(fits, r, batch)
+        return tokens, spread_rows(fits, r, batch)
 
     def _sample_random(
         self, logits: Tensor, options: list[SamplingOptions], uniforms: list[float], careful: bool
@@ -327,7 +334,7 @@ class Sampler:
                 return drawn, fits
             f = on_device(logits, filtered)
             out[f] = drawn
-            fits = _spread(fits, f, rows)
+            fits = spread_rows(fits, f, rows)
         return out, fits
 
     def _sample_filtered(
@@ -388,11 +395,3 @@ class Sampler:
         tokens[redo_t] = tokens_s
         return tokens, None
 
-
-def _spread(fits: Tensor | None, rows: Tensor, total: int) -> Tensor | None:
-    """Per-row flags of a subset of rows as flags of all ``total`` rows (True elsewhere)."""
-    if fits is None:
-        return None
-    out = torch.ones(total, dtype=torch.bool, device=fits.device)
-    out[rows] = fits
-    return out

@@ -57,3 +57,12 @@ def fetch_to_host(ints: list[Tensor], floats: list[Tensor]) -> tuple[list[list[i
 def select_rows(t: Tensor, rows: list[int], total: int) -> Tensor:
     """Rows of t; the tensor itself when every row is selected (no copy)."""
     return t if len(rows) == total else t[on_device(t, rows)]
+
+
+def spread_rows(flags: Tensor | None, rows: Tensor, total: int) -> Tensor | None:
+    """Flags of a subset ``rows`` of ``total`` rows as flags of all of them (True elsewhere)."""
+    if flags is None:
+        return None
+    out = torch.ones(total, dtype=torch.bool, device=flags.device)
+    out[rows] = flags
+    return out

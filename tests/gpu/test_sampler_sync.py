@@ -162,3 +162,41 @@ def test_a_wide_nucleus_reads_again_and_draws_as_before(monkeypatch):
     wide = Sampler(top_p_candidates=2000).sample(logits.clone(), options, [[0, 1, 2, 3]] * 3, [2] * 3)
     assert out.token_ids == wide.token_ids
     assert out.logprobs[2].logprob == pytest.approx(wide.logprobs[2].logprob)
+
+
+PENALISED = [SamplingOptions(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, seed=7),
+             SamplingOptions(temperature=0.0),
+             SamplingOptions(repetition_penalty=0.8, temperature=0.0, logprobs=2),
+             SamplingOptions(frequency_penalty=-0.7, presence_penalty=1.5, top_p=0.9, seed=3)]
+
+
+def test_a_penalised_step_on_cuda_reads_the_device_once(monkeypatch):
+    """CUDA takes the dense penalty pass (gpu.sampling_logits.dense_penalties): no extra read."""
+    import gpu.sampling_logits as sl
+
+    monkeypatch.setattr(sl, "dense_penalties", lambda logits: True)
+    out, reads = _step(monkeypatch, _logits(len(PENALISED)), PENALISED)
+    assert reads == ["to_host"], reads
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_dense_penalty_pass_equals_the_sparse_one(monkeypatch, seed):
+    """Bit for bit, with repeated, out-of-vocabulary and prompt-only tokens, some rows unpenalised."""
+    import gpu.sampling_logits as sl
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 500
+    logits = torch.randn(len(PENALISED), vocab, generator=g) * 4
+    logits[0, 3] = 0.0
+    token_ids = [torch.randint(-3, vocab + 3, (int(n),), generator=g).tolist()
+                 for n in torch.randint(0, 40, (len(PENALISED),), generator=g)]
+    token_ids[1] = token_ids[1] + [3, 3, 3]
+    prompt = [min(len(t), 5) for t in token_ids]
+    only = [PENALISED[0]] * len(PENALISED)  # every row penalised: the whole-tensor write
+    sparse = [sl.process_logits(logits.clone(), opts, token_ids, prompt) for opts in (PENALISED, only)]
+    monkeypatch.setattr(sl, "dense_penalties", lambda logits: True)
+    with _count_reads(monkeypatch) as reads:
+        dense = [sl.process_logits(logits.clone(), opts, token_ids, prompt) for opts in (PENALISED, only)]
+    assert reads == []
+    assert torch.equal(dense[0], sparse[0]) and torch.equal(dense[1], sparse[1])
+    assert not torch.equal(dense[0], logits)
