@@ -58,7 +58,8 @@ from torch import Tensor
 from contracts.messages import SampledLogprobs, SamplingOptions
 from gpu.sampling_draws import (
     draw_from_candidates, draw_full_vocab, draw_top_p_by_histogram, seeded_uniform)
-from gpu.sampling_host import fetch_to_host, on_device, select_rows, spread_rows, to_host
+from gpu import sampling_host
+from gpu.sampling_host import fetch_to_host, on_device, select_rows, spread_rows
 from gpu.sampling_logits import (  # noqa: F401  (process_logits: re-exported)
     LogitsPrep, changes_logits, needs_prep, num_generated, process_logits, repair_non_finite)
 from gpu.sampling_logprobs import (  # noqa: F401  (compute_prompt_logprobs: re-exported)
@@ -256,7 +257,7 @@ class Sampler:
         pos = {i: r for r, i in enumerate(lp_rows)}
         lp_redo = [n for n, i in enumerate(redo) if i in pos]
         if raw_logprobs is None or not lp_redo:
-            again = to_host(drawn)
+            again = sampling_host.to_host(drawn)
         else:
             rows = [pos[redo[n]] for n in lp_redo]
             again, fresh = logprob_entries(
@@ -363,7 +364,7 @@ class Sampler:
         # retry with 8x more, then find their crossings by histogram. Which path a row takes
         # depends only on that row (fixed prefix lengths), and every path draws in descending
         # logit order with prefix-stable weights, so a seeded row gets the same token.
-        redo = [j for j, ok in enumerate(to_host(fits)) if not ok]
+        redo = [j for j, ok in enumerate(sampling_host.to_host(fits)) if not ok]
         if not redo:
             return tokens, None
         pos = {j: n for n, j in enumerate(full_norm)}
@@ -385,7 +386,7 @@ class Sampler:
             sub_probs,
             check_len=second,
         )
-        miss = [m for m, ok in enumerate(to_host(fits_s)) if not ok] if second < vocab else []
+        miss = [m for m, ok in enumerate(sampling_host.to_host(fits_s)) if not ok] if second < vocab else []
         if miss:
             logger.debug("top-p nucleus beyond %d tokens for %d rows: histogram", second, len(miss))
             m = on_device(logits, miss)
