@@ -40,7 +40,7 @@ class _HostReads(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _count_reads(monkeypatch):
+def _count_reads():
     """Yields a list: "to_host" per seam call, the op name of every other host read."""
     reads: list[str] = []
     real_to_host, real_tolist = sampling_host.to_host, torch.Tensor.tolist
@@ -59,13 +59,13 @@ def _count_reads(monkeypatch):
             reads.append("tolist")
         return real_tolist(t)
 
-    monkeypatch.setattr(sampling_host, "to_host", to_host)
-    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     mode = _HostReads()
-    with mode:
-        yield reads
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sampling_host, "to_host", to_host)
+        m.setattr(torch.Tensor, "tolist", tolist)
+        with mode:
+            yield reads
     reads.extend(mode.ops)
-    monkeypatch.setattr(torch.Tensor, "tolist", real_tolist)
 
 
 def _step(monkeypatch, logits, options, mask=None):
@@ -74,7 +74,7 @@ def _step(monkeypatch, logits, options, mask=None):
 
     monkeypatch.setattr(sample_cpu, "library", lambda: None)
     token_ids = [[0, 1, 2, 3] for _ in options]
-    with _count_reads(monkeypatch) as reads:
+    with _count_reads() as reads:
         out = Sampler().sample(logits.clone(), options, token_ids, [2] * len(options), token_mask=mask)
     return out, reads
 
@@ -195,7 +195,7 @@ def test_the_dense_penalty_pass_equals_the_sparse_one(monkeypatch, seed):
     only = [PENALISED[0]] * len(PENALISED)  # every row penalised: the whole-tensor write
     sparse = [sl.process_logits(logits.clone(), opts, token_ids, prompt) for opts in (PENALISED, only)]
     monkeypatch.setattr(sl, "dense_penalties", lambda logits: True)
-    with _count_reads(monkeypatch) as reads:
+    with _count_reads() as reads:
         dense = [sl.process_logits(logits.clone(), opts, token_ids, prompt) for opts in (PENALISED, only)]
     assert reads == []
     assert torch.equal(dense[0], sparse[0]) and torch.equal(dense[1], sparse[1])
