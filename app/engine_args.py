@@ -28,7 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
          help="HF config overrides as JSON or a JSON file; with --load-format dummy this is the "
               "model (random weights), e.g. a tiny config for tests")
     flag(g, "--dtype", choices=["auto", "bfloat16", "float16", "float32", "half", "float"],
-         help="weights' and activations' type (half = float16, float = float32, as in vLLM)")
+         help="weights' and activations' type (half = float16, float = float32, as in vLLM); auto: on "
+              "a GPU the checkpoint's fp16/bf16 (fp32 ones in bf16), on the CPU bf16 where native else fp32")
     flag(g, "--chat-template",
          help="a Jinja chat template (a file, or the template text) in place of the model's")
     flag(g, "--quantization", "-q", choices=["auto", "none", "int8", "int4"],

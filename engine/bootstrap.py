@@ -82,12 +82,13 @@ def _check_kv_cache_dtype(config: EngineConfig) -> None:
         return
     import torch
 
-    from gpu.device import resolve_device, resolve_dtype
+    from gpu.device import checkpoint_dtype, resolve_device, resolve_dtype
     from kernels.kv_cache_dtype import KVCacheDtypeError, resolve
 
     device = resolve_device(config.parallel.device)
     try:
-        resolve(config.cache.cache_dtype, resolve_dtype(config.model.dtype, device), device)
+        dtype = resolve_dtype(config.model.dtype, device, checkpoint_dtype(config.model.hf_config))
+        resolve(config.cache.cache_dtype, dtype, device)
     except KVCacheDtypeError as e:
         raise ConfigError(str(e)) from None
 

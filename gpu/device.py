@@ -153,11 +153,42 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def checkpoint_dtype(hf_config: dict | None) -> str | None:
+    """The dtype a checkpoint's config.json names (``dtype`` in newer transformers, else
+    ``torch_dtype``; a multimodal model's ``text_config``), None when it names none."""
+    for cfg in (hf_config or {}, (hf_config or {}).get("text_config") or {}):
+        name = cfg.get("dtype") or cfg.get("torch_dtype")
+        if isinstance(name, str):
+            return name.removeprefix("torch.")
+    return None
+
+
+def auto_dtype(checkpoint: str | None, device_type: str, cpu_bf16: bool, cuda_bf16: bool = True) -> torch.dtype:
+    """--dtype auto. On a GPU the checkpoint's own half type, as vLLM does (an fp16 model can
+    overflow in bf16's range the other way round, and its numbers match the trainer's): fp16
+    stays fp16, bf16 stays bf16 (fp16 on a GPU without bf16), and an fp32 or unlabelled
+    checkpoint is served in the GPU's preferred half type. On the CPU the checkpoint does not
+    matter: bf16 where the CPU has native bf16, else fp32 (fp16 matmuls are slow there)."""
+    if device_type != "cuda":
+        return torch.bfloat16 if cpu_bf16 else torch.float32
+    preferred = torch.bfloat16 if cuda_bf16 else torch.float16
+    want = _DTYPES.get(checkpoint or "float32", torch.float32)
+    if want == torch.float32 or (want == torch.bfloat16 and not cuda_bf16):
+        return preferred
+    return want
+
+
+def _cuda_has_bf16() -> bool:
+    """Asked only where this process already has a CUDA context (the worker): the engine process
+    checks flags without creating one, and assumes an Ampere or newer GPU."""
+    return not torch.cuda.is_initialized() or torch.cuda.is_bf16_supported()
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
+    """--dtype as a torch dtype; ``checkpoint`` (``checkpoint_dtype`` of its config) guides auto."""
     if name == "auto":
-        if device.type == "cuda" or cpu_has_bf16():
-            return torch.bfloat16
-        return torch.float32
+        cpu_bf16 = device.type != "cuda" and cpu_has_bf16()
+        return auto_dtype(checkpoint, device.type, cpu_bf16, device.type != "cuda" or _cuda_has_bf16())
     try:
         return _DTYPES[name]
     except KeyError:

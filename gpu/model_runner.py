@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from contracts.config import EngineConfig
-from gpu.device import resolve_device, resolve_dtype
+from gpu.device import checkpoint_dtype, resolve_device, resolve_dtype
 from gpu.forward_context import forward_context
 from gpu.batch import BatchRequest, PreparedBatch
 from gpu.host_staging import HostStaging
+from gpu.sampling_host import on_device
 from gpu.kv_alloc import zeroed_tensor
 from gpu.kv_swap import owned_layers
 from contracts.messages import NewSeq, PooledOutput, PromptLogprobs, SamplingOptions, StepInput, StepOutput
@@ -59,7 +60,7 @@ class ModelRunner:
             from gpu.device import describe_device
 
             logger.info("%s", describe_device(self.device))
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, checkpoint_dtype(config.model.hf_config))
         self.kv_dtype = kv_cache_dtype.resolve(config.cache.cache_dtype, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.staging = HostStaging(self.device)  # a step's index arrays: one copy to a GPU
@@ -374,7 +375,7 @@ class ModelRunner:
         token_ids: list[int] = []
         logprobs = None
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)], fp32=False)
+            logits = self.model.compute_logits(hidden[on_device(hidden, sample_rows)], fp32=False)
             options = [s.options for s in sample_states]
             preps = self.sampler.logits_preps(logits, options, [s.logits_prep for s in sample_states])
             for s, p in zip(sample_states, preps):

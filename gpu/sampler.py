@@ -34,10 +34,17 @@ values never fail the step for the others and finite rows draw exactly as before
 
 Devices: every tensor made here lives on the logits' device (on CUDA a tensor made without
 ``device=`` would be a CPU tensor and the op mixing it with the logits fails). Host values
-become tensors only through ``on_device(like, data)``; factories take ``device=<input>.device``.
-Results come back to the host once, at the end, in one copy (``fetch_to_host``: token ids and
-logprobs). The only other host reads are data-dependent branches (``bool(x.all())``) on rare
-paths (a top-p nucleus beyond the candidates, a draw rounding onto a zero-width token).
+become tensors only through ``on_device(like, data)`` (pinned, non-blocking on CUDA); factories
+take ``device=<input>.device``.
+
+One host read per step (issue 24): on CUDA every read of a device value waits for the GPU. A
+step draws without looking (every index stays in range whatever the values), then reads back in
+one copy (``fetch_to_host``) the tokens, each row's flag "finite and its top-p nucleus inside
+the first candidates", and the logprobs. Rows whose flag is off (rare) are repaired and drawn
+again by ``_redo`` with reads of their own; a row's draw depends on that row alone, so the
+others keep their tokens. Penalties take a dense pass on CUDA for the same reason
+(gpu.sampling_logits.dense_penalties). More than one read only for those rare rows; prompt
+logprobs (``compute_prompt_logprobs``) make one copy of their own.
 """
 from __future__ import annotations
 
@@ -51,11 +58,12 @@ from torch import Tensor
 from contracts.messages import SampledLogprobs, SamplingOptions
 from gpu.sampling_draws import (
     draw_from_candidates, draw_full_vocab, draw_top_p_by_histogram, seeded_uniform)
-from gpu.sampling_host import on_device, select_rows
+from gpu import sampling_host
+from gpu.sampling_host import fetch_to_host, on_device, select_rows, spread_rows
 from gpu.sampling_logits import (  # noqa: F401  (process_logits: re-exported)
     LogitsPrep, changes_logits, needs_prep, num_generated, process_logits, repair_non_finite)
 from gpu.sampling_logprobs import (  # noqa: F401  (compute_prompt_logprobs: re-exported)
-    compute_prompt_logprobs, logprob_entries)
+    LogprobReadback, compute_prompt_logprobs, logprob_entries)
 from gpu.sampling_mask import TokenMask
 from kernels import sample_cpu
 
@@ -208,36 +216,25 @@ class Sampler:
         temps = [o.temperature if o.temperature >= SAMPLING_EPS else 1.0 for o in options]
         if any(t != 1.0 for t in temps):
             logits.div_(on_device(logits, temps, logits.dtype).unsqueeze(1))
-        row_max = logits.amax(dim=-1)  # +inf or NaN when a row has either, -inf when all are
-        if not bool(torch.isfinite(row_max).all()):
-            repair_non_finite(logits, row_max)
-
-        random_rows = [i for i, o in enumerate(options) if o.temperature >= SAMPLING_EPS]
-        if not random_rows:
-            tokens = greedy(logits)
-        else:
-            greedy_rows = [i for i, o in enumerate(options) if o.temperature < SAMPLING_EPS]
-            tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
-            if greedy_rows:
-                g = on_device(logits, greedy_rows)
-                tokens[g] = greedy(logits[g])
-            uniforms = [
-                seeded_uniform(options[i].seed, num_generated(token_ids, num_prompt_tokens, i))
-                for i in random_rows
-            ]
-            drawn = self._sample_random(
-                select_rows(logits, random_rows, batch), [options[i] for i in random_rows], uniforms
-            )
-            if len(random_rows) == batch:
-                tokens = drawn
-            else:
-                tokens[on_device(logits, random_rows)] = drawn
-
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids=tokens.tolist(), logprobs=None)
-        chosen = select_rows(tokens, lp_rows, batch)
-        ks = [options[i].logprobs or 0 for i in lp_rows]
-        token_list, entries = logprob_entries(raw_logprobs, chosen, ks, also=tokens)
+        # The draw first, unchecked (every index it makes stays in range whatever the values);
+        # whether each row was finite and fitted its candidates comes back in the step's one
+        # host copy with the tokens, and only rows that did not are drawn again.
+        finite = torch.isfinite(logits.amax(dim=-1))  # +inf or NaN when a row has either, -inf when all are
+        tokens, fits = self._draw(logits, options, token_ids, num_prompt_tokens, careful=False)
+        ints = [tokens, finite if fits is None else finite & fits]
+        lp = None
+        if raw_logprobs is not None:
+            ks = [options[i].logprobs or 0 for i in lp_rows]
+            lp = LogprobReadback(raw_logprobs, select_rows(tokens, lp_rows, batch), ks)
+            ints += lp.ints
+        host_ints, host_floats = fetch_to_host(ints, lp.floats if lp is not None else [])
+        token_list = host_ints[0]
+        entries = lp.entries(host_ints[2:], host_floats) if lp is not None else None
+        redo = [i for i, ok in enumerate(host_ints[1]) if not ok]
+        if redo:
+            self._redo(logits, redo, options, token_ids, num_prompt_tokens, token_list, raw_logprobs, lp_rows, entries)
+        if lp is None:
+            return SamplerOutput(token_ids=token_list, logprobs=None)
         logprobs: list[SampledLogprobs | None] = [None] * batch
         masked = set(token_mask.rows) if token_mask is not None else ()
         for r, i in enumerate(lp_rows):
@@ -246,11 +243,60 @@ class Sampler:
             logprobs[i] = entries[r]
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
+    def _redo(self, logits: Tensor, redo: list[int], options: list[SamplingOptions], token_ids: list[list[int]],
+              num_prompt_tokens: list[int], token_list: list[int], raw_logprobs: Tensor | None,
+              lp_rows: list[int], entries: list[SampledLogprobs] | None) -> None:
+        """The rare rows: non-finite values (repaired here) or a top-p nucleus beyond the first
+        candidates (widened at once, ``careful``), drawn again with host reads of their own; a
+        row's draw depends on that row alone, so the others keep their tokens. Fills
+        ``token_list`` and their ``entries`` in place."""
+        sub = select_rows(logits, redo, logits.shape[0])
+        repair_non_finite(sub, sub.amax(dim=-1))
+        drawn, _ = self._draw(sub, [options[i] for i in redo], [token_ids[i] for i in redo],
+                              [num_prompt_tokens[i] for i in redo], careful=True)
+        pos = {i: r for r, i in enumerate(lp_rows)}
+        lp_redo = [n for n, i in enumerate(redo) if i in pos]
+        if raw_logprobs is None or not lp_redo:
+            again = sampling_host.to_host(drawn)
+        else:
+            rows = [pos[redo[n]] for n in lp_redo]
+            again, fresh = logprob_entries(
+                select_rows(raw_logprobs, rows, len(lp_rows)), select_rows(drawn, lp_redo, len(redo)),
+                [options[redo[n]].logprobs or 0 for n in lp_redo], also=drawn)
+            for r, entry in zip(rows, fresh):
+                entries[r] = entry
+        for i, t in zip(redo, again):
+            token_list[i] = t
+
+    def _draw(self, logits: Tensor, options: list[SamplingOptions], token_ids: list[list[int]],
+              num_prompt_tokens: list[int], careful: bool) -> tuple[Tensor, Tensor | None]:
+        """Each row's token from processed, temperature-scaled logits, and (when a top-p row may
+        miss) whether each row's nucleus fitted its first candidates: a row that did not has no
+        valid token yet unless ``careful``, which widens its search at once (host reads)."""
+        batch = logits.shape[0]
+        random_rows = [i for i, o in enumerate(options) if o.temperature >= SAMPLING_EPS]
+        if not random_rows:
+            return greedy(logits), None
+        uniforms = [seeded_uniform(options[i].seed, num_generated(token_ids, num_prompt_tokens, i))
+                    for i in random_rows]
+        drawn, fits = self._sample_random(
+            select_rows(logits, random_rows, batch), [options[i] for i in random_rows], uniforms, careful)
+        if len(random_rows) == batch:
+            return drawn, fits
+        greedy_rows = [i for i, o in enumerate(options) if o.temperature < SAMPLING_EPS]
+        tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+        g = on_device(logits, greedy_rows)
+        tokens[g] = greedy(logits[g])
+        r = on_device(logits, random_rows)
+        tokens[r] = drawn
+        return tokens, spread_rows(fits, r, batch)
+
     def _sample_random(
-        self, logits: Tensor, options: list[SamplingOptions], uniforms: list[float]
-    ) -> Tensor:
+        self, logits: Tensor, options: list[SamplingOptions], uniforms: list[float], careful: bool
+    ) -> tuple[Tensor, Tensor | None]:
         """Draw one token per row (rows with temperature > 0, logits already divided by it);
-        logits is modified in place."""
+        ``logits`` is left as it is (the rare rows are drawn from it again). Returns (tokens,
+        fits) as ``_draw``."""
         rows, vocab = logits.shape
         min_ps = [o.min_p for o in options]
         if any(m > 0.0 for m in min_ps):
@@ -259,7 +305,7 @@ class Sampler:
                 logits, [math.log(m) if m > 0.0 else float("-inf") for m in min_ps], logits.dtype
             )
             threshold = logits.amax(dim=-1) + log_mp
-            logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
+            logits = logits.masked_fill(logits < threshold.unsqueeze(1), float("-inf"))
 
         top_ks = [o.top_k if 0 < o.top_k < vocab else 0 for o in options]
         top_ps = [o.top_p for o in options]
@@ -272,26 +318,31 @@ class Sampler:
             probs = torch.softmax(select_rows(logits, plain, rows), dim=-1)
             idx = draw_full_vocab(probs, select_rows(u, plain, rows))
             if len(plain) == rows:
-                return idx
+                return idx, None
             out[on_device(logits, plain)] = idx
 
+        fits = None
         if filtered:
             sub = select_rows(logits, filtered, rows)
-            drawn = self._sample_filtered(
+            drawn, fits = self._sample_filtered(
                 sub,
                 [top_ks[j] for j in filtered],
                 [top_ps[j] for j in filtered],
                 select_rows(u, filtered, rows),
+                careful,
             )
             if len(filtered) == rows:
-                return drawn
-            out[on_device(logits, filtered)] = drawn
-        return out
+                return drawn, fits
+            f = on_device(logits, filtered)
+            out[f] = drawn
+            fits = spread_rows(fits, f, rows)
+        return out, fits
 
     def _sample_filtered(
-        self, logits: Tensor, top_ks: list[int], top_ps: list[float], u: Tensor
-    ) -> Tensor:
-        """Top-k / top-p rows: draw among the highest-logit candidates, sorted descending."""
+        self, logits: Tensor, top_ks: list[int], top_ps: list[float], u: Tensor, careful: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Top-k / top-p rows: draw among the highest-logit candidates, sorted descending.
+        Returns (tokens, fits): see ``_draw``."""
         rows, vocab = logits.shape
         # Top-p rows without top-k are normalised over the whole vocabulary.
         full_norm = [j for j in range(rows) if top_ks[j] == 0]
@@ -305,15 +356,18 @@ class Sampler:
         tokens, fits = draw_from_candidates(
             vals, idx, top_ks, top_ps, u, full_norm, full_probs, check_len=self.top_p_candidates
         )
+        if not full_norm:  # only full-normalised rows can miss
+            return tokens, None
+        if not careful:
+            return tokens, fits
         # Rows whose nucleus lies beyond the first candidates (only top-p rows without top-k)
         # retry with 8x more, then find their crossings by histogram. Which path a row takes
         # depends only on that row (fixed prefix lengths), and every path draws in descending
         # logit order with prefix-stable weights, so a seeded row gets the same token.
-        if bool(fits.all()):
-            return tokens
-        redo = (~fits).nonzero().squeeze(1).tolist()
+        redo = [j for j, ok in enumerate(sampling_host.to_host(fits)) if not ok]
+        if not redo:
+            return tokens, None
         pos = {j: n for n, j in enumerate(full_norm)}
-        assert full_probs is not None  # only full-normalised rows can miss
         redo_t = on_device(logits, redo)
         sub = logits[redo_t]
         sub_probs = full_probs[on_device(logits, [pos[j] for j in redo])]
@@ -332,11 +386,13 @@ class Sampler:
             sub_probs,
             check_len=second,
         )
-        if second < vocab and not bool(fits_s.all()):
-            miss = (~fits_s).nonzero().squeeze(1)
+        miss = [m for m, ok in enumerate(sampling_host.to_host(fits_s)) if not ok] if second < vocab else []
+        if miss:
             logger.debug("top-p nucleus beyond %d tokens for %d rows: histogram", second, len(miss))
-            tokens_s[miss] = draw_top_p_by_histogram(
-                sub[miss], sub_probs[miss], [top_ps[redo[m]] for m in miss.tolist()], u[redo_t][miss]
+            m = on_device(logits, miss)
+            tokens_s[m] = draw_top_p_by_histogram(
+                sub[m], sub_probs[m], [top_ps[redo[j]] for j in miss], u[redo_t][m]
             )
         tokens[redo_t] = tokens_s
-        return tokens
+        return tokens, None
+

@@ -100,10 +100,11 @@ def draw_full_vocab(probs: Tensor, u: Tensor) -> Tensor:
     n_chunks = mass.shape[1]
     x = u * cum[:, -1]
     c = torch.searchsorted(cum, x.unsqueeze(1), right=True).squeeze(1).clamp_(max=n_chunks - 1)
+    # x rounded onto the total lands on an empty chunk: take the heaviest instead. Always
+    # computed (a no-op for other rows) rather than checked: a check is a host read per step.
     c_mass = mass.gather(1, c.unsqueeze(1)).squeeze(1)
-    if not bool((c_mass > 0).all()):  # x rounded onto the total
-        c = torch.where(c_mass > 0, c, mass.argmax(dim=-1))
-        c_mass = mass.gather(1, c.unsqueeze(1)).squeeze(1)
+    c = torch.where(c_mass > 0, c, mass.argmax(dim=-1))
+    c_mass = mass.gather(1, c.unsqueeze(1)).squeeze(1)
     before = cum.gather(1, c.unsqueeze(1)).squeeze(1) - c_mass
     frac = ((x - before) / c_mass).clamp_(0.0, 1.0)
 
@@ -115,8 +116,7 @@ def draw_full_vocab(probs: Tensor, u: Tensor) -> Tensor:
     y = frac * inner_cum[:, -1]
     j = torch.searchsorted(inner_cum, y.unsqueeze(1), right=True).squeeze(1).clamp_(max=chunk - 1)
     ok = inner.gather(1, j.unsqueeze(1)).squeeze(1) > 0
-    if not bool(ok.all()):
-        j = torch.where(ok, j, inner.argmax(dim=-1))
+    j = torch.where(ok, j, inner.argmax(dim=-1))  # a zero-width token: as above, no host read
     return cols.gather(1, j.unsqueeze(1)).squeeze(1)
 
 

@@ -39,17 +39,15 @@ class LogitsPrep:
         self.bias_vals: Tensor | None = None
         self.blocked_ids: Tensor | None = None
         if opt.logit_bias:
-            ids = torch.tensor(list(opt.logit_bias.keys()), dtype=torch.long, device=device)
-            # float64 keeps each bias as given; it becomes the logits' dtype when applied.
-            vals = torch.tensor(list(opt.logit_bias.values()), dtype=torch.float64, device=device)
-            inside = (ids >= 0) & (ids < vocab)
-            if bool(inside.any()):
-                self.bias_ids, self.bias_vals = ids[inside], vals[inside]
+            kept = [(t, v) for t, v in opt.logit_bias.items() if 0 <= t < vocab]  # on the host: no read back
+            if kept:
+                self.bias_ids = on_device(device, [t for t, _ in kept], torch.long)
+                # float64 keeps each bias as given; it becomes the logits' dtype when applied.
+                self.bias_vals = on_device(device, [v for _, v in kept], torch.float64)
         if opt.min_tokens > 0 and opt.min_tokens_blocked_ids:
-            ids = torch.tensor(opt.min_tokens_blocked_ids, dtype=torch.long, device=device)
-            ids = ids[(ids >= 0) & (ids < vocab)]
-            if ids.numel():
-                self.blocked_ids = ids
+            ids = [t for t in opt.min_tokens_blocked_ids if 0 <= t < vocab]
+            if ids:
+                self.blocked_ids = on_device(device, ids, torch.long)
 
     def fits(self, logits: Tensor) -> bool:
         return self.vocab == logits.shape[1] and self.device == logits.device
@@ -116,15 +114,16 @@ def process_logits(
         rows, cols = _rows_and_cols(logits, block_rows, [p.blocked_ids for p in block_parts])
         logits[rows, cols] = float("-inf")
     if penalty_rows:
-        _apply_penalties(logits, penalty_rows, options, token_ids, num_prompt_tokens)
+        apply = _apply_penalties_dense if dense_penalties(logits) else _apply_penalties
+        apply(logits, penalty_rows, options, token_ids, num_prompt_tokens)
     return logits
 
 
 def _rows_and_cols(logits: Tensor, rows: list[int], ids: list[Tensor]) -> tuple[Tensor, Tensor]:
     """(row index, column) pairs of every listed row's ids, as two flat tensors."""
     cols = ids[0] if len(ids) == 1 else torch.cat(ids)
-    lens = on_device(logits, [t.shape[0] for t in ids])
-    return torch.repeat_interleave(on_device(logits, rows), lens), cols
+    sizes = [t.shape[0] for t in ids]
+    return torch.repeat_interleave(on_device(logits, rows), on_device(logits, sizes), output_size=sum(sizes)), cols
 
 
 def _apply_penalties(
@@ -174,6 +173,62 @@ def _apply_penalties(
     vals = vals - freq[key_rows].to(logits.dtype) * counts
     vals = vals - pres[key_rows].to(logits.dtype) * (counts > 0).to(logits.dtype)
     logits[key_rows, key_cols] = vals
+
+
+def dense_penalties(logits: Tensor) -> bool:
+    """The dense penalty pass on CUDA: no host read (the sparse one's ``unique`` and boolean
+    selections each wait for the GPU), and rows x vocabulary is little work there. The CPU keeps
+    the sparse pass, O(number of tokens) instead of O(rows * vocab)."""
+    return logits.device.type == "cuda"
+
+
+def _apply_penalties_dense(
+    logits: Tensor,
+    rows: list[int],
+    options: list[SamplingOptions],
+    token_ids: list[list[int]],
+    num_prompt_tokens: list[int],
+) -> None:
+    """``_apply_penalties``'s values with shapes known on the host, so nothing is read back:
+    each row's generated-token counts and prompt hits over the whole vocabulary (``index_add_``
+    of whole numbers: exact in any order), the same formulas over every entry, and the old value
+    kept where the row never saw the token."""
+    vocab = logits.shape[1]
+    n_rows = len(rows)
+    sizes = [len(token_ids[i]) for i in rows]
+    total = sum(sizes)
+    if total == 0:
+        return
+    rep = on_device(logits, [options[i].repetition_penalty for i in rows])
+    freq = on_device(logits, [options[i].frequency_penalty for i in rows])
+    pres = on_device(logits, [options[i].presence_penalty for i in rows])
+    lens = on_device(logits, sizes)
+    flat = on_device(logits, [t for i in rows for t in token_ids[i]], torch.long)
+    row_of = torch.repeat_interleave(torch.arange(n_rows, device=logits.device), lens, output_size=total)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(total, device=logits.device) - torch.repeat_interleave(starts, lens, output_size=total)
+    n_prompt = torch.repeat_interleave(on_device(logits, [num_prompt_tokens[i] for i in rows]), lens,
+                                       output_size=total)
+    valid = (flat >= 0) & (flat < vocab)
+    is_gen = pos >= n_prompt
+    keys = row_of * vocab + flat.clamp(0, vocab - 1)
+    counts = torch.zeros(n_rows * vocab, dtype=logits.dtype, device=logits.device)
+    counts.index_add_(0, keys, (valid & is_gen).to(logits.dtype))
+    hits = torch.zeros(n_rows * vocab, dtype=logits.dtype, device=logits.device)
+    hits.index_add_(0, keys, (valid & ~is_gen & (rep[row_of] != 1.0)).to(logits.dtype))
+    counts, seen = counts.view(n_rows, vocab), ((counts > 0) | (hits > 0)).view(n_rows, vocab)
+    all_rows = n_rows == logits.shape[0]
+    row_t = None if all_rows else on_device(logits, rows)
+    vals = logits if all_rows else logits[row_t]
+    r = rep.to(logits.dtype).unsqueeze(1)
+    new = torch.where(vals > 0, vals / r, vals * r)
+    new = new - freq.to(logits.dtype).unsqueeze(1) * counts
+    new = new - pres.to(logits.dtype).unsqueeze(1) * (counts > 0).to(logits.dtype)
+    new = torch.where(seen, new, vals)
+    if all_rows:
+        logits.copy_(new)
+    else:
+        logits[row_t] = new
 
 
 def repair_non_finite(logits: Tensor, row_max: Tensor) -> None:

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gpu.sampling_host import on_device, to_device
+
 
 @dataclass(slots=True)
 class TokenMask:
@@ -30,7 +32,7 @@ class TokenMask:
         if n == logits.shape[0] and self.rows == list(range(n)):
             logits.masked_fill_(banned, float("-inf"))
             return
-        idx = torch.tensor(self.rows, device=logits.device)
+        idx = on_device(logits, self.rows)
         logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
 
 
@@ -46,7 +48,7 @@ def unpack_bitmask(bits: bytes, rows: int, vocab: int, device: torch.device,
             packed = ~packed
         flags = torch.from_numpy(np.unpackbits(packed, axis=1, bitorder="little")).view(torch.bool)
     else:
-        w = torch.frombuffer(bytearray(bits), dtype=torch.int32).view(rows, words).to(device)
+        w = to_device(torch.frombuffer(bytearray(bits), dtype=torch.int32).view(rows, words), device)
         if invert:
             w = ~w
         shifts = torch.arange(32, dtype=torch.int32, device=device)

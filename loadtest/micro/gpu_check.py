@@ -17,7 +17,7 @@ under 9 minutes on a bare H100; no network is used.
 | serve | a real `serve` on a random model: greedy equals offline, a streamed chat ends with [DONE], 64 concurrent requests, /metrics, SIGTERM exits 0 | the same on the CPU |
 | lora | tiny model, 2 random adapters, fp32: greedy tokens with graphs equal eager, row for row: both adapters and base rows in a batch padded to a capture size, one adapter on every row, then base-only steps; the adapter steps replayed graphs | the same, the padded static-buffer path |
 | decode_1b | a ~1B random Llama (hidden 2048, 16 layers, 32/8 heads, bf16): decode step time with graphs (and eager) at batch 1/16/64/256 vs (weights + KV bytes) / measured copy bandwidth; LLM tokens/s | a small model, batch 1 and 4 |
-| refusals | fp8 KV and int8 / int4 on CUDA refused cleanly; a model whose position table is below max_num_batched_tokens starts (the profile forward) | the refusal checks on a CUDA device name; the profile forward on the CPU |
+| refusals | fp8 KV and int8 / int4 on CUDA refused cleanly; a model whose position table is below max_num_batched_tokens starts (the profile forward); a sampling step of each common kind reads the GPU once (loadtest/micro/gpu_check_sampler.py) | the refusal checks on a CUDA device name; the profile forward on the CPU; the sampler's read count |
 """
 from __future__ import annotations
 
@@ -567,6 +567,9 @@ def phase_decode_1b(ctx: Ctx, rep: Report) -> None:
 
 def phase_refusals(ctx: Ctx, rep: Report) -> None:
     from engine.llm import LLM
+    from loadtest.micro.gpu_check_sampler import check_sampler_syncs
+
+    check_sampler_syncs(rep, ctx.device)
 
     cases = [("kv_cache_dtype", "fp8", "kv-cache-dtype"), ("quantization", "int8", "int8"),
              ("quantization", "int4", "int4")]

@@ -1,0 +1,121 @@
+"""The GPU check's sampler part (issue 24 item 7): a step of each common kind reads the device
+once. On CUDA under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any operation
+that makes the host wait for the GPU (``item``, ``nonzero``, a boolean-mask index, a copy from
+pageable memory), lifted only inside gpu.sampling_host.to_host, whose calls are counted; greedy
+tokens must equal the CPU's; the step time at 64 rows of the default vocabulary is reported. In
+--dry-run (CPU) only the count (tests/gpu/test_sampler_sync.py counts every host read there)."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from contracts.messages import SamplingOptions as O
+
+KINDS = {
+    "greedy": [O(temperature=0.0)] * 4,
+    "temperature": [O(temperature=0.8, seed=i) for i in range(4)],
+    "top_k": [O(temperature=0.9, top_k=20, seed=i) for i in range(4)],
+    "top_p": [O(temperature=0.7, top_p=0.9, seed=i) for i in range(4)],
+    "mixed + min_p": [O(temperature=0.0), O(temperature=0.8, seed=1), O(top_k=5, seed=2), O(min_p=0.05, seed=3),
+                      O(top_p=0.8, top_k=50, seed=4)],
+    "logprobs": [O(temperature=0.0, logprobs=3), O(temperature=0.0), O(top_p=0.9, temperature=0.5, seed=6, logprobs=5)],
+    "penalties + bias": [O(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, seed=7),
+                         O(temperature=0.0, logit_bias={7: 50.0}), O(min_tokens=5, min_tokens_blocked_ids=(1, 2), seed=8)],
+}
+
+
+@contextlib.contextmanager
+def _counted_reads(device: str):
+    """Counts gpu.sampling_host.to_host calls; on CUDA any other sync raises meanwhile."""
+    import gpu.sampling_host as host
+
+    real = host.to_host
+    count = [0]
+
+    def to_host(t):
+        count[0] += 1
+        if device != "cuda":
+            return real(t)
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return real(t)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    host.to_host = to_host
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield count
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+        host.to_host = real
+
+
+def _step(sampler, logits, options):
+    token_ids = [[0, 1, 2, 3] for _ in options]
+    return sampler.sample(logits.clone(), options, token_ids, [2] * len(options))
+
+
+def check_sampler_syncs(rep, device: str) -> None:
+    """``rep``: gpu_check.Report. One check per kind, and the step time on CUDA. On the CPU the
+    C pass is set aside meanwhile: every row takes the torch path, as on CUDA."""
+    from kernels import sample_cpu
+
+    library = sample_cpu.library
+    sample_cpu.library = lambda: None
+    try:
+        _check(rep, device)
+    finally:
+        sample_cpu.library = library
+
+
+def _check(rep, device: str) -> None:
+    from gpu.sampler import Sampler
+
+    sampler = Sampler()
+    vocab = 49152
+    for kind, options in KINDS.items():
+        torch.manual_seed(0)
+        cpu_logits = torch.randn(len(options), vocab) * 8  # peaked, as a language model's mostly are
+        logits = cpu_logits.to(device)
+        _step(sampler, logits, options)  # warm-up: pinned memory, first kernels
+        error = None
+        with _counted_reads(device) as count:
+            try:
+                out = _step(sampler, logits, options)
+            except RuntimeError as e:  # the sync debug mode names the operation that waited
+                error, out = str(e)[:300], None
+        ok = error is None and count[0] == 1
+        info = {"host_reads": count[0], "error": error}
+        if out is not None and device == "cuda":
+            want = sampler._sample_general(cpu_logits.clone(), options, [[0, 1, 2, 3]] * len(options),
+                                           [2] * len(options), None).token_ids
+            greedy_rows = [i for i, o in enumerate(options) if o.temperature == 0.0]
+            ok = ok and all(out.token_ids[i] == want[i] for i in greedy_rows)
+            info["agree_with_cpu"] = sum(a == b for a, b in zip(out.token_ids, want))
+        rep.check(f"sampler {kind}: one host read per step", ok, **info)
+    # The rare path, for the record: a flat row whose top-p nucleus lies beyond the first 256
+    # candidates is drawn again after the step's read.
+    flat = [O(top_p=0.95, seed=1)]
+    logits = (torch.randn(1, vocab) * 0.5).to(device)
+    _step(sampler, logits, flat)
+    with _counted_reads("cpu") as count:  # counted only: its second read is expected
+        _step(sampler, logits, flat)
+    rep.figure("sampler host reads, top-p nucleus beyond the candidates (rare path)", count[0])
+    if device != "cuda":
+        rep.skip("sampler step time", "CUDA only")
+        return
+    for kind in ("greedy", "top_p"):
+        options = [KINDS[kind][0]] * 64
+        logits = torch.randn(64, vocab, device=device) * 8
+        times = []
+        for _ in range(12):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            _step(sampler, logits, options)
+            times.append(time.perf_counter() - t0)
+        rep.figure(f"sampler ms, 64 rows x {vocab} ({kind})", round(1000 * sorted(times)[len(times) // 2], 3))
