@@ -3,11 +3,13 @@
 Random PEFT-layout adapters (every q/k/v/o/gate/up/down of every layer, B != 0) are written for
 the model under test, then the same greedy workload runs base-only and with adapters: single
 stream (one adapter) and ``--concurrency`` streams with ``--num-adapters`` adapters mixed
-round-robin, at each ``--ranks`` (one engine per rank: the slots are max_lora_rank wide). Each
-figure is the best of ``--repeats``, so a busy box skews it less; base rows run on the LoRA
-engine too ("single base row": what --enable-lora costs requests without an adapter). To see how
-much of the cost is leaving the fused C decode path (a step with adapter rows runs per linear), run
-it once more with ``PAGEDSERVE_FAST_DECODE=0 ... --ranks`` (nothing given after it: the base row only).
+round-robin, at each ``--ranks`` (one engine per rank: the slots are max_lora_rank wide); base rows
+run on the LoRA engine too ("single base row": what --enable-lora costs requests without an
+adapter). Every engine stays up and the cases run in ``--rounds`` rounds, each round every case of
+every engine in turn, so a change of the box's speed hits all of them alike; each figure is the
+median of its rounds, each percentage the median of the per-round ratios to the base engine's
+figure of the same round. To see how much of the cost is leaving the fused C decode path, run it
+once more with ``PAGEDSERVE_FAST_DECODE=0 ... --ranks`` (nothing given after it: the base only).
 
     python -m loadtest.micro.bench_lora --ranks 8 16 64 --concurrency 16 --num-adapters 4
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -62,7 +65,7 @@ def main() -> None:
     parser.add_argument("--num-adapters", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds over every case of every engine (medians)")
     parser.add_argument("--lora-dtype", default=None,
                         help="the engine's --lora-dtype (default: the engine's own default, auto)")
     args = parser.parse_args()
@@ -72,18 +75,20 @@ def main() -> None:
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    results: dict[str, dict[str, float]] = {}
+    engines: dict[str, tuple] = {}  # label -> (LLM, {case: (prompts, loras)})
+    c_name = f"c={args.concurrency}"
     with tempfile.TemporaryDirectory() as tmp:
-        for rank in [0, *args.ranks]:
-            # One engine per rank (the slots are max_lora_rank wide); base rows on the LoRA engine
-            # are measured too: that is what a server with --enable-lora does for base requests.
-            options = dict(model=args.model, kv_cache_memory=1.0, enable_prefix_caching=False)
-            if rank:
-                options.update(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=rank)
-                if args.lora_dtype:
-                    options["lora_dtype"] = args.lora_dtype
-            llm = LLM(**options)
-            try:
+        try:
+            for rank in [0, *args.ranks]:
+                # One engine per rank (the slots are max_lora_rank wide); base rows on the LoRA engine
+                # are measured too: that is what a server with --enable-lora does for base requests.
+                options = dict(model=args.model, kv_cache_memory=1.0, enable_prefix_caching=False)
+                if rank:
+                    options.update(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=rank)
+                    if args.lora_dtype:
+                        options["lora_dtype"] = args.lora_dtype
+                llm = LLM(**options)
+                engines["base" if not rank else f"rank {rank}"] = (llm, None)
                 hf = llm.config.model.hf_config
                 loras = [LoRARequest(f"r{rank}-{i}", i + 1, str(write_adapter(Path(tmp) / f"r{rank}-{i}", hf, rank, i)))
                          for i in range(args.num_adapters)] if rank else []
@@ -92,26 +97,36 @@ def main() -> None:
                            for j in range(args.concurrency)]
                 prompts = [{"prompt_token_ids": p} for p in streams]
                 cases = {"single": ([prompts[0]], [loras[0] if loras else None]),
-                         f"c={args.concurrency}": (prompts, [loras[j % len(loras)] if loras else None
-                                                             for j in range(args.concurrency)])}
+                         c_name: (prompts, [loras[j % len(loras)] if loras else None for j in range(args.concurrency)])}
                 if rank:
                     cases["single base row"] = ([prompts[0]], [None])
                 llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False,
                              lora_request=[loras[0], None] if loras else None)  # warm-up, adapters loaded
-                row = {}
-                for name, (ps, ls) in cases.items():
-                    row[name] = max(_tokens_per_s(llm, ps, params, ls) for _ in range(args.repeats))
-                results["base" if not rank else f"rank {rank}"] = row
-            finally:
+                engines["base" if not rank else f"rank {rank}"] = (llm, cases)
+            runs: dict[str, dict[str, list[float]]] = {label: {} for label in engines}
+            for _ in range(args.rounds):
+                for label, (llm, cases) in engines.items():
+                    for name, (ps, ls) in cases.items():
+                        runs[label].setdefault(name, []).append(_tokens_per_s(llm, ps, params, ls))
+        finally:
+            for llm, _ in engines.values():
                 llm.shutdown()
-    base = results["base"]
-    print(f"{'':10s}" + "".join(f"{k:>26s}" for k in base))
-    for label, row in results.items():
+    print(summary(runs))
+
+
+def summary(runs: dict[str, dict[str, list[float]]]) -> str:
+    """A table: per engine and case the median tok/s of its rounds and the median of its per-round
+    ratios to the base engine's same-round figure (a base row: to the base's single stream)."""
+    base = runs["base"]
+    lines = [f"{'':10s}" + "".join(f"{k:>26s}" for k in base)]
+    for label, row in runs.items():
         cells = []
-        for k, v in row.items():
-            ref = base.get(k) or base["single"]
-            cells.append(f"{v:9.1f} tok/s ({100 * (v / ref - 1):+5.1f} %)")
-        print(f"{label:10s}" + "".join(f"{c:>26s}" for c in cells))
+        for name, values in row.items():
+            ref = base.get(name) or base["single"]
+            change = statistics.median(v / r for v, r in zip(values, ref)) - 1
+            cells.append(f"{statistics.median(values):9.1f} tok/s ({100 * change:+5.1f} %)")
+        lines.append(f"{label:10s}" + "".join(f"{c:>26s}" for c in cells))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
