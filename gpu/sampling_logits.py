@@ -126,6 +126,32 @@ def _rows_and_cols(logits: Tensor, rows: list[int], ids: list[Tensor]) -> tuple[
     return torch.repeat_interleave(on_device(logits, rows), on_device(logits, sizes), output_size=sum(sizes)), cols
 
 
+class _SeenTokens:
+    """Every penalised row's tokens as one flat tensor, shaped on the host (``output_size``: no
+    read back): each token's row (0..len(rows)-1, in ``rows`` order), whether it is a real id, and
+    whether the row generated it (past its prompt). Both penalty passes start from it."""
+
+    def __init__(self, logits: Tensor, rows: list[int], token_ids: list[list[int]], num_prompt_tokens: list[int]):
+        vocab = logits.shape[1]
+        sizes = [len(token_ids[i]) for i in rows]
+        self.total = total = sum(sizes)
+        lens = on_device(logits, sizes)
+        self.flat = on_device(logits, [t for i in rows for t in token_ids[i]], torch.long)
+        self.row_of = torch.repeat_interleave(torch.arange(len(rows), device=logits.device), lens, output_size=total)
+        starts = torch.cumsum(lens, 0) - lens
+        pos = torch.arange(total, device=logits.device) - torch.repeat_interleave(starts, lens, output_size=total)
+        n_prompt = torch.repeat_interleave(on_device(logits, [num_prompt_tokens[i] for i in rows]), lens,
+                                           output_size=total)
+        self.valid = (self.flat >= 0) & (self.flat < vocab)
+        self.is_gen = pos >= n_prompt
+
+
+def _penalties(logits: Tensor, rows: list[int], options: list[SamplingOptions]) -> tuple[Tensor, Tensor, Tensor]:
+    """The penalised rows' repetition, frequency and presence penalties, in ``rows`` order."""
+    return tuple(on_device(logits, [getattr(options[i], name) for i in rows])
+                 for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+
+
 def _apply_penalties(
     logits: Tensor,
     rows: list[int],
@@ -138,23 +164,11 @@ def _apply_penalties(
     Same values as the dense vLLM formulas, O(number of tokens) instead of O(rows * vocab).
     """
     vocab = logits.shape[1]
-    rep = on_device(logits, [options[i].repetition_penalty for i in range(len(options))])
-    freq = on_device(logits, [options[i].frequency_penalty for i in range(len(options))])
-    pres = on_device(logits, [options[i].presence_penalty for i in range(len(options))])
-
-    # One flat tensor of every penalised row's tokens; each token knows its row and position.
-    lens = on_device(logits, [len(token_ids[i]) for i in rows])
-    flat = on_device(logits, [t for i in rows for t in token_ids[i]], torch.long)
-    row_t = on_device(logits, rows)
-    row_of = torch.repeat_interleave(row_t, lens)
-    starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(flat.shape[0], device=logits.device) - torch.repeat_interleave(starts, lens)
-    n_prompt = torch.repeat_interleave(on_device(logits, [num_prompt_tokens[i] for i in rows]), lens)
-    valid = (flat >= 0) & (flat < vocab)
-    is_gen = pos >= n_prompt
-    keys_all = row_of * vocab + flat
-    uniq_gen, gen_counts = torch.unique(keys_all[valid & is_gen], return_counts=True)
-    in_prompt = valid & ~is_gen & (rep[row_of] != 1.0)
+    rep, freq, pres = _penalties(logits, rows, options)
+    seen = _SeenTokens(logits, rows, token_ids, num_prompt_tokens)
+    keys_all = seen.row_of * vocab + seen.flat
+    uniq_gen, gen_counts = torch.unique(keys_all[seen.valid & seen.is_gen], return_counts=True)
+    in_prompt = seen.valid & ~seen.is_gen & (rep[seen.row_of] != 1.0)
     if bool(in_prompt.any()):
         keys = torch.unique(torch.cat([uniq_gen, keys_all[in_prompt]]))
     else:
@@ -164,15 +178,16 @@ def _apply_penalties(
     counts = torch.zeros(keys.shape[0], dtype=logits.dtype, device=logits.device)
     counts[torch.searchsorted(keys, uniq_gen)] = gen_counts.to(logits.dtype)
 
-    key_rows = keys // vocab
+    key_rows = keys // vocab  # in rows order
     key_cols = keys % vocab
-    vals = logits[key_rows, key_cols]
+    logit_rows = on_device(logits, rows)[key_rows]
+    vals = logits[logit_rows, key_cols]
     # Every key was seen in the prompt or the output of its row: the repetition penalty applies.
     r = rep[key_rows].to(logits.dtype)
     vals = torch.where(vals > 0, vals / r, vals * r)
     vals = vals - freq[key_rows].to(logits.dtype) * counts
     vals = vals - pres[key_rows].to(logits.dtype) * (counts > 0).to(logits.dtype)
-    logits[key_rows, key_cols] = vals
+    logits[logit_rows, key_cols] = vals
 
 
 def dense_penalties(logits: Tensor) -> bool:
@@ -195,23 +210,12 @@ def _apply_penalties_dense(
     kept where the row never saw the token."""
     vocab = logits.shape[1]
     n_rows = len(rows)
-    sizes = [len(token_ids[i]) for i in rows]
-    total = sum(sizes)
-    if total == 0:
+    seen_tokens = _SeenTokens(logits, rows, token_ids, num_prompt_tokens)
+    if seen_tokens.total == 0:
         return
-    rep = on_device(logits, [options[i].repetition_penalty for i in rows])
-    freq = on_device(logits, [options[i].frequency_penalty for i in rows])
-    pres = on_device(logits, [options[i].presence_penalty for i in rows])
-    lens = on_device(logits, sizes)
-    flat = on_device(logits, [t for i in rows for t in token_ids[i]], torch.long)
-    row_of = torch.repeat_interleave(torch.arange(n_rows, device=logits.device), lens, output_size=total)
-    starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(total, device=logits.device) - torch.repeat_interleave(starts, lens, output_size=total)
-    n_prompt = torch.repeat_interleave(on_device(logits, [num_prompt_tokens[i] for i in rows]), lens,
-                                       output_size=total)
-    valid = (flat >= 0) & (flat < vocab)
-    is_gen = pos >= n_prompt
-    keys = row_of * vocab + flat.clamp(0, vocab - 1)
+    rep, freq, pres = _penalties(logits, rows, options)
+    valid, is_gen, row_of = seen_tokens.valid, seen_tokens.is_gen, seen_tokens.row_of
+    keys = row_of * vocab + seen_tokens.flat.clamp(0, vocab - 1)
     counts = torch.zeros(n_rows * vocab, dtype=logits.dtype, device=logits.device)
     counts.index_add_(0, keys, (valid & is_gen).to(logits.dtype))
     hits = torch.zeros(n_rows * vocab, dtype=logits.dtype, device=logits.device)
