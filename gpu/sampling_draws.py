@@ -151,7 +151,7 @@ def draw_from_candidates(
     fits = torch.ones(rows, dtype=torch.bool, device=vals.device)
     if full_norm:
         fn = on_device(vals, full_norm)
-        total[fn] = 1.0
+        total.index_fill_(0, fn, 1.0)  # not total[fn] = 1.0: a blocking copy of the 1.0 on CUDA
         p_fn = on_device(vals, [top_ps[j] for j in full_norm], torch.float64)
         last = k_cap - 1 if check_len is None else min(check_len, k_cap) - 1
         fits[fn] = cum[fn, last] >= p_fn

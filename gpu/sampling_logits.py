@@ -112,7 +112,8 @@ def process_logits(
             logits.index_put_((rows, cols), vals.to(logits.dtype), accumulate=True)
     if block_rows:
         rows, cols = _rows_and_cols(logits, block_rows, [p.blocked_ids for p in block_parts])
-        logits[rows, cols] = float("-inf")
+        # A device scalar: ``logits[rows, cols] = -inf`` copies a host one, blocking, on CUDA.
+        logits.index_put_((rows, cols), logits.new_full((), float("-inf")))
     if penalty_rows:
         apply = _apply_penalties_dense if dense_penalties(logits) else _apply_penalties
         apply(logits, penalty_rows, options, token_ids, num_prompt_tokens)

@@ -114,7 +114,8 @@ def decode_run(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     elapsed = time.perf_counter() - t_start
     decode = steps[len(steps) - max_tokens + 2:] or steps  # the last max_tokens - 2: pure decode
     return {"batch": len(prompts), "max_tokens": max_tokens, "median_step_ms": statistics.median(decode) * 1e3,
-            "tokens_per_s": tokens / elapsed, "steps": len(steps)}
+            "tokens_per_s": tokens / elapsed, "steps": len(steps),
+            "first_steps_ms": [round(s * 1e3, 2) for s in steps[:6]]}
 
 
 # ---- phase: kernels ---------------------------------------------------------------------------
@@ -500,6 +501,11 @@ def _time_ms(fn, device: str, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+# The ~1.2B Llama of the decode phase (and of loadtest/micro/gpu_profile_decode.py).
+CONFIG_1B = {**TINY_CONFIG, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64}
+
+
 def phase_decode_1b(ctx: Ctx, rep: Report) -> None:
     import torch
 
@@ -512,8 +518,7 @@ def phase_decode_1b(ctx: Ctx, rep: Report) -> None:
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
         batches, context, dtype, repeats = [1, 4], 64, "float32", 5
     else:
-        cfg = {**TINY_CONFIG, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-               "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64}
+        cfg = CONFIG_1B
         batches, context, dtype, repeats = [1, 16, 64, 256], 1024, "bfloat16", 30
     bandwidth = _copy_bandwidth(ctx.device)
     rep.figure("copy bandwidth GB/s (read + write)", bandwidth / 1e9)

@@ -2,12 +2,14 @@
 once. On CUDA under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any operation
 that makes the host wait for the GPU (``item``, ``nonzero``, a boolean-mask index, a copy from
 pageable memory), lifted only inside gpu.sampling_host.to_host, whose calls are counted; greedy
-tokens must equal the CPU's; the step time at 64 rows of the default vocabulary is reported. In
---dry-run (CPU) only the count (tests/gpu/test_sampler_sync.py counts every host read there)."""
+tokens must equal the CPU's; the step time at 64 rows of the default vocabulary is reported; a
+failure names the line that waited. In --dry-run (CPU) the same count, with gpu.sync_watch
+standing in for the sync debug mode (tests/gpu/test_sampler_sync.py uses it too)."""
 from __future__ import annotations
 
 import contextlib
 import time
+import traceback
 
 import torch
 
@@ -47,12 +49,25 @@ def _counted_reads(device: str):
     host.to_host = to_host
     if device == "cuda":
         torch.cuda.set_sync_debug_mode("error")
+        watch = contextlib.nullcontext([])
+    else:
+        from gpu.sync_watch import SyncWatch
+
+        watch = SyncWatch()
     try:
-        yield count
+        with watch as events:
+            yield count, events
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("default")
         host.to_host = real
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frames of the project's code in e's traceback: the line that waited."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/gpu/" in f.filename or "/kernels/" in f.filename]
+    return " <- ".join(f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.line}"
+                       for f in reversed(frames[-3:]))
 
 
 def _step(sampler, logits, options):
@@ -62,15 +77,17 @@ def _step(sampler, logits, options):
 
 def check_sampler_syncs(rep, device: str) -> None:
     """``rep``: gpu_check.Report. One check per kind, and the step time on CUDA. On the CPU the
-    C pass is set aside meanwhile: every row takes the torch path, as on CUDA."""
+    C pass and the sparse penalty pass are set aside meanwhile: every row takes CUDA's path."""
+    import gpu.sampling_logits as logits_mod
     from kernels import sample_cpu
 
-    library = sample_cpu.library
+    library, dense = sample_cpu.library, logits_mod.dense_penalties
     sample_cpu.library = lambda: None
+    logits_mod.dense_penalties = lambda logits: True
     try:
         _check(rep, device)
     finally:
-        sample_cpu.library = library
+        sample_cpu.library, logits_mod.dense_penalties = library, dense
 
 
 def _check(rep, device: str) -> None:
@@ -84,13 +101,13 @@ def _check(rep, device: str) -> None:
         logits = cpu_logits.to(device)
         _step(sampler, logits, options)  # warm-up: pinned memory, first kernels
         error = None
-        with _counted_reads(device) as count:
+        with _counted_reads(device) as (count, events):
             try:
                 out = _step(sampler, logits, options)
-            except RuntimeError as e:  # the sync debug mode names the operation that waited
-                error, out = str(e)[:300], None
-        ok = error is None and count[0] == 1
-        info = {"host_reads": count[0], "error": error}
+            except RuntimeError as e:  # the sync debug mode raises at the operation that waited
+                error, out = f"{str(e)[:200]} at {_where(e)}", None
+        ok = error is None and count[0] == 1 and not events
+        info = {"host_reads": count[0], "error": error, **({"waits": events} if events else {})}
         if out is not None and device == "cuda":
             want = sampler._sample_general(cpu_logits.clone(), options, [[0, 1, 2, 3]] * len(options),
                                            [2] * len(options), None).token_ids
@@ -103,7 +120,7 @@ def _check(rep, device: str) -> None:
     flat = [O(top_p=0.95, seed=1)]
     logits = (torch.randn(1, vocab) * 0.5).to(device)
     _step(sampler, logits, flat)
-    with _counted_reads("cpu") as count:  # counted only: its second read is expected
+    with _counted_reads("cpu") as (count, _):  # counted only: its second read is expected
         _step(sampler, logits, flat)
     rep.figure("sampler host reads, top-p nucleus beyond the candidates (rare path)", count[0])
     if device != "cuda":

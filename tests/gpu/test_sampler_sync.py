@@ -1,9 +1,10 @@
 """One device-to-host read per sampling step (issue 24 item 7): on CUDA every host read of a
 device value (``tolist``, ``item``, ``bool(t)``, ``nonzero``, a boolean-mask index, ``unique``,
-``repeat_interleave`` without its size) waits for the GPU, so a step of each common kind (greedy,
+``repeat_interleave`` without its size) waits for the GPU, and so does a blocking copy to it
+(``t[index] = 1.0``, a list index, ``torch.tensor``), so a step of each common kind (greedy,
 temperature, top-k, top-p, min-p, logprobs, logit_bias / min_tokens, a token mask) does all its
 device work and then ONE read, through gpu.sampling_host.to_host. Counted here on the CPU: the
-seam's calls, plus every syncing aten op and ``tolist`` outside it. The rare paths (a non-finite
+seam's calls, plus every such operation outside it (gpu.sync_watch). The rare paths (a non-finite
 row, a top-p nucleus beyond the first candidates) read again, and still give the same tokens."""
 from __future__ import annotations
 
@@ -11,61 +12,30 @@ import contextlib
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpu.sampling_host as sampling_host
 from contracts.messages import SamplingOptions
 from gpu.sampler import Sampler
 from gpu.sampling_mask import TokenMask
-
-_SYNCING = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
-
-
-class _HostReads(TorchDispatchMode):
-    """Aten ops that make the host wait for the device, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        bool_index = name in ("index", "index_put", "index_put_") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
-        sized = name == "repeat_interleave" and func._overloadname == "Tensor" and kwargs.get("output_size") is None
-        if name in _SYNCING or bool_index or sized:
-            self.ops.append(name)
-        return func(*args, **kwargs)
+from gpu.sync_watch import SyncWatch
 
 
 @contextlib.contextmanager
 def _count_reads():
-    """Yields a list: "to_host" per seam call, the op name of every other host read."""
+    """Yields a list: "to_host" per seam call, then every other operation that waits for a CUDA
+    device (gpu.sync_watch)."""
     reads: list[str] = []
-    real_to_host, real_tolist = sampling_host.to_host, torch.Tensor.tolist
-    inside = []
+    real_to_host = sampling_host.to_host
 
     def to_host(t):
         reads.append("to_host")
-        inside.append(1)
-        try:
-            return real_to_host(t)
-        finally:
-            inside.pop()
+        return real_to_host(t)
 
-    def tolist(t):
-        if not inside:
-            reads.append("tolist")
-        return real_tolist(t)
-
-    mode = _HostReads()
     with pytest.MonkeyPatch.context() as m:
         m.setattr(sampling_host, "to_host", to_host)
-        m.setattr(torch.Tensor, "tolist", tolist)
-        with mode:
+        with SyncWatch() as events:
             yield reads
-    reads.extend(mode.ops)
+    reads.extend(events)
 
 
 def _step(monkeypatch, logits, options, mask=None):
