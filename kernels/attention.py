@@ -11,7 +11,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.cpu_attention import paged_attention_cpu
 from kernels.torch_attention import write_kv_cache_torch
 
-__all__ = ["write_kv_cache", "paged_attention", "triton_available"]
+__all__ = ["write_kv_cache", "paged_attention", "triton_available", "use_triton"]
 
 
 @functools.cache
@@ -23,7 +23,9 @@ def triton_available() -> bool:
     return True
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether ops on ``t`` take the Triton kernels: a CUDA tensor, Triton installed. The one
+    test of the attention ops here and of the elementwise ones (gpu/models/layers.py, rotary.py)."""
     return t.is_cuda and triton_available()
 
 
@@ -35,7 +37,7 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write new K/V ``[T, Hkv, D]`` into caches ``[num_blocks, block_size, Hkv, D]``; slot -1 = skip."""
-    if _use_triton(k):
+    if use_triton(k):
         from kernels.triton_attention import write_kv_cache_triton
 
         write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -59,7 +61,7 @@ def paged_attention(
     ``out`` (same shape and dtype as q) is filled and returned when given, e.g. a static buffer;
     rows beyond ``meta.num_tokens`` are zeroed.
     """
-    if _use_triton(q):
+    if use_triton(q):
         from kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, out)

@@ -230,6 +230,11 @@ def attention_constexprs(
 
 
 MAX_SPLITS = 16
+# Keys per tile of the decode kernel, whatever the cache's block size (each key's block is looked up
+# on its own). It had followed the block size (16 on the default cache), so a 1,024-token context
+# took 64 dependent tile steps, and batch-64 decode of a 1.2B Llama spent 52 % of its step in
+# attention at ~38 % of the H200's bandwidth (loadtest/PERF.md, "GPU check on an H200").
+DECODE_BLOCK_N = 64
 
 
 def _capturing(device: torch.device) -> bool:
@@ -261,11 +266,13 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of the flat batch ``q [T, H, D]`` over the paged cache -> ``[T, H, D]``.
 
     A decode-only step reads every length on the device (no host synchronisation: it can be
-    graph-captured); ``num_splits``: context splits (a power of two; None = ``choose_splits``). A
+    graph-captured); ``num_splits``: context splits (a power of two; None = ``choose_splits``);
+    ``block_n``: keys per tile of the decode kernel (a power of two >= 16; None = DECODE_BLOCK_N). A
     step with prefill chunks (never captured) runs its decodes so and its prefill requests in query
     tiles (kernels/triton_prefill.py), laid out from the host copy of the metadata.
     """
@@ -321,7 +328,7 @@ def paged_attention_triton(
         k_cache.stride(1),
         k_cache.stride(2),
         meta.block_tables.stride(0),
-        **constexprs,
+        **{**constexprs, "BLOCK_N": block_n or DECODE_BLOCK_N},
         NUM_SPLITS=splits,
         part_m_ptr=part_m,
         part_l_ptr=part_l,

@@ -14,6 +14,7 @@ from torch import nn
 
 from contracts.errors import ModelLoadError
 from kernels import fused
+from kernels.attention import use_triton
 from gpu.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
 
@@ -88,6 +89,13 @@ class RMSNorm(nn.Module):
             if residual.is_contiguous() and residual.dtype == x.dtype:
                 fused.add_rms_norm_(x, residual, self._weight_f32(), self.eps)
                 return x, residual
+        if x.dim() == 2 and x.stride(1) == 1 and use_triton(x) and (
+                residual is None or residual.is_contiguous() and residual.dtype == x.dtype):
+            # CUDA: one kernel (the add and the norm), residual updated in place, as on CPU.
+            from kernels import triton_elementwise  # imports triton: only on the CUDA path
+
+            out = triton_elementwise.rms_norm(x, self._weight_f32(), self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -303,6 +311,10 @@ class SiluAndMul(nn.Module):
                 return fused.silu_and_mul_bf16(x)
             if x.dtype is torch.float32 and fused.available():
                 return fused.silu_and_mul_f32(x)  # the fused decode layer's own SiLU: same bits
+        if x.dim() == 2 and x.stride(1) == 1 and use_triton(x):
+            from kernels import triton_elementwise
+
+            return triton_elementwise.silu_and_mul(x)  # one kernel instead of two
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate, inplace=True).mul_(up)  # x is a fresh matmul output: reuse it
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from contracts.errors import ModelLoadError
 from kernels import fused
+from kernels.attention import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -147,11 +148,14 @@ class RotaryEmbedding(nn.Module):
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
         """What every layer's ``apply_`` needs for this step, computed once per forward: the
-        positions for the fused CPU op (which reads the fp32 table itself), else cos and sin."""
+        positions for the fused CPU op or the Triton kernel (each reads the fp32 table itself),
+        else cos and sin."""
         if (positions.device.type == "cpu" and self.cos_sin_cache.device.type == "cpu"
                 and dtype in _FUSED_DTYPES and fused.available()
                 and (positions.numel() == 0 or int(positions.max()) < self.cos_sin_cache.shape[0])):
             return (None, None, positions.to(torch.int64).contiguous())  # out of range: eager raises
+        if use_triton(positions):
+            return (None, None, positions)  # the Triton kernel reads the fp32 table itself
         cos, sin = self.cos_sin(positions, dtype)
         return (cos, sin, None)
 
@@ -159,6 +163,11 @@ class RotaryEmbedding(nn.Module):
         """Rotate x ``[T, H, D]`` in place with ``prepare``'s output; x may be a strided view
         (e.g. the q and k heads of a fused qkv output)."""
         cos, sin, positions = rope
+        if positions is not None and use_triton(x) and x.stride(2) == 1:
+            from kernels import triton_elementwise  # imports triton: only on the CUDA path
+
+            triton_elementwise.rotary_neox_(x, self.cos_sin_cache, positions, self.rotary_dim)
+            return x
         if positions is not None and x.dtype in _FUSED_DTYPES and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
             fused.rotary_neox_(x, x.shape[1], x.shape[2], self.rotary_dim, self.cos_sin_cache, positions)
             return x

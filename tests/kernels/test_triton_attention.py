@@ -186,19 +186,20 @@ def test_random_batches_match_torch(seed: int) -> None:
 
 
 @in_process
-@pytest.mark.parametrize("splits", [2, 4, 16])
-def test_context_splits_match_one_split_and_torch(splits: int) -> None:
+@pytest.mark.parametrize("splits,block_n", [(2, 64), (4, 16), (16, 64), (2, 128)])
+def test_context_splits_match_one_split_and_torch(splits: int, block_n: int) -> None:
     """Split-K decode: every share of the context merged equals the whole context at once; shares
-    that get no keys (short contexts, more splits than tiles) and padding tokens stay exact."""
+    that get no keys (short contexts, more splits than tiles) and padding tokens stay exact. Tiles
+    of 16 to 128 keys over 16-slot blocks (a tile spans blocks)."""
     reqs = [(0, 1), (5, 1), (70, 1), (130, 1), (31, 3), (0, 4)]  # decodes (one with no past), prefills
     batch = make_batch(reqs, 9, 3, 24, 16, seed=splits, pad_tokens=2)
     scale = 24 ** -0.5
     one = torch.full_like(batch.q, float("nan"))
     triton_attention.paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=one,
-                                            num_splits=1)
+                                            num_splits=1, block_n=16)
     many = torch.full_like(batch.q, float("nan"))
     triton_attention.paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, out=many,
-                                            num_splits=splits)
+                                            num_splits=splits, block_n=block_n)
     assert not many.isnan().any() and (many[batch.meta.num_tokens:] == 0).all()
     torch.testing.assert_close(many, one, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(many, _torch(batch, scale), atol=2e-5, rtol=1e-4)

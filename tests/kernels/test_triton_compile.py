@@ -33,6 +33,7 @@ def compile_all() -> list[str]:
     from triton.compiler import ASTSource
 
     from kernels import triton_attention as ta
+    from kernels import triton_elementwise as te
     from kernels import triton_prefill as tp
 
     target = GPUTarget("cuda", 80, 32)
@@ -56,7 +57,8 @@ def compile_all() -> list[str]:
         pointers |= {n: "*fp32" for n in ("part_m_ptr", "part_l_ptr", "part_acc_ptr")}
         consts = ta.attention_constexprs(heads, kv_heads, dim, block, torch_dtypes[dt])
         for splits in (1, 8):  # one program per (token, KV head), and split-K decode
-            kinds = list(build(ta._paged_attention_kernel, pointers, scalars, {**consts, "NUM_SPLITS": splits}).asm)
+            kinds = list(build(ta._paged_attention_kernel, pointers, scalars,
+                               {**consts, "BLOCK_N": ta.DECODE_BLOCK_N, "NUM_SPLITS": splits}).asm)
         tile_ptrs = {n: "*i32" for n in ("block_tables_ptr", "tile_request_ptr", "tile_token_ptr", "tile_count_ptr",
                                          "tile_first_pos_ptr")}
         build(tp._prefill_attention_kernel, {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
@@ -70,6 +72,18 @@ def compile_all() -> list[str]:
         scalars = {n: "i64" for n in ("stride_kt", "stride_kh", "stride_vt", "stride_vh")}
         consts = {"NUM_KV_HEADS": kv_heads, "HEAD_DIM": dim, "ROW_PAD": triton.next_power_of_2(kv_heads * dim)}
         build(ta._write_kv_cache_kernel, pointers, scalars, consts)
+        # the decoder's elementwise kernels (kernels/triton_elementwise.py) in this dtype
+        for residual in (False, True):
+            build(te._rms_norm_kernel, {"out_ptr": f"*{dt}", "x_ptr": f"*{dt}", "residual_ptr": f"*{dt}",
+                                        "weight_ptr": "*fp32"},
+                  {"n": "i32", "eps": "fp32", "stride_out": "i64", "stride_x": "i64", "stride_res": "i64"},
+                  {"HAS_RESIDUAL": residual, "BLOCK": triton.next_power_of_2(heads * dim)})
+        build(te._rotary_neox_kernel, {"x_ptr": f"*{dt}", "cos_sin_ptr": "*fp32", "positions_ptr": "*i64"},
+              {"num_heads": "i32", "max_position": "i32", "stride_t": "i64", "stride_h": "i64"},
+              {"HALF": dim // 2, "HALF_PAD": triton.next_power_of_2(dim // 2),
+               "HEADS_PAD": triton.next_power_of_2(heads + kv_heads)})
+        build(te._silu_and_mul_kernel, {"out_ptr": f"*{dt}", "x_ptr": f"*{dt}"},
+              {"n": "i32", "stride_out": "i64", "stride_x": "i64"}, {"BLOCK": te.SILU_BLOCK})
     return kinds
 
 
