@@ -45,6 +45,7 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(S, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((S, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(S + 1, dtype=torch.int32, device=device)
+        self.token_request = torch.arange(S, dtype=torch.int32, device=device)  # decode rows: token t is request t
         # the adapter slots' static form when LoRA is on (max_loras > 0); mask_dtype: the model's
         self.lora = StaticLoRABatch(S, max_loras, mask_dtype, device) if max_loras else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -87,6 +88,7 @@ class DecodeGraphRunner:
             max_seq_len=max_seq_len,
             query_start_loc_host=list(range(size + 1)),
             seq_lens_host=seq_lens_host,
+            token_request=self.token_request[:size],
         )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

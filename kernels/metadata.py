@@ -33,6 +33,10 @@ class AttentionMetadata:
     # Per-step work the CPU kernels derive from the metadata (decode chunks, masks). Built by
     # the first layer's call and reused by every other layer of the same forward.
     cpu_plan: object | None = None
+    # Each query token's request index ([T] int32, on the device) for the Triton decode kernel:
+    # given by the graph runner (a decode-only batch: token t is request t), else derived by the
+    # first layer's call (an arange and a searchsorted, two kernels) and reused by the others.
+    token_request: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:

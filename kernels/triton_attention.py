@@ -258,6 +258,18 @@ def splits_for(programs: int, sms: int) -> int:
     return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * sms // programs)))
 
 
+def _token_request(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+    """The request index of each of the first ``num_tokens`` query tokens: ``meta.token_request``
+    when set (by the graph runner, or by this step's first layer), else derived and kept there.
+    The decodes come first, so a map over every token starts with the decodes' own."""
+    have = meta.token_request
+    if have is None or have.shape[0] < num_tokens:
+        tokens = torch.arange(num_tokens, device=meta.query_start_loc.device, dtype=meta.query_start_loc.dtype)
+        have = meta.token_request = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True,
+                                                       out_int32=True)
+    return have[:num_tokens]
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -307,8 +319,7 @@ def paged_attention_triton(
                                device=q.device)
     else:  # unused by the kernel
         part_m = part_l = part_acc = out
-    tokens = torch.arange(num_tokens, device=q.device, dtype=meta.query_start_loc.dtype)
-    token_request = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True, out_int32=True)
+    token_request = _token_request(meta, num_tokens)
     _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
         out,
         q,

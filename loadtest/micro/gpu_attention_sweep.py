@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
     from kernels import triton_attention as ta
-    from loadtest.micro.gpu_check import _decode_meta
+    from loadtest.micro.gpu_check_decode import _decode_meta
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=1024)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loadtest.micro.gpu_check import CONFIG_1B, Ctx, _decode_meta, _model_dir, ROOT, decode_run
+from loadtest.micro.gpu_check import ROOT, _model_dir
+from loadtest.micro.gpu_check_common import Ctx, decode_run
+from loadtest.micro.gpu_check_decode import CONFIG_1B, _decode_meta
 from loadtest.micro.gpu_check_common import random_prompts, tiny_options
 
 

@@ -235,3 +235,35 @@ def test_prefill_in_query_tiles_matches_torch() -> None:
     torch.testing.assert_close(got, _torch(batch, scale), atol=2e-5, rtol=1e-4)
     n = batch.meta.num_tokens
     torch.testing.assert_close(got[:n], naive_attention(batch, scale).float()[:n], atol=2e-5, rtol=1e-4)
+
+
+@in_process
+def test_the_token_to_request_map_is_derived_once_a_step(monkeypatch) -> None:
+    """Every layer of a step shares one map: the first call derives it (one searchsorted) and keeps
+    it in the metadata, later calls reuse it; a map given up front (the graph runner's arange for
+    decode rows) is used as is. Outputs equal torch's either way, for a mixed step too."""
+    from gpu.graphs import DecodeGraphRunner
+
+    calls = []
+    real = torch.searchsorted
+    monkeypatch.setattr(triton_attention.torch, "searchsorted", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for reqs in ([(7, 1), (30, 1), (0, 1)], [(9, 1), (0, 1), (30, 20), (5, 3)]):
+        batch = make_batch(reqs, 9, 3, 16, 16, seed=4, pad_tokens=2)
+        calls.clear()
+        first = _triton(batch, 0.25)
+        kept = batch.meta.token_request
+        second = _triton(batch, 0.25)
+        assert len(calls) == 1 and batch.meta.token_request is kept
+        assert torch.equal(first, second)
+        torch.testing.assert_close(first, _torch(batch, 0.25), atol=2e-5, rtol=1e-4)
+    runner = DecodeGraphRunner(None, [], [1, 4, 8], 4, torch.device("cpu"), 64)
+    static = runner._static_meta(4, 2, [3, 5, 1, 1], 5)
+    assert static.token_request.tolist() == [0, 1, 2, 3]
+    decode = make_batch([(3, 1), (5, 1), (0, 1), (2, 1)], 9, 3, 16, 16, seed=5)
+    given = torch.arange(decode.meta.num_tokens, dtype=torch.int32)
+    calls.clear()
+    out = torch.empty_like(decode.q)
+    decode.meta.token_request = given
+    triton_attention.paged_attention_triton(decode.q, decode.k_cache, decode.v_cache, decode.meta, 0.25, out=out)
+    assert not calls
+    torch.testing.assert_close(out, _torch(decode, 0.25), atol=2e-5, rtol=1e-4)
