@@ -19,7 +19,7 @@ if importlib.util.find_spec("triton") is None:
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("case", ["rms_norm_cases", "rotary_cases", "silu_cases", "model_case"])
+@pytest.mark.parametrize("case", ["rms_norm_cases", "gemma_norm_case", "rotary_cases", "silu_cases", "model_case"])
 def test_triton_elementwise(case):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "tests.kernels.triton_elementwise_cases", case], cwd=ROOT, env=env,

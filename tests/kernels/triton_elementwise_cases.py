@@ -66,6 +66,28 @@ def rms_norm_cases() -> None:
     _close(te.rms_norm(x, w, 1e-6), F.rms_norm(x.contiguous(), (64,), w, 1e-6), torch.float32, "strided rms_norm")
 
 
+def gemma_norm_case() -> None:
+    """Gemma's RMSNorm (scale 1 + w, from ``_weight_f32``) through the kernel equals its torch path."""
+    import gpu.models.layers as layers
+    from gpu.models.gemma import GemmaRMSNorm
+    from kernels import fused
+
+    g = torch.Generator().manual_seed(3)
+    norm = GemmaRMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g) * 0.3)
+    x, res = torch.randn(4, 96, generator=g), torch.randn(4, 96, generator=g)
+    fused.supports = lambda t: False  # the CPU's own C op comes first on CPU tensors: as on CUDA
+    want_alone = norm.forward(x.clone())
+    want, want_res = norm.forward(x.clone(), res.clone())
+    layers.use_triton = lambda t: True
+    got_alone = norm.forward(x.clone())
+    got, got_res = norm.forward(x.clone(), res.clone())
+    _close(got_alone, want_alone, torch.float32, "Gemma norm")
+    _close(got, want, torch.float32, "Gemma add + norm")
+    assert torch.equal(got_res, want_res)
+
+
 def _rotate_reference(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     half = rotary_dim // 2
     cs = table[positions.clamp(0, table.shape[0] - 1)]
