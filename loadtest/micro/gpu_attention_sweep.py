@@ -1,9 +1,12 @@
 """The Triton decode attention kernel over its two tunables, on a lent GPU: keys per tile
 (``block_n``) and context splits (``num_splits``), at the GPU check's shapes (the ~1.2B Llama:
 32/8 heads, and the default model: 9/3 heads; head_dim 64, 16-slot blocks, bf16), contexts of
-1,024 tokens, batches 1 to 256. Each case is timed by ``triton.testing.do_bench`` (median, the L2
-cleared before each run) and printed with the KV bytes it read per second; the policy's own choice
-(``choose_splits``, DECODE_BLOCK_N) is marked. Picks the defaults in kernels/triton_attention.py.
+1,024 tokens, batches 1 to 256. Each case is a CUDA graph of one call per layer, each layer on caches
+of its own (together larger than the L2), replayed: a kernel's own time, as in a captured decode
+step. (Timing single Python calls had measured the launch below batch 64: 60-200 us for a kernel
+that takes 4.4 us in a graph, loadtest/PERF.md.) Printed with the KV bytes read per second; the
+policy's own choice (``choose_splits``, DECODE_BLOCK_N) is marked. Picks the defaults in
+kernels/triton_attention.py.
 
     python3 -m loadtest.micro.gpu_attention_sweep [--deadline 100] [--json out.json]
 """
@@ -20,9 +23,35 @@ BLOCK_NS = (16, 32, 64, 128)
 SPLITS = (1, 2, 4, 8, 16)
 
 
+L2_BYTES = 128 << 20  # more than an H100's or H200's L2 (50 / 60 MB): each replay reads from HBM
+
+
+def _replay_us(calls, replays: int = 20) -> float:
+    """Microseconds per call of ``calls`` (one per layer) captured in one CUDA graph, median of replays."""
+    import statistics
+
+    import torch
+
+    for call in calls:
+        call()  # compiles, and allocates outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
-    import triton.testing
 
     from kernels import triton_attention as ta
     from loadtest.micro.gpu_check_decode import _decode_meta
@@ -41,21 +70,21 @@ def main(argv: list[str] | None = None) -> int:
                 print("deadline reached", flush=True)
                 break
             meta = _decode_meta(batch, ctx, block, "cuda")
+            meta.token_request = torch.arange(batch, dtype=torch.int32, device="cuda")  # as the graph runner gives it
             blocks = int(meta.block_tables.max()) + 1
-            k_cache = torch.randn(blocks, block, kv_heads, dim, device="cuda", dtype=dtype)
-            v_cache = torch.randn_like(k_cache)
+            kv_bytes = 2 * batch * ctx * kv_heads * dim * 2
+            layers = max(4, min(64, -(-L2_BYTES // kv_bytes)))
+            caches = [(torch.randn(blocks, block, kv_heads, dim, device="cuda", dtype=dtype),
+                       torch.randn(blocks, block, kv_heads, dim, device="cuda", dtype=dtype)) for _ in range(layers)]
             q = torch.randn(batch, heads, dim, device="cuda", dtype=dtype)
             out = torch.empty_like(q)
-            kv_bytes = 2 * batch * ctx * kv_heads * dim * 2
             policy = (ta.DECODE_BLOCK_N, ta.choose_splits(batch, kv_heads, q.device))
             times = {}
             for bn in BLOCK_NS:
                 for splits in SPLITS:
-                    def call():
-                        ta.paged_attention_triton(q, k_cache, v_cache, meta, dim ** -0.5, out=out, num_splits=splits,
-                                                  block_n=bn)
-                    call()
-                    times[(bn, splits)] = triton.testing.do_bench(call, warmup=5, rep=25, return_mode="median") * 1e3
+                    calls = [lambda k=k, v=v, bn=bn, splits=splits: ta.paged_attention_triton(
+                        q, k, v, meta, dim ** -0.5, out=out, num_splits=splits, block_n=bn) for k, v in caches]
+                    times[(bn, splits)] = _replay_us(calls)
             best = min(times, key=times.get)
             row = {"shape": shape, "batch": batch, "context": ctx,
                    "us": {f"{bn}x{s}": round(t, 2) for (bn, s), t in times.items()},
