@@ -22,20 +22,21 @@ import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 from engine import beam_engine
 from engine.sampling_params import BeamSearchParams
+from engine.core_stats import CoreStats, EngineStats  # EngineStats: re-exported
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, RequestRejectedError, SamplingParamsError
 from engine.kv_blocks import BlockManager, model_hash_seed
 from engine.lora_request import LoRARequest
 from engine.lora_slots import LoRASlots
-from contracts.lora import LoRAAdapterError
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.pooling_params import PoolingParams
 from engine.pooling_requests import PoolingRequests
 from engine.request import Request, Sequence, SeqStatus
+from engine.request_checks import RequestChecks
+from engine.request_outputs import RequestOutputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
 from engine.spec_decode import SpecDecode, check_supported, new_proposer
@@ -54,31 +55,6 @@ INTERNAL_REQUEST_ERROR = ("the server failed while processing this request (an i
                           "on the server); other requests were not affected")
 
 
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int  # unfinished requests with a sequence running
-    num_waiting: int  # unfinished requests with no sequence running
-    kv_cache_usage: float  # fraction of KV blocks held by sequences
-    prefix_cache_queries: int  # tokens looked up in the prefix cache (cumulative)
-    prefix_cache_hits: int  # tokens found there (cumulative)
-    num_preemptions: int  # cumulative
-    num_running_seqs: int = 0
-    num_waiting_seqs: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    num_worker_restarts: int = 0  # worker pools rebuilt after a failure (set by AsyncEngine)
-    # Multi-LoRA (vLLM's lora_requests_info): adapter names of running / waiting requests, sorted,
-    # and the adapters one step may run (0 = LoRA off).
-    lora_running: tuple[str, ...] = ()
-    lora_waiting: tuple[str, ...] = ()
-    max_lora: int = 0
-    # Speculative decoding (engine/spec_decode.py), cumulative; 0 / [] when it is off.
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-
 def _swap_blocks(config: EngineConfig, executor) -> int:
     """Host swap-pool blocks the workers allocated (0 unless --preemption-mode swap)."""
     if config.scheduler.preemption_mode != "swap":
@@ -86,7 +62,7 @@ def _swap_blocks(config: EngineConfig, executor) -> int:
     return int(executor.num_swap_blocks or 0)
 
 
-class EngineCore(ConstrainedRequests, PoolingRequests):
+class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOutputs, CoreStats):
     def __init__(self, config: EngineConfig, executor, tokenizer):
         if config.model.max_model_len is None:
             raise EngineError("config.model.max_model_len must be set before building the engine core")
@@ -203,20 +179,6 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             for seq in req.seqs:
                 self.scheduler.add(seq)
 
-    def check_lora(self, lora_request: LoRARequest, params=None) -> None:
-        """RequestRejectedError unless the adapter can serve this request."""
-        if not isinstance(lora_request, LoRARequest):
-            raise RequestRejectedError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if self.lora_slots is None:
-            raise RequestRejectedError(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is not "
-                                       f"enabled: start the engine with --enable-lora (LLM(enable_lora=True))")
-        if isinstance(params, (BeamSearchParams, PoolingParams)):
-            raise RequestRejectedError("LoRA adapters serve sampling requests only (not beam search or pooling)")
-        try:
-            self.lora_slots.check(lora_request)
-        except LoRAAdapterError as e:
-            raise RequestRejectedError(str(e)) from None
-
     def lora_requests_in_use(self, lora_int_id: int) -> int:
         """Unfinished requests running with (or waiting for) adapter ``lora_int_id``."""
         return sum(1 for r in self.requests.values()
@@ -226,39 +188,6 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         """An unloaded adapter (none of its requests left): its checked spec and slot go."""
         if self.lora_slots is not None:
             self.lora_slots.forget(lora_int_id)
-
-    def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise RequestRejectedError("the prompt is empty: give at least one token")
-        if any(not isinstance(t, int) or t < 0 or t >= 2**63 for t in prompt_token_ids):
-            raise RequestRejectedError("prompt token ids must be integers >= 0 (and below 2**63)")
-        if self.vocab_size is not None and max(prompt_token_ids) >= self.vocab_size:
-            raise RequestRejectedError(
-                f"prompt token id {max(prompt_token_ids)} is out of range: the vocabulary has "
-                f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})")
-        limit = self.max_model_len
-        if params.max_tokens is None:
-            if num_prompt >= limit:
-                raise RequestRejectedError(
-                    f"the prompt has {num_prompt} tokens but the model's context (max_model_len) is "
-                    f"{limit}: leave room for at least one generated token; shorten the prompt")
-        elif num_prompt + params.max_tokens > limit:
-            raise RequestRejectedError(
-                f"the prompt has {num_prompt} tokens and max_tokens is {params.max_tokens}: "
-                f"{num_prompt + params.max_tokens} > the model's context (max_model_len) {limit}; "
-                f"shorten the prompt or lower max_tokens")
-        bm = self.block_manager
-        # K/V is needed for every token but the last generated one.
-        kv_tokens = num_prompt + (params.max_tokens - 1 if params.max_tokens is not None else 0)
-        need = bm.blocks_for(kv_tokens)
-        if need > bm.num_usable_blocks:
-            what = f"the prompt ({num_prompt} tokens)" if params.max_tokens is None else (
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens})")
-            raise RequestRejectedError(
-                f"{what} needs {need} KV blocks of {bm.block_size} tokens but the whole cache has "
-                f"{bm.num_usable_blocks} ({bm.num_usable_blocks * bm.block_size} tokens); "
-                f"shorten the request or give the KV cache more memory")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort in any state and free everything. Returns the final delta
@@ -444,40 +373,6 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
         self.scheduler.step_not_sent(scheduled)
         return outputs
 
-    def stats(self) -> EngineStats:
-        running = sum(1 for r in self.requests.values() if any(s.status is SeqStatus.RUNNING for s in r.seqs))
-        bm = self.block_manager
-        stats = EngineStats(
-            num_running=running,
-            num_waiting=len(self.requests) - running,
-            kv_cache_usage=bm.usage,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_running_seqs=len(self.scheduler.running),
-            num_waiting_seqs=len(self.scheduler.waiting),
-            num_free_blocks=bm.num_free_blocks,
-            num_blocks=bm.num_usable_blocks,
-            **(self._lora_stats() if self.lora_slots is not None else {}),
-        )
-        if self.spec is not None:
-            sp = self.spec.stats
-            stats.spec_decode_num_drafts = sp.num_drafts
-            stats.spec_decode_num_draft_tokens = sp.num_draft_tokens
-            stats.spec_decode_num_accepted_tokens = sp.num_accepted_tokens
-            stats.spec_decode_num_accepted_tokens_per_pos = list(sp.accepted_per_pos)
-        return stats
-
-    def _lora_stats(self) -> dict:
-        running: set[str] = set()
-        waiting: set[str] = set()
-        for r in self.requests.values():
-            if r.lora_request is not None and not r.finished:
-                on = any(s.status is SeqStatus.RUNNING for s in r.seqs)
-                (running if on else waiting).add(r.lora_request.lora_name)
-        return {"lora_running": tuple(sorted(running)), "lora_waiting": tuple(sorted(waiting)),
-                "max_lora": self.config.lora.max_loras}
-
     # ---- per token --------------------------------------------------------------------------
 
     @staticmethod
@@ -568,73 +463,3 @@ class EngineCore(ConstrainedRequests, PoolingRequests):
             req.finished = True
             req.metrics.finished_time = time.monotonic()
             self.requests.pop(req.request_id, None)
-
-    def _decoded(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_text) < 1_000_000:
-                self._token_text[token_id] = text
-        return text
-
-    def _logprob_entry(self, token_id: int, lp: SampledLogprobs) -> TokenLogprobs:
-        entry: TokenLogprobs = {}
-        rank = None
-        for r, (tid, logprob) in enumerate(lp.top, start=1):
-            entry[tid] = Logprob(logprob, r, self._decoded(tid))
-            if tid == token_id:
-                rank = r
-        entry[token_id] = Logprob(lp.logprob, rank, self._decoded(token_id))
-        return entry
-
-    # ---- outputs ----------------------------------------------------------------------------
-
-    def _make_output(self, req: Request) -> RequestOutput | None:
-        if req.seqs and req.seqs[0].pooling is not None:
-            return self.make_pooling_output(req)
-        if req.beam is not None:
-            return beam_engine.make_output(self, req)
-        outs: list[CompletionOutput] = []
-        for seq in req.seqs:
-            n_out = seq.num_output_tokens
-            finishing = seq.is_finished and not seq.finish_sent
-            if n_out == seq.num_sent_tokens and not finishing:
-                continue
-            new_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
-            # Every output is a delta: the entries go with it and the core keeps none (with
-            # top_logprobs 20 and n 128 a long request held ~21 objects per token per choice
-            # that it never reads again; issue 22). Whoever wants them all merges the deltas.
-            logprobs = seq.logprobs
-            if logprobs is not None:
-                seq.logprobs = []
-            outs.append(CompletionOutput(
-                index=seq.index,
-                text=seq.detok.take_delta(),
-                token_ids=new_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=logprobs,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
-            seq.num_sent_tokens = n_out
-            if seq.is_finished:
-                seq.finish_sent = True
-        if not outs:
-            return None
-        prompt_logprobs = None
-        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            prompt_logprobs = list(req.prompt_logprobs)
-            req.prompt_logprobs_sent = True
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            prompt_logprobs=prompt_logprobs,
-            outputs=outs,
-            finished=req.finished,
-            metrics=req.metrics,
-            num_cached_tokens=req.num_cached_tokens,
-            error=req.error,
-            error_from_request=req.error_from_request,
-            error_code=req.error_code,
-        )
