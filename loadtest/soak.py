@@ -41,8 +41,6 @@ from loadtest.soak_server import (  # noqa: F401
 )
 from loadtest.soak_summary import summarize  # noqa: F401
 
-logger = logging.getLogger(__name__)
-
 
 # --------------------------------------------------------------------------- CLI
 
