@@ -314,10 +314,10 @@ def dying_builds(monkeypatch):
 
 
 async def test_a_pool_that_always_dies_is_restarted_a_bounded_number_of_times(dying_builds, monkeypatch):
-    import engine.async_engine
+    import engine.engine_loop
     from engine.async_engine import RestartPolicy
 
-    monkeypatch.setattr(engine.async_engine, "IDLE_HEALTH_CHECK_S", 0.01)  # deaths found at once
+    monkeypatch.setattr(engine.engine_loop, "IDLE_HEALTH_CHECK_S", 0.01)  # deaths found at once
 
     policy = RestartPolicy(max_restarts=3, window_s=60.0, backoff_s=0.1, max_backoff_s=0.15)
     engine = await started(policy=policy)

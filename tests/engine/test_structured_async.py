@@ -17,11 +17,11 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 
 async def test_compile_runs_beside_a_stream_and_wakes_the_loop(monkeypatch):
-    import engine.async_engine as ae
+    import engine.engine_loop as loop_module
     from engine.async_engine import AsyncEngine
     from contracts.config import EngineConfig, default_model_path
 
-    monkeypatch.setattr(ae, "IDLE_HEALTH_CHECK_S", 3600.0)
+    monkeypatch.setattr(loop_module, "IDLE_HEALTH_CHECK_S", 3600.0)
     config = EngineConfig.from_options(model=default_model_path(), load_format="dummy",
                                        hf_config=TINY_CONFIG, dtype="float32",
                                        kv_cache_memory=1 / 16, executor="inproc",
