@@ -26,12 +26,12 @@ def _profile(fn, steps: int, title: str, rows: int) -> None:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] if hasattr(
-        prof.key_averages()[0], "device_type") else []
-    total_us = sum(e.self_device_time_total for e in events) / steps if events else float("nan")
-    count = sum(e.count for e in events) / steps if events else float("nan")
+    averages = prof.key_averages()
+    kernels = [e for e in averages if e.device_type.name == "CUDA"]
+    total_us = sum(e.self_device_time_total for e in kernels) / steps
+    count = sum(e.count for e in kernels) / steps
     print(f"\n### {title}: {count:.0f} kernels, {total_us:.0f} us of kernel time per step", flush=True)
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60),
+    print(averages.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60),
           flush=True)
 
 
