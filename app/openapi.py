@@ -49,8 +49,13 @@ ERROR_SCHEMA: dict[str, Any] = {
 _USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {k: {"type": "integer", "minimum": 0}
-                   for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "properties": {**{k: {"type": "integer", "minimum": 0}
+                      for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                   "prompt_tokens_details": {
+                       "type": "object", "required": ["cached_tokens"],
+                       "description": "Only with --enable-prompt-tokens-details: prompt tokens the "
+                                      "prefix cache served.",
+                       "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}}},
 }
 _POOLING_USAGE = {
     "type": "object",
@@ -110,8 +115,14 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                                "status": {"enum": ["completed", "incomplete"]}}}},
             "usage": {"type": "object",
                       "required": ["input_tokens", "output_tokens", "total_tokens"],
-                      "properties": {k: {"type": "integer", "minimum": 0}
-                                     for k in ("input_tokens", "output_tokens", "total_tokens")}},
+                      "properties": {**{k: {"type": "integer", "minimum": 0}
+                                        for k in ("input_tokens", "output_tokens", "total_tokens")},
+                                     "input_tokens_details": {
+                                         "type": "object",
+                                         "description": "`cached_tokens`: prompt tokens the prefix cache "
+                                                        "served, told to a request with a `cache_salt` or "
+                                                        "with --enable-prompt-tokens-details; else 0.",
+                                         "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}}}},
         },
     },
     "EmbeddingList": {

@@ -104,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds between ': ping' comments on streams, for proxies that cut idle "
                         "connections; 0 (default) = none, as OpenAI and vLLM (`vllm bench serve` "
                         "loses events after a comment)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage tells how many prompt tokens the prefix cache served (vLLM's: "
+                        "prompt_tokens_details.cached_tokens on chat and completions, cached_tokens on "
+                        "/v1/responses for every request); off, only a request with a cache_salt learns "
+                        "it (/v1/responses), since a hit tells a caller someone sent that prefix before")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="allow a request's own chat_template (a Jinja template the server renders); "
                         "without it such requests get 400, as in vLLM")
@@ -253,7 +258,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
                         tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
                         limits=limits, reasoning_parser=args.reasoning_parser,
                         other_names=args.other_served_names, allowed_origins=args.allowed_origins,
-                        lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                        lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
         uv_config.app = app
         app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks

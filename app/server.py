@@ -72,13 +72,13 @@ def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: 
                  sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
                  tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
                  reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
-                 adapters: LoRAAdapters | None = None) -> OpenAIServer:
+                 adapters: LoRAAdapters | None = None, enable_prompt_tokens_details: bool = False) -> OpenAIServer:
     """Each route family with its collaborators (``other_names``: the model's further served names;
     ``adapters``: the LoRA adapters served by name)."""
     check_parser_name(reasoning_parser)
     checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits(),
                            other_names, adapters)
-    fanout = ChoiceFanOut(engine, metrics)
+    fanout = ChoiceFanOut(engine, metrics, enable_prompt_tokens_details)
     logprob_format = LogprobFormat(engine)
     prompts = ChatPrompts(engine, checks)
     chat = ChatRoute(engine, name, checks, prompts, fanout, logprob_format,
@@ -130,7 +130,7 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
               tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
               reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
               allowed_origins: list[str] | None = None, lora_modules: list[LoRAModule] | None = None,
-              allow_runtime_lora_updating: bool = False) -> Starlette:
+              allow_runtime_lora_updating: bool = False, enable_prompt_tokens_details: bool = False) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
@@ -141,7 +141,9 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     carry the first). ``allowed_origins``: --allowed-origins (CORS), None = no CORS headers.
     ``lora_modules``: the adapters served by name from the start (--lora-modules; each checked
     now: a bad one raises APIError); ``allow_runtime_lora_updating``: the load / unload routes
-    answer (--allow-runtime-lora-updating)."""
+    answer (--allow-runtime-lora-updating). ``enable_prompt_tokens_details``: usage tells every
+    caller how many prompt tokens the prefix cache served (--enable-prompt-tokens-details; without
+    it only /v1/responses tells, and only a salted request)."""
     name = served_model_name or engine.model_name
     adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora))
     for module in lora_modules or ():
@@ -154,7 +156,7 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     s = build_server(engine, name, max_body_bytes, metrics, sse_ping_interval=sse_ping_interval,
                      trust_request_chat_template=trust_request_chat_template, tool_config=tool_config,
                      limits=limits, reasoning_parser=reasoning_parser, other_names=other_names,
-                     adapters=adapters)
+                     adapters=adapters, enable_prompt_tokens_details=enable_prompt_tokens_details)
     routes = [
         Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
