@@ -214,6 +214,11 @@ def _json(description: str, schema_name: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ref(schema_name)}}}
 
 
+def _unsupported_media_type() -> dict[str, Any]:
+    return _error("The body is not `application/json` (code `unsupported_media_type`): refused before it "
+                  "is read, as vLLM refuses it.")
+
+
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (overload only).",
                                 "schema": {"type": "string"}}}
 _WWW_AUTH = {"WWW-Authenticate": {"schema": {"type": "string"}}}
@@ -231,6 +236,7 @@ def _post(summary: str, model_name: str, ok: dict[str, Any], *, generates: bool,
                       "(context length, best_of == n, ...). `param` names the field."),
         "404": _error("The `model` field names a model this server does not serve."),
         "413": _error(f"The request body is larger than {max_body_bytes} bytes."),
+        "415": _unsupported_media_type(),
     }
     responses["408"] = _timeout_error(body=True)
     if generates:
@@ -248,6 +254,7 @@ def _lora_route(summary: str, load: bool) -> dict[str, Any]:
         "200": {"description": "Done (vLLM's plain-text answer).", "content": {"text/plain": {"schema": {"type": "string"}}}},
         "400": _error("A bad body, or an adapter that cannot serve (the message says why) or is already loaded."),
         "408": _timeout_error(body=True),
+        "415": _unsupported_media_type(),
     }
     if not load:
         responses["404"] = _error("No adapter of that name is loaded (code `model_not_found`).")

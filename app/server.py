@@ -130,7 +130,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
               tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
               reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
               allowed_origins: list[str] | None = None, lora_modules: list[LoRAModule] | None = None,
-              allow_runtime_lora_updating: bool = False, enable_prompt_tokens_details: bool = False) -> Starlette:
+              allow_runtime_lora_updating: bool = False, enable_prompt_tokens_details: bool = False,
+              lora_roots: list[str] | None = None) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
