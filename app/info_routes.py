@@ -124,7 +124,8 @@ class InfoRoutes:
 
 def openapi_route(engine: EngineClient, name: str, api_key: str | None, max_body_bytes: int,
                   trust_request_chat_template: bool = False,
-                  limits: AdmissionLimits | None = None, lora_runtime_routes: bool = False) -> Callable[[Request], Any]:
+                  limits: AdmissionLimits | None = None, lora_runtime_routes: bool = False,
+                  host_check: bool = False) -> Callable[[Request], Any]:
     """GET /openapi.json: the document is built once, from what this server enforces."""
     from app.openapi import build_openapi
 
@@ -133,7 +134,8 @@ def openapi_route(engine: EngineClient, name: str, api_key: str | None, max_body
         vocab_size=engine.tokenizer.vocab_size, api_key=bool(api_key),
         max_body_bytes=max_body_bytes, version=server_version(),
         trust_request_chat_template=trust_request_chat_template,
-        embedding_size=engine.embedding_size, limits=limits, lora_runtime_routes=lora_runtime_routes))
+        embedding_size=engine.embedding_size, limits=limits, lora_runtime_routes=lora_runtime_routes,
+        host_check=host_check))
 
     async def openapi(request: Request) -> Response:
         return Response(body, media_type="application/json")

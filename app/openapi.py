@@ -214,6 +214,10 @@ def _json(description: str, schema_name: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ref(schema_name)}}}
 
 
+_INVALID_HOST = (" Also: a Host header this server does not answer (code `invalid_host`; without --api-key "
+                 "only the bound address, localhost and --allowed-hosts are served).")
+
+
 def _unsupported_media_type() -> dict[str, Any]:
     return _error("The body is not `application/json` (code `unsupported_media_type`): refused before it "
                   "is read, as vLLM refuses it.")
@@ -325,12 +329,13 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
                   api_key: bool, max_body_bytes: int, version: str,
                   trust_request_chat_template: bool = False,
                   embedding_size: int | None = None, limits: AdmissionLimits | None = None,
-                  lora_runtime_routes: bool = False) -> dict[str, Any]:
+                  lora_runtime_routes: bool = False, host_check: bool = False) -> dict[str, Any]:
     """The OpenAPI document of one server. ``api_key``: whether /v1/*, /tokenize,
     /detokenize and /score require a bearer token (they answer 401 without it). Every response carries
     ``X-Request-Id``: the client's (header, or a generating route's ``request_id`` field) or a
     new one. ``limits``: the server's admission limits (maxItems and the like).
-    ``lora_runtime_routes``: the server answers /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    ``lora_runtime_routes``: the server answers /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    ``host_check``: a request with a Host header the server does not serve gets 400 (app/trusted_host.py)."""
     limits = limits or AdmissionLimits()
     tokenize_body_bytes = min(max_body_bytes, limits.max_tokenize_body_bytes)
     schemas = copy.deepcopy(request_schemas())
@@ -406,6 +411,10 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
                     op["responses"]["401"] = _error("Missing or wrong API key.", _WWW_AUTH)
+    if host_check:
+        for item in paths.values():
+            for op in item.values():
+                op["responses"].setdefault("400", _error("Invalid request."))["description"] += _INVALID_HOST
     for item in paths.values():
         for op in item.values():
             for resp in op["responses"].values():

@@ -115,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", type=_origins, default=None,
                    help="CORS: the origins browsers may call the API from, as a JSON list or comma-separated "
                         '(["*"] = any); without it no CORS headers are sent')
+    g.add_argument("--allowed-hosts", type=_origins, default=None,
+                   help="the Host header names served, as a JSON list or comma-separated (exact, "
+                        "'*.example.com', or '*' = any). Without --api-key only the --host address, "
+                        "localhost and these are served (any IP literal too when bound to 0.0.0.0 / ::), "
+                        "others get 400: a web page cannot reach this server by DNS rebinding. With "
+                        "--api-key every host is served unless this flag is given")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     g.add_argument("--log-level", default="info",
@@ -163,12 +169,24 @@ def check_ssl(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {path!r}: no such file")
 
 
+def check_access(args: argparse.Namespace) -> None:
+    """Who may reach the API: ``args.trusted_hosts`` from --host, --api-key and --allowed-hosts
+    (app/trusted_host.py)."""
+    from app.trusted_host import TrustedHosts
+
+    try:
+        args.trusted_hosts = TrustedHosts.for_server(args.host, args.api_key, args.allowed_hosts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         take_model(args)
         check_ssl(args)
+        check_access(args)
     except ConfigError as e:
         logger.error("cannot start: %s", e)
         return 1
@@ -259,7 +277,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
                         limits=limits, reasoning_parser=args.reasoning_parser,
                         other_names=args.other_served_names, allowed_origins=args.allowed_origins,
                         lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                        trusted_hosts=args.trusted_hosts)
         uv_config.app = app
         app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks

@@ -41,6 +41,7 @@ from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
 from app.responses import error_response
 from app.request_checks import RequestChecks
+from app.trusted_host import HostCheckMiddleware, TrustedHosts
 from app.responses_api.route import ResponsesRoute
 from app.reasoning.output import check_parser_name
 from app.tools.plan import ToolConfig
@@ -131,7 +132,7 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
               reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
               allowed_origins: list[str] | None = None, lora_modules: list[LoRAModule] | None = None,
               allow_runtime_lora_updating: bool = False, enable_prompt_tokens_details: bool = False,
-              lora_roots: list[str] | None = None) -> Starlette:
+              lora_roots: list[str] | None = None, trusted_hosts: TrustedHosts | None = None) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
@@ -144,7 +145,9 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     now: a bad one raises APIError); ``allow_runtime_lora_updating``: the load / unload routes
     answer (--allow-runtime-lora-updating). ``enable_prompt_tokens_details``: usage tells every
     caller how many prompt tokens the prefix cache served (--enable-prompt-tokens-details; without
-    it only /v1/responses tells, and only a salted request)."""
+    it only /v1/responses tells, and only a salted request). ``trusted_hosts``: the Host headers
+    answered (app/trusted_host.py, what `serve` passes from --host, --api-key and --allowed-hosts);
+    None = any."""
     name = served_model_name or engine.model_name
     adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora))
     for module in lora_modules or ():
@@ -174,7 +177,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
         Route("/metrics", _wrap(s.info.metrics_route), methods=["GET"]),
         Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes,
                                              trust_request_chat_template, s.checks.limits,
-                                             allow_runtime_lora_updating), methods=["GET"]),
+                                             allow_runtime_lora_updating, trusted_hosts is not None),
+              methods=["GET"]),
     ]
     if allow_runtime_lora_updating:  # else absent, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
         routes += [Route("/v1/load_lora_adapter", _wrap(partial(adapters.load_route, checks=s.checks)),
@@ -185,6 +189,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if trusted_hosts is not None:  # before the API key is asked; its 400s are counted
+        app.add_middleware(HostCheckMiddleware, hosts=trusted_hosts)
     app.add_middleware(HTTPErrorCounter, metrics=metrics)  # sees 401s too
     if allowed_origins:  # browsers' preflight (OPTIONS) is answered before the API key is asked
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
