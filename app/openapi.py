@@ -159,7 +159,9 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "type": "object", "required": ["id", "object", "created", "owned_by"],
             "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                            "created": {"type": "integer"}, "owned_by": {"type": "string"},
-                           "root": {"type": "string"}, "parent": {"type": ["string", "null"]},
+                           "root": {"type": "string", "description": "The served name; the model's or "
+                                                                     "adapter's path with --show-model-paths."},
+                           "parent": {"type": ["string", "null"]},
                            "max_model_len": {"type": "integer"},
                            "permission": {"type": "array", "items": {"type": "object"}}}}}},
     },
@@ -256,7 +258,11 @@ def _lora_route(summary: str, load: bool) -> dict[str, Any]:
             "properties": {"lora_name": {"type": "string"}, "lora_path": {"type": "string"}}}
     responses = {
         "200": {"description": "Done (vLLM's plain-text answer).", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        "400": _error("A bad body, or an adapter that cannot serve (the message says why) or is already loaded."),
+        "400": _error("A bad body, or an adapter already loaded; " + (
+            "a `lora_path` refused (code `lora_path_refused`: one message for every refused path, which must "
+            "lie under a --lora-root, hold no symbolic links and fit the base model; the reason is logged), or "
+            "--max-runtime-loras adapters already loaded (code `too_many_adapters`)." if load else
+            "an adapter of --lora-modules, which the API cannot unload (code `adapter_pinned`).")),
         "408": _timeout_error(body=True),
         "415": _unsupported_media_type(),
     }

@@ -20,6 +20,7 @@ import signal
 import socket
 
 from app.admission import AdmissionLimits
+from app.lora_adapters import DEFAULT_MAX_RUNTIME_LORAS
 from app.engine_args import add_engine_args, engine_config_from_args, flag
 from app.listen import ListenError, bind_socket
 from app.vllm_flags import add_refused_vllm_flags
@@ -88,7 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         '{"name": ..., "path": ..., "base_model_name": ...}')
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind --api-key like every /v1 route)")
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind --api-key like every /v1 route); needs "
+                        "--lora-root")
+    g.add_argument("--lora-root", action=_PathList, default=[], metavar="DIR",
+                   help="a directory under which /v1/load_lora_adapter may read adapters (repeat the flag or "
+                        "give a comma-separated list): a lora_path whose real path lies under none, or whose "
+                        "files are symbolic links, is refused, every refusal with the same message (the "
+                        "reason goes to the log). --lora-modules may name any path")
+    g.add_argument("--max-runtime-loras", type=int, default=DEFAULT_MAX_RUNTIME_LORAS,
+                   help="adapters /v1/load_lora_adapter may load (besides --lora-modules); past it a load gets "
+                        "400 until one is unloaded (default: %(default)s)")
+    g.add_argument("--show-model-paths", action="store_true",
+                   help="GET /v1/models shows the model's and the adapters' paths as `root` (as vLLM does); "
+                        "by default `root` is the served name")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto" (the default when a request has tools): tools go into '
                         "the prompt and the reply is parsed for calls; without it such requests get 400")
@@ -127,6 +140,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug"])
     AdmissionLimits.add_arguments(parser)
     add_refused_vllm_flags(parser)
+
+
+class _PathList(argparse.Action):
+    """A repeatable flag whose values may also be comma-separated lists: all of them, in order."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        items = list(getattr(namespace, self.dest) or [])
+        items += [v.strip() for v in values.split(",") if v.strip()]
+        setattr(namespace, self.dest, items)
 
 
 def _origins(value: str) -> list[str]:
@@ -171,8 +193,14 @@ def check_ssl(args: argparse.Namespace) -> None:
 
 def check_access(args: argparse.Namespace) -> None:
     """Who may reach the API: ``args.trusted_hosts`` from --host, --api-key and --allowed-hosts
-    (app/trusted_host.py)."""
+    (app/trusted_host.py); what a runtime LoRA load may read (--lora-root)."""
     from app.trusted_host import TrustedHosts
+
+    if args.allow_runtime_lora_updating and not args.lora_root:
+        raise ConfigError("--allow-runtime-lora-updating needs --lora-root DIR: the directories under which "
+                          "/v1/load_lora_adapter may read adapters")
+    if args.max_runtime_loras < 0:
+        raise ConfigError(f"--max-runtime-loras must be at least 0, got {args.max_runtime_loras}")
 
     try:
         args.trusted_hosts = TrustedHosts.for_server(args.host, args.api_key, args.allowed_hosts)
@@ -278,7 +306,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
                         other_names=args.other_served_names, allowed_origins=args.allowed_origins,
                         lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                        trusted_hosts=args.trusted_hosts)
+                        trusted_hosts=args.trusted_hosts, lora_roots=args.lora_root,
+                        max_runtime_loras=args.max_runtime_loras, show_model_paths=args.show_model_paths)
         uv_config.app = app
         app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks
