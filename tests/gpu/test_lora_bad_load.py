@@ -79,3 +79,19 @@ def test_a_truncated_adapter_fails_only_its_requests_and_frees_its_slot(tmp_path
         assert llm.core.stats().prefix_cache_hits - hits == 2 * 16
     finally:
         llm.shutdown()
+
+
+def test_an_adapter_path_with_newlines_cannot_forge_worker_log_lines(tmp_path, caplog):
+    """Issue 37, finding 8: the worker logs the path it loads, escaped."""
+    import logging
+
+    path = _adapter(tmp_path / "x\n2025-01-01 00:00:00 ERROR gpu.worker: forged", 1)
+    llm = tiny_llm(enable_lora=True, max_loras=1, max_lora_rank=4)
+    caplog.set_level(logging.INFO)
+    try:
+        out = llm.generate([PROMPT], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(path)))
+        assert out[0].outputs[0].finish_reason == "length"
+    finally:
+        llm.shutdown()
+    loaded = [r.getMessage() for r in caplog.records if "loaded LoRA adapter" in r.getMessage()]
+    assert loaded and all("\n" not in m for m in loaded), loaded
