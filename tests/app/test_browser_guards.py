@@ -151,6 +151,8 @@ def test_serve_flags():
         args("--allowed-hosts", "a.*.example")
     help_text = _serve_help()
     assert "--allowed-hosts" in help_text and "DNS" in help_text
+    for flag in ("--lora-root", "--max-runtime-loras", "--show-model-paths", "--enable-prompt-tokens-details"):
+        assert flag in help_text, flag  # issue 37's other flags, in the same place
 
 
 def _serve_help() -> str:
