@@ -108,7 +108,7 @@ def _connect(ray, address: str | None, world_size: int = 1) -> bool:
     return started
 
 
-_NO_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_RAY_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @contextlib.contextmanager
@@ -118,18 +118,18 @@ def _loopback_node():
     driver, already imported); both are restored afterwards."""
     from ray._private import ray_constants
 
-    before_env = os.environ.get(_NO_CLUSTER_ENV)
+    before_env = os.environ.get(_RAY_LOOPBACK_SWITCH)
     before_const = ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[_NO_CLUSTER_ENV] = "0"
+    os.environ[_RAY_LOOPBACK_SWITCH] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = before_const
         if before_env is None:
-            os.environ.pop(_NO_CLUSTER_ENV, None)
+            os.environ.pop(_RAY_LOOPBACK_SWITCH, None)
         else:
-            os.environ[_NO_CLUSTER_ENV] = before_env
+            os.environ[_RAY_LOOPBACK_SWITCH] = before_env
 
 
 # How long release() waits for killed actors on this node to exit; it returns as soon as they
