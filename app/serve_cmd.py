@@ -199,6 +199,9 @@ def check_access(args: argparse.Namespace) -> None:
     if args.allow_runtime_lora_updating and not args.lora_root:
         raise ConfigError("--allow-runtime-lora-updating needs --lora-root DIR: the directories under which "
                           "/v1/load_lora_adapter may read adapters")
+    from app.lora_adapters import check_roots
+
+    check_roots(args.lora_root)  # each a directory, before any model is loaded
     if args.max_runtime_loras < 0:
         raise ConfigError(f"--max-runtime-loras must be at least 0, got {args.max_runtime_loras}")
 

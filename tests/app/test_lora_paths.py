@@ -80,7 +80,11 @@ def test_runtime_updating_without_a_root_refuses_to_start(tmp_path):
                   lora_roots=[str(tmp_path / "missing")])
 
 
-def test_serve_refuses_runtime_updating_without_a_root():
+def test_serve_refuses_runtime_updating_without_a_root(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from app.cli import build_parser
     from app.serve_cmd import check_access
 
@@ -88,10 +92,22 @@ def test_serve_refuses_runtime_updating_without_a_root():
     args = build_parser(argv).parse_args(argv)
     with pytest.raises(ConfigError, match="--allow-runtime-lora-updating needs --lora-root"):
         check_access(args)
-    argv += ["--lora-root", "/a", "--lora-root", "/b,/c"]
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    argv += ["--lora-root", str(tmp_path / "a"), "--lora-root", f"{tmp_path / 'b'},{tmp_path / 'c'}"]
     args = build_parser(argv).parse_args(argv)
     check_access(args)
-    assert args.lora_root == ["/a", "/b", "/c"]
+    assert args.lora_root == [str(tmp_path / d) for d in "abc"]
+    with pytest.raises(ConfigError, match="--lora-root .*not a directory"):
+        check_access(build_parser(argv).parse_args(argv + ["--lora-root", str(tmp_path / "nope")]))
+    # the real command: one line naming the flag, exit 1, before any model is loaded
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--enable-lora", "--allow-runtime-lora-updating",
+                           "--host", "127.0.0.1", "--port", "0"], cwd=root, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if " ERROR " in line]
+    assert proc.returncode == 1 and "Traceback" not in out and len(errors) == 1, out
+    assert "--allow-runtime-lora-updating needs --lora-root" in errors[0]
 
 
 async def test_an_adapter_under_the_root_loads(tree):
