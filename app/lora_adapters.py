@@ -34,9 +34,9 @@ from starlette.responses import PlainTextResponse, Response
 
 from app.errors import APIError
 from contracts.config import ConfigError
+from contracts.lora import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError, open_regular
 from engine.client import EngineClient
 from engine.errors import RequestRejectedError
-from contracts.lora import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError, open_regular
 from engine.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ import signal
 import socket
 
 from app.admission import AdmissionLimits
-from app.lora_adapters import DEFAULT_MAX_RUNTIME_LORAS
 from app.engine_args import add_engine_args, engine_config_from_args, flag
 from app.listen import ListenError, bind_socket
+from app.lora_adapters import DEFAULT_MAX_RUNTIME_LORAS
 from app.vllm_flags import add_refused_vllm_flags
 from app.reasoning.parser import REASONING_PARSERS
 from app.tools.parsers import AUTO_PARSERS
@@ -194,17 +194,15 @@ def check_ssl(args: argparse.Namespace) -> None:
 def check_access(args: argparse.Namespace) -> None:
     """Who may reach the API: ``args.trusted_hosts`` from --host, --api-key and --allowed-hosts
     (app/trusted_host.py); what a runtime LoRA load may read (--lora-root)."""
+    from app.lora_adapters import check_roots
     from app.trusted_host import TrustedHosts
 
     if args.allow_runtime_lora_updating and not args.lora_root:
         raise ConfigError("--allow-runtime-lora-updating needs --lora-root DIR: the directories under which "
                           "/v1/load_lora_adapter may read adapters")
-    from app.lora_adapters import check_roots
-
     check_roots(args.lora_root)  # each a directory, before any model is loaded
     if args.max_runtime_loras < 0:
         raise ConfigError(f"--max-runtime-loras must be at least 0, got {args.max_runtime_loras}")
-
     try:
         args.trusted_hosts = TrustedHosts.for_server(args.host, args.api_key, args.allowed_hosts)
     except ValueError as e:

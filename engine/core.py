@@ -298,7 +298,8 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
         """The workers could not load these slots' adapters (their files changed or broke after the
         check): the requests of this step that ran with them fail (a 400, ``adapter_load_failed``:
         their rows ran without their weights), the slots are forgotten; every other request goes on."""
-        loads = [ld for ld in scheduled.step_input.lora_loads or () if ld.slot in set(failed_slots)]
+        failed = set(failed_slots)
+        loads = [ld for ld in scheduled.step_input.lora_loads or () if ld.slot in failed]
         keys = {(ld.lora_id, ld.path) for ld in loads}
         for load in loads:
             self.lora_slots.load_failed(load)
@@ -307,7 +308,8 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
         for seq in scheduled.seqs:
             req = seq.request
             lora = req.lora_request
-            if lora is None or (lora.lora_int_id, lora.lora_path) not in keys or req.request_id not in self.requests:
+            if (lora is None or (lora.lora_int_id, lora.lora_path) not in keys
+                    or req.request_id not in self.requests):
                 continue
             req.error = (f"LoRA adapter {lora.lora_name!r} could not be loaded by the workers (its files changed or "
                          f"cannot be read since it was checked); load it again")
