@@ -54,6 +54,12 @@ class APIError(Exception):
                    "invalid_request_error", None, "request_too_large")
 
     @classmethod
+    def unsupported_media_type(cls) -> "APIError":
+        """vLLM's answer to a body that is not JSON (what a web page may send without a preflight)."""
+        return cls(415, "Unsupported Media Type: Only 'application/json' is allowed (send the body with "
+                        "Content-Type: application/json).", "invalid_request_error", None, "unsupported_media_type")
+
+    @classmethod
     def overloaded(cls, message: str = "The server is overloaded; retry later.") -> "APIError":
         return cls(503, message, "server_error", None, "overloaded",
                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})

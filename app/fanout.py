@@ -55,9 +55,13 @@ class ChoiceFanOut:
     usage (shared by the completions and chat routes; the embeddings route borrows
     ``until_disconnect``)."""
 
-    def __init__(self, engine: EngineClient, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, prompt_tokens_details: bool = False) -> None:
+        """``prompt_tokens_details``: usage tells how many prompt tokens came from the prefix cache
+        (--enable-prompt-tokens-details): off by default, since a hit tells a caller that someone
+        sent the same prompt prefix before (issue 37)."""
         self.engine = engine
         self.metrics = metrics
+        self.prompt_tokens_details = prompt_tokens_details
 
     def build_params(self, kwargs: dict[str, Any]) -> SamplingParams:
         return SamplingParams(**kwargs)
@@ -177,12 +181,21 @@ class ChoiceFanOut:
             return []
         return [normalize_logprob(entry, tid) for entry, tid in zip(raw, new_ids)]
 
-    @staticmethod
-    def usage(choices: list[Choice]) -> dict[str, int]:
+    def usage(self, choices: list[Choice]) -> dict[str, Any]:
         prompt = sum(len(c.prompt_ids) for c in choices if c.sample_idx == 0)
         completion = sum(len(c.token_ids) for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        if self.prompt_tokens_details:  # vLLM's, with --enable-prompt-tokens-details
+            cached = sum(c.cached_tokens for c in choices if c.sample_idx == 0)
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    def cached_tokens(self, choice: Choice, cache_salt: str | None) -> int:
+        """The prompt tokens the prefix cache served ``choice``, where they may be told: with
+        --enable-prompt-tokens-details, or to a salted request (its hits can only come from
+        requests of its own salt); else 0."""
+        return choice.cached_tokens if self.prompt_tokens_details or cache_salt is not None else 0
 
     async def until_disconnect(self, request: Request, coro: Any, streams: list[Any],
                                choices: list[Choice] = ()) -> Any:

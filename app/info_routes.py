@@ -37,25 +37,29 @@ class InfoRoutes:
     with messages) and the metrics."""
 
     def __init__(self, engine: EngineClient, served_model_name: str, checks: RequestChecks,
-                 prompts: ChatPrompts, metrics: ServerMetrics, trust_request_chat_template: bool = False) -> None:
+                 prompts: ChatPrompts, metrics: ServerMetrics, trust_request_chat_template: bool = False,
+                 show_model_paths: bool = False) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.checks = checks
         self.prompts = prompts
         self.metrics = metrics
         self.trust_request_chat_template = trust_request_chat_template
+        self.show_model_paths = show_model_paths  # --show-model-paths: ``root`` is a path, not a name
         self.created = int(time.time())
 
     async def models(self, request: Request) -> Response:
-        """vLLM's model card: ``root`` is the model the name serves, ``permission`` the fixed
-        OpenAI-era permission object vLLM still sends."""
-        root = self.engine.config.model.model or self.model_name
+        """vLLM's model card: ``root`` is the model the name serves (its served name; its path with
+        --show-model-paths, as vLLM: a file system path is nobody's business by default),
+        ``permission`` the fixed OpenAI-era permission object vLLM still sends."""
+        root = (self.engine.config.model.model or self.model_name) if self.show_model_paths else self.model_name
         cards = [self._card(name, root, None) for name in self.checks.model_names]
-        cards += [self._card(name, path, self.model_name) for name, path in self.checks.adapters.cards()]
+        cards += [self._card(name, root, self.model_name)
+                  for name, root in self.checks.adapters.cards(self.show_model_paths)]
         return ORJSONResponse({"object": "list", "data": cards})
 
     def _card(self, name: str, root: str, parent: str | None) -> dict:
-        """One model card; a LoRA adapter's ``root`` is its path and ``parent`` the base model."""
+        """One model card; a LoRA adapter's ``parent`` is the base model."""
         return {
             "id": name, "object": "model", "created": self.created,
             "owned_by": "pagedserve", "root": root, "parent": parent,
@@ -124,7 +128,8 @@ class InfoRoutes:
 
 def openapi_route(engine: EngineClient, name: str, api_key: str | None, max_body_bytes: int,
                   trust_request_chat_template: bool = False,
-                  limits: AdmissionLimits | None = None, lora_runtime_routes: bool = False) -> Callable[[Request], Any]:
+                  limits: AdmissionLimits | None = None, lora_runtime_routes: bool = False,
+                  host_check: bool = False) -> Callable[[Request], Any]:
     """GET /openapi.json: the document is built once, from what this server enforces."""
     from app.openapi import build_openapi
 
@@ -133,7 +138,8 @@ def openapi_route(engine: EngineClient, name: str, api_key: str | None, max_body
         vocab_size=engine.tokenizer.vocab_size, api_key=bool(api_key),
         max_body_bytes=max_body_bytes, version=server_version(),
         trust_request_chat_template=trust_request_chat_template,
-        embedding_size=engine.embedding_size, limits=limits, lora_runtime_routes=lora_runtime_routes))
+        embedding_size=engine.embedding_size, limits=limits, lora_runtime_routes=lora_runtime_routes,
+        host_check=host_check))
 
     async def openapi(request: Request) -> Response:
         return Response(body, media_type="application/json")

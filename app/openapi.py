@@ -49,8 +49,13 @@ ERROR_SCHEMA: dict[str, Any] = {
 _USAGE = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {k: {"type": "integer", "minimum": 0}
-                   for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "properties": {**{k: {"type": "integer", "minimum": 0}
+                      for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                   "prompt_tokens_details": {
+                       "type": "object", "required": ["cached_tokens"],
+                       "description": "Only with --enable-prompt-tokens-details: prompt tokens the "
+                                      "prefix cache served.",
+                       "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}}},
 }
 _POOLING_USAGE = {
     "type": "object",
@@ -110,8 +115,14 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                                "status": {"enum": ["completed", "incomplete"]}}}},
             "usage": {"type": "object",
                       "required": ["input_tokens", "output_tokens", "total_tokens"],
-                      "properties": {k: {"type": "integer", "minimum": 0}
-                                     for k in ("input_tokens", "output_tokens", "total_tokens")}},
+                      "properties": {**{k: {"type": "integer", "minimum": 0}
+                                        for k in ("input_tokens", "output_tokens", "total_tokens")},
+                                     "input_tokens_details": {
+                                         "type": "object",
+                                         "description": "`cached_tokens`: prompt tokens the prefix cache "
+                                                        "served, told to a request with a `cache_salt` or "
+                                                        "with --enable-prompt-tokens-details; else 0.",
+                                         "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}}}},
         },
     },
     "EmbeddingList": {
@@ -148,7 +159,9 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
             "type": "object", "required": ["id", "object", "created", "owned_by"],
             "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                            "created": {"type": "integer"}, "owned_by": {"type": "string"},
-                           "root": {"type": "string"}, "parent": {"type": ["string", "null"]},
+                           "root": {"type": "string", "description": "The served name; the model's or "
+                                                                     "adapter's path with --show-model-paths."},
+                           "parent": {"type": ["string", "null"]},
                            "max_model_len": {"type": "integer"},
                            "permission": {"type": "array", "items": {"type": "object"}}}}}},
     },
@@ -203,6 +216,15 @@ def _json(description: str, schema_name: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ref(schema_name)}}}
 
 
+_INVALID_HOST = (" Also: a Host header this server does not answer (code `invalid_host`; without --api-key "
+                 "only the bound address, localhost and --allowed-hosts are served).")
+
+
+def _unsupported_media_type() -> dict[str, Any]:
+    return _error("The body is not `application/json` (code `unsupported_media_type`): refused before it "
+                  "is read, as vLLM refuses it.")
+
+
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying (overload only).",
                                 "schema": {"type": "string"}}}
 _WWW_AUTH = {"WWW-Authenticate": {"schema": {"type": "string"}}}
@@ -220,6 +242,7 @@ def _post(summary: str, model_name: str, ok: dict[str, Any], *, generates: bool,
                       "(context length, best_of == n, ...). `param` names the field."),
         "404": _error("The `model` field names a model this server does not serve."),
         "413": _error(f"The request body is larger than {max_body_bytes} bytes."),
+        "415": _unsupported_media_type(),
     }
     responses["408"] = _timeout_error(body=True)
     if generates:
@@ -235,8 +258,13 @@ def _lora_route(summary: str, load: bool) -> dict[str, Any]:
             "properties": {"lora_name": {"type": "string"}, "lora_path": {"type": "string"}}}
     responses = {
         "200": {"description": "Done (vLLM's plain-text answer).", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        "400": _error("A bad body, or an adapter that cannot serve (the message says why) or is already loaded."),
+        "400": _error("A bad body, or an adapter already loaded; " + (
+            "a `lora_path` refused (code `lora_path_refused`: one message for every refused path, which must "
+            "lie under a --lora-root, hold no symbolic links and fit the base model; the reason is logged), or "
+            "--max-runtime-loras adapters already loaded (code `too_many_adapters`)." if load else
+            "an adapter of --lora-modules, which the API cannot unload (code `adapter_pinned`).")),
         "408": _timeout_error(body=True),
+        "415": _unsupported_media_type(),
     }
     if not load:
         responses["404"] = _error("No adapter of that name is loaded (code `model_not_found`).")
@@ -307,12 +335,13 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
                   api_key: bool, max_body_bytes: int, version: str,
                   trust_request_chat_template: bool = False,
                   embedding_size: int | None = None, limits: AdmissionLimits | None = None,
-                  lora_runtime_routes: bool = False) -> dict[str, Any]:
+                  lora_runtime_routes: bool = False, host_check: bool = False) -> dict[str, Any]:
     """The OpenAPI document of one server. ``api_key``: whether /v1/*, /tokenize,
     /detokenize and /score require a bearer token (they answer 401 without it). Every response carries
     ``X-Request-Id``: the client's (header, or a generating route's ``request_id`` field) or a
     new one. ``limits``: the server's admission limits (maxItems and the like).
-    ``lora_runtime_routes``: the server answers /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    ``lora_runtime_routes``: the server answers /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    ``host_check``: a request with a Host header the server does not serve gets 400 (app/trusted_host.py)."""
     limits = limits or AdmissionLimits()
     tokenize_body_bytes = min(max_body_bytes, limits.max_tokenize_body_bytes)
     schemas = copy.deepcopy(request_schemas())
@@ -388,6 +417,10 @@ def build_openapi(*, served_model_name: str, max_model_len: int, vocab_size: int
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
                     op["responses"]["401"] = _error("Missing or wrong API key.", _WWW_AUTH)
+    if host_check:
+        for item in paths.values():
+            for op in item.values():
+                op["responses"].setdefault("400", _error("Invalid request."))["description"] += _INVALID_HOST
     for item in paths.values():
         for op in item.values():
             for resp in op["responses"].values():

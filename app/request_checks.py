@@ -15,6 +15,11 @@ from engine.client import EngineClient
 from engine.lora_request import LoRARequest
 
 
+def is_json_media_type(content_type: str | None) -> bool:
+    """Whether a Content-Type header names JSON (``application/json``, any parameters, any case)."""
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
 class RequestChecks:
     """What a request may be, against this engine, the served name and the admission bounds
     (``limits``, app/admission.py)."""
@@ -33,7 +38,11 @@ class RequestChecks:
     async def read_json(self, request: Request, limit: int | None = None,
                         flag: str = "--max-body-bytes") -> Any:
         """The decoded body; past ``limit`` bytes (default --max-body-bytes) a 413 naming ``flag``,
-        before the rest is read."""
+        before the rest is read. A body that is not ``application/json`` is a 415 before anything
+        is read: a web page can send text/plain, form data or an untyped body to this server
+        without a CORS preflight, never JSON (issue 37)."""
+        if not is_json_media_type(request.headers.get("content-type")):
+            raise APIError.unsupported_media_type()
         if limit is None or limit >= self.max_body_bytes:
             limit, flag = self.max_body_bytes, "--max-body-bytes"
         length = request.headers.get("content-length")

@@ -22,6 +22,7 @@ import socket
 from app.admission import AdmissionLimits
 from app.engine_args import add_engine_args, engine_config_from_args, flag
 from app.listen import ListenError, bind_socket
+from app.lora_adapters import DEFAULT_MAX_RUNTIME_LORAS
 from app.vllm_flags import add_refused_vllm_flags
 from app.reasoning.parser import REASONING_PARSERS
 from app.tools.parsers import AUTO_PARSERS
@@ -88,7 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         '{"name": ..., "path": ..., "base_model_name": ...}')
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind --api-key like every /v1 route)")
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind --api-key like every /v1 route); needs "
+                        "--lora-root")
+    g.add_argument("--lora-root", action=_PathList, default=[], metavar="DIR",
+                   help="a directory under which /v1/load_lora_adapter may read adapters (repeat the flag or "
+                        "give a comma-separated list): a lora_path whose real path lies under none, or whose "
+                        "files are symbolic links, is refused, every refusal with the same message (the "
+                        "reason goes to the log). --lora-modules may name any path")
+    g.add_argument("--max-runtime-loras", type=int, default=DEFAULT_MAX_RUNTIME_LORAS,
+                   help="adapters /v1/load_lora_adapter may load (besides --lora-modules); past it a load gets "
+                        "400 until one is unloaded (default: %(default)s)")
+    g.add_argument("--show-model-paths", action="store_true",
+                   help="GET /v1/models shows the model's and the adapters' paths as `root` (as vLLM does); "
+                        "by default `root` is the served name")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto" (the default when a request has tools): tools go into '
                         "the prompt and the reply is parsed for calls; without it such requests get 400")
@@ -104,18 +117,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds between ': ping' comments on streams, for proxies that cut idle "
                         "connections; 0 (default) = none, as OpenAI and vLLM (`vllm bench serve` "
                         "loses events after a comment)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage tells how many prompt tokens the prefix cache served (vLLM's: "
+                        "prompt_tokens_details.cached_tokens on chat and completions, cached_tokens on "
+                        "/v1/responses for every request); off, only a request with a cache_salt learns "
+                        "it (/v1/responses), since a hit tells a caller someone sent that prefix before")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="allow a request's own chat_template (a Jinja template the server renders); "
                         "without it such requests get 400, as in vLLM")
     g.add_argument("--allowed-origins", type=_origins, default=None,
                    help="CORS: the origins browsers may call the API from, as a JSON list or comma-separated "
                         '(["*"] = any); without it no CORS headers are sent')
+    g.add_argument("--allowed-hosts", type=_origins, default=None,
+                   help="the Host header names served, as a JSON list or comma-separated (exact, "
+                        "'*.example.com', or '*' = any). Without --api-key only the --host address, "
+                        "localhost and these are served (any IP literal too when bound to 0.0.0.0 / ::), "
+                        "others get 400: a web page cannot reach this server by DNS rebinding. With "
+                        "--api-key every host is served unless this flag is given")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     AdmissionLimits.add_arguments(parser)
     add_refused_vllm_flags(parser)
+
+
+class _PathList(argparse.Action):
+    """A repeatable flag whose values may also be comma-separated lists: all of them, in order."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        items = list(getattr(namespace, self.dest) or [])
+        items += [v.strip() for v in values.split(",") if v.strip()]
+        setattr(namespace, self.dest, items)
 
 
 def _origins(value: str) -> list[str]:
@@ -158,12 +191,31 @@ def check_ssl(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {path!r}: no such file")
 
 
+def check_access(args: argparse.Namespace) -> None:
+    """Who may reach the API: ``args.trusted_hosts`` from --host, --api-key and --allowed-hosts
+    (app/trusted_host.py); what a runtime LoRA load may read (--lora-root)."""
+    from app.lora_adapters import check_roots
+    from app.trusted_host import TrustedHosts
+
+    if args.allow_runtime_lora_updating and not args.lora_root:
+        raise ConfigError("--allow-runtime-lora-updating needs --lora-root DIR: the directories under which "
+                          "/v1/load_lora_adapter may read adapters")
+    check_roots(args.lora_root)  # each a directory, before any model is loaded
+    if args.max_runtime_loras < 0:
+        raise ConfigError(f"--max-runtime-loras must be at least 0, got {args.max_runtime_loras}")
+    try:
+        args.trusted_hosts = TrustedHosts.for_server(args.host, args.api_key, args.allowed_hosts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         take_model(args)
         check_ssl(args)
+        check_access(args)
     except ConfigError as e:
         logger.error("cannot start: %s", e)
         return 1
@@ -253,7 +305,10 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
                         tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
                         limits=limits, reasoning_parser=args.reasoning_parser,
                         other_names=args.other_served_names, allowed_origins=args.allowed_origins,
-                        lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                        lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                        trusted_hosts=args.trusted_hosts, lora_roots=args.lora_root,
+                        max_runtime_loras=args.max_runtime_loras, show_model_paths=args.show_model_paths)
         uv_config.app = app
         app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks

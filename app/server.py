@@ -35,12 +35,13 @@ from app.errors import APIError, to_api_error
 from app.fanout import ChoiceFanOut, ClientDisconnected, shutdown_error
 from app.info_routes import InfoRoutes, openapi_route
 from app.logprob_format import LogprobFormat
-from app.lora_adapters import LoRAAdapters, LoRAModule
+from app.lora_adapters import DEFAULT_MAX_RUNTIME_LORAS, LoRAAdapters, LoRAModule, check_roots, request_scope
 from app.metrics import HTTPErrorCounter, ServerMetrics
 from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
 from app.responses import error_response
 from app.request_checks import RequestChecks
+from app.trusted_host import HostCheckMiddleware, TrustedHosts
 from app.responses_api.route import ResponsesRoute
 from app.reasoning.output import check_parser_name
 from app.tools.plan import ToolConfig
@@ -72,13 +73,14 @@ def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: 
                  sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
                  tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
                  reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
-                 adapters: LoRAAdapters | None = None) -> OpenAIServer:
+                 adapters: LoRAAdapters | None = None, enable_prompt_tokens_details: bool = False,
+                 show_model_paths: bool = False) -> OpenAIServer:
     """Each route family with its collaborators (``other_names``: the model's further served names;
     ``adapters``: the LoRA adapters served by name)."""
     check_parser_name(reasoning_parser)
     checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits(),
                            other_names, adapters)
-    fanout = ChoiceFanOut(engine, metrics)
+    fanout = ChoiceFanOut(engine, metrics, enable_prompt_tokens_details)
     logprob_format = LogprobFormat(engine)
     prompts = ChatPrompts(engine, checks)
     chat = ChatRoute(engine, name, checks, prompts, fanout, logprob_format,
@@ -89,13 +91,14 @@ def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: 
         completion=CompletionsRoute(engine, name, checks, fanout, logprob_format, sse_ping_interval),
         chat=chat, responses=ResponsesRoute(chat, sse_ping_interval),
         embedding=EmbeddingsRoute(engine, name, checks, fanout, metrics),
-        info=InfoRoutes(engine, name, checks, prompts, metrics, trust_request_chat_template))
+        info=InfoRoutes(engine, name, checks, prompts, metrics, trust_request_chat_template, show_model_paths))
 
 
 def _wrap(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> Response:
         try:
-            return await handler(request)
+            with request_scope():  # the LoRA adapters it resolves stay loaded until it returns
+                return await handler(request)
         except (ClientDisconnected, ClientDisconnect):  # also gone in the middle of its body
             return Response(status_code=499)
         except asyncio.CancelledError:
@@ -130,7 +133,9 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
               tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
               reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
               allowed_origins: list[str] | None = None, lora_modules: list[LoRAModule] | None = None,
-              allow_runtime_lora_updating: bool = False) -> Starlette:
+              allow_runtime_lora_updating: bool = False, enable_prompt_tokens_details: bool = False,
+              lora_roots: list[str] | None = None, max_runtime_loras: int = DEFAULT_MAX_RUNTIME_LORAS,
+              show_model_paths: bool = False, trusted_hosts: TrustedHosts | None = None) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
@@ -141,9 +146,20 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     carry the first). ``allowed_origins``: --allowed-origins (CORS), None = no CORS headers.
     ``lora_modules``: the adapters served by name from the start (--lora-modules; each checked
     now: a bad one raises APIError); ``allow_runtime_lora_updating``: the load / unload routes
-    answer (--allow-runtime-lora-updating)."""
+    answer (--allow-runtime-lora-updating), reading only under ``lora_roots`` (--lora-root, required
+    then: ConfigError without) and loading at most ``max_runtime_loras`` adapters
+    (--max-runtime-loras). ``show_model_paths``: /v1/models shows the model's and adapters' paths
+    as ``root`` (--show-model-paths; else their names). ``enable_prompt_tokens_details``: usage tells every
+    caller how many prompt tokens the prefix cache served (--enable-prompt-tokens-details; without
+    it only /v1/responses tells, and only a salted request). ``trusted_hosts``: the Host headers
+    answered (app/trusted_host.py, what `serve` passes from --host, --api-key and --allowed-hosts);
+    None = any."""
     name = served_model_name or engine.model_name
-    adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora))
+    if allow_runtime_lora_updating and not lora_roots:
+        raise ConfigError("--allow-runtime-lora-updating needs --lora-root DIR: the directories under which "
+                          "/v1/load_lora_adapter may read adapters")
+    adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora), check_roots(lora_roots or ()),
+                            max_runtime_loras)
     for module in lora_modules or ():
         try:
             adapters.add(module.name, module.path, module.base_model_name)
@@ -154,7 +170,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     s = build_server(engine, name, max_body_bytes, metrics, sse_ping_interval=sse_ping_interval,
                      trust_request_chat_template=trust_request_chat_template, tool_config=tool_config,
                      limits=limits, reasoning_parser=reasoning_parser, other_names=other_names,
-                     adapters=adapters)
+                     adapters=adapters, enable_prompt_tokens_details=enable_prompt_tokens_details,
+                     show_model_paths=show_model_paths)
     routes = [
         Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
@@ -171,7 +188,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
         Route("/metrics", _wrap(s.info.metrics_route), methods=["GET"]),
         Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes,
                                              trust_request_chat_template, s.checks.limits,
-                                             allow_runtime_lora_updating), methods=["GET"]),
+                                             allow_runtime_lora_updating, trusted_hosts is not None),
+              methods=["GET"]),
     ]
     if allow_runtime_lora_updating:  # else absent, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
         routes += [Route("/v1/load_lora_adapter", _wrap(partial(adapters.load_route, checks=s.checks)),
@@ -182,6 +200,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if trusted_hosts is not None:  # before the API key is asked; its 400s are counted
+        app.add_middleware(HostCheckMiddleware, hosts=trusted_hosts)
     app.add_middleware(HTTPErrorCounter, metrics=metrics)  # sees 401s too
     if allowed_origins:  # browsers' preflight (OPTIONS) is answered before the API key is asked
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],

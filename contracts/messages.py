@@ -274,6 +274,9 @@ class StepOutput(msgspec.Struct, array_like=True):
     # Speculative decoding: int32 count of tokens each sampled sequence got (1 + accepted drafts),
     # empty when every one got one. token_ids (and logprobs) then hold them all, flattened.
     num_tokens_buf: bytes = b""
+    # Slots of this step's lora_loads that failed to load (emptied on every rank): the engine fails
+    # the requests of those adapters in this step and forgets the slots. None = all loaded.
+    lora_failed: list[int] | None = None
 
     @classmethod
     def pack(cls, step_id: int, seq_ids: Iterable[int], token_ids: Iterable[int],

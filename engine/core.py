@@ -224,6 +224,8 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
         touched: dict[str, Request] = {}
         if step_output.error is not None:
             logger.error("step %d failed on the worker: %s", scheduled.step_input.step_id, step_output.error)
+            if scheduled.step_input.lora_loads:  # whether the workers' slots hold them is unknown
+                self.lora_slots.unsent(scheduled.step_input.lora_loads)
             for seq in scheduled.seqs:
                 req = seq.request
                 if req.request_id not in self.requests:
@@ -235,6 +237,8 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
                 touched[req.request_id] = req
             return [out for req in touched.values() if (out := self._make_output(req)) is not None]
 
+        if step_output.lora_failed:  # before step_done: their blocks must never enter the prefix cache
+            self._fail_lora_loads(scheduled, step_output.lora_failed, touched)
         self.scheduler.step_done(scheduled)
         if step_output.pooled:
             self.take_pooled(step_output.pooled, touched)
@@ -288,6 +292,33 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _fail_lora_loads(self, scheduled: ScheduledStep, failed_slots: list[int],
+                         touched: dict[str, Request]) -> None:
+        """The workers could not load these slots' adapters (their files changed or broke after the
+        check): the requests of this step that ran with them fail (a 400, ``adapter_load_failed``:
+        their rows ran without their weights), the slots are forgotten; every other request goes on."""
+        failed = set(failed_slots)
+        loads = [ld for ld in scheduled.step_input.lora_loads or () if ld.slot in failed]
+        keys = {(ld.lora_id, ld.path) for ld in loads}
+        for load in loads:
+            self.lora_slots.load_failed(load)
+            logger.error("LoRA adapter %d could not be loaded by the workers; failing its requests in step %d",
+                         load.lora_id, scheduled.step_input.step_id)
+        for seq in scheduled.seqs:
+            req = seq.request
+            lora = req.lora_request
+            if (lora is None or (lora.lora_int_id, lora.lora_path) not in keys
+                    or req.request_id not in self.requests):
+                continue
+            req.error = (f"LoRA adapter {lora.lora_name!r} could not be loaded by the workers (its files changed or "
+                         f"cannot be read since it was checked); load it again")
+            req.error_from_request = True
+            req.error_code = "adapter_load_failed"
+            for s in req.seqs:
+                if not s.is_finished:
+                    self._finish_seq(s, "error")
+            touched[req.request_id] = req
 
     def fail_request(self, req: Request, cause: BaseException | None = None,
                      message: str = INTERNAL_REQUEST_ERROR) -> RequestOutput | None:

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.kv_blocks import hash_block, salt_key
+from engine.kv_blocks import first_block_key, hash_block
 
 DEFAULT_MAX_IMBALANCE = 4  # requests beyond the least loaded replica before affinity yields
 DEFAULT_KV_IMBALANCE = 0.25  # KV usage beyond the least loaded replica before affinity yields
@@ -91,7 +91,7 @@ class PrefixIndex:
         hashes: list[bytes] = []
         parent = self.root_hash
         for i in range(n):
-            parent = hash_block(parent, prompt_ids[i * B:(i + 1) * B], salt_key(cache_salt) if i == 0 else b"")
+            parent = hash_block(parent, prompt_ids[i * B:(i + 1) * B], first_block_key(cache_salt) if i == 0 else b"")
             hashes.append(parent)
         return hashes
 

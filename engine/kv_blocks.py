@@ -13,7 +13,9 @@ is evicted before its beginning.
 
 Prefix caching: a FULL block is identified by a sha256 digest (32 bytes) over its parent's
 digest, its token ids packed as little-endian uint64 and, for the first block only, the
-request's ``cache_salt`` and LoRA adapter (``LoRARequest.cache_key``). The chain starts from a root digest seeded with the model's identity
+request's ``cache_salt`` and LoRA adapter (``LoRARequest.cache_key``: its id and path), each part
+tagged and length-prefixed (``first_block_key``) so that no two (salt, adapter) tuples give the same
+bytes. The chain starts from a root digest seeded with the model's identity
 (``model_hash_seed``), so two models never share a chain and tenants with different salts never
 share a block. A hit is trusted without comparing tokens, so the hash must be collision
 resistant: Python's ``hash()`` is not (ints hash modulo 2**61 - 1 and tuples only mix their
@@ -84,9 +86,25 @@ def _packer(num_tokens: int):
     return struct.Struct(f"<{num_tokens}Q").pack
 
 
+def length_prefixed(data: bytes) -> bytes:
+    """``data`` with its length first (uint64 LE): a part of a key that cannot run into the next."""
+    return _LENGTH.pack(len(data)) + data
+
+
+_LENGTH = struct.Struct("<Q")
+
+
 def salt_key(cache_salt: str | None) -> bytes:
-    """The first block's extra key: empty without a salt; b"S" + UTF-8 otherwise (so "" != None)."""
-    return b"" if cache_salt is None else b"S" + cache_salt.encode("utf-8", "surrogatepass")
+    """The salt's part of the first block's key: empty without a salt; b"S" + the length-prefixed
+    UTF-8 otherwise (so "" != None, and a salt never reads as a salt plus an adapter)."""
+    return b"" if cache_salt is None else b"S" + length_prefixed(cache_salt.encode("utf-8", "surrogatepass"))
+
+
+def first_block_key(cache_salt: str | None, lora_key: bytes = b"") -> bytes:
+    """The first block's extra key: the salt's part, then the adapter's (LoRARequest.cache_key,
+    itself tagged and length-prefixed). Each part is self-delimiting, so the concatenation of two
+    different (salt, adapter) tuples is never the same bytes; base model without salt: b""."""
+    return salt_key(cache_salt) + lora_key
 
 
 def root_hash(seed: bytes) -> bytes:
@@ -156,7 +174,7 @@ class BlockManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             if i == 0:
-                hashes.append(hash_block(self.root_hash, tokens[:B], salt_key(seq.cache_salt) + seq.lora_key))
+                hashes.append(hash_block(self.root_hash, tokens[:B], first_block_key(seq.cache_salt, seq.lora_key)))
             else:
                 hashes.append(hash_block(hashes[-1], tokens[i * B:(i + 1) * B]))
         return hashes

@@ -1,6 +1,7 @@
 """LoRARequest: which adapter a request runs with (vLLM's ``vllm.lora.request.LoRARequest``)."""
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 
@@ -37,5 +38,9 @@ class LoRARequest:
 
     def cache_key(self) -> bytes:
         """What enters the prefix-cache hash chain: requests of different adapters never share
-        K/V (the id and the path, so a re-used id with other weights is another chain too)."""
-        return b"L" + str(self.lora_int_id).encode() + b"\0" + self.lora_path.encode("utf-8", "surrogatepass")
+        K/V (the id and the path, so a re-used id with other weights is another chain too). Tagged,
+        with the lengths of the id (decimal) and the path first (engine/kv_blocks.first_block_key):
+        no salt and adapter pair reads as another."""
+        num = str(self.lora_int_id).encode()
+        path = self.lora_path.encode("utf-8", "surrogatepass")
+        return b"L" + struct.pack("<QQ", len(num), len(path)) + num + path

@@ -81,6 +81,13 @@ class LoRASlots:
                 slots.append(slot)
         return slots, loads
 
+    def load_failed(self, load: LoRALoad) -> None:
+        """The workers could not load ``load`` (they emptied its slot): the slot holds nothing, and
+        the adapter's checked spec goes, so its next request reads its files again."""
+        if self._slots[load.slot] == (load.lora_id, load.path):
+            self._slots[load.slot] = None
+        self._checked.pop((load.lora_id, load.path), None)
+
     def unsent(self, loads: list[LoRALoad]) -> None:
         """A step's loads never reached the workers: those slots hold nothing known."""
         for load in loads:

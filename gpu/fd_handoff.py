@@ -4,21 +4,31 @@ Why: a ``RingSpec`` / ``PipeSpec`` carries its wake-up fds as ``PassFd``, which 
 the arguments of a ``multiprocessing`` child. A Ray actor is started by the raylet, not by the
 engine, so on the same node its fds come over a Unix socket instead (SCM_RIGHTS). The socket
 is abstract (no file to clean up), lives only while the actors attach, and answers only a
-caller that presents the random token sent along with the address (in the Ray call).
+caller of this user (or one of the workers' pids, by its peer credentials) that presents the random
+token sent along with the address (in the Ray call), each caller within its own short deadline.
 
 ``split_spec`` turns a spec into a picklable skeleton (fds replaced by their index) plus the
 fd list; ``rebuild_spec`` puts received fds back, marked as owned by the receiving end.
 """
 from __future__ import annotations
 
+import logging
+import os
 import secrets
+import selectors
 import socket
+import struct
 import time
 import uuid
+from collections.abc import Iterable
 
 from gpu.transport_end import PassFd
 
+logger = logging.getLogger(__name__)
+
 _TOKEN_BYTES = 32
+PEER_TIMEOUT_S = 2.0  # for one caller to send its token (a worker sends it as soon as it connects)
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class _FdSlot:
@@ -64,10 +74,17 @@ def rebuild_spec(skeleton: tuple, fds: list[int]):
 
 
 class FdServer:
-    """Serves one fd list to callers with the token, on an abstract Unix socket."""
+    """Serves one fd list to callers with the token, on an abstract Unix socket.
 
-    def __init__(self, fds: list[int]):
+    An abstract socket has no file permissions: any local process may connect. So a caller is read
+    only if its peer credentials (SO_PEERCRED) name this user or one of ``allowed_pids`` (the
+    workers' processes); others are hung up on unread. Callers are served side by side, each with
+    its own deadline (``PEER_TIMEOUT_S``) to send the token, so a caller that connects and stays
+    silent never holds the handoff up (issue 37)."""
+
+    def __init__(self, fds: list[int], allowed_pids: Iterable[int] = ()):
         self.fds = list(fds)
+        self.allowed_pids = set(allowed_pids)
         self.token = secrets.token_bytes(_TOKEN_BYTES)
         self.address = "\0pagedserve-fds-" + uuid.uuid4().hex
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -78,22 +95,82 @@ class FdServer:
         """Hand the fds to ``count`` callers presenting the token, or raise TimeoutError."""
         deadline = time.monotonic() + timeout
         served = 0
-        while served < count:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{count - served} worker(s) did not collect the channel fds in time")
-            self._sock.settimeout(left)
-            try:
-                conn, _ = self._sock.accept()
-            except socket.timeout:
-                continue
-            with conn:
-                conn.settimeout(max(0.1, deadline - time.monotonic()))
-                token = _recv_exact(conn, _TOKEN_BYTES)
-                if not secrets.compare_digest(token, self.token):
-                    continue  # a stranger: nothing for it
-                socket.send_fds(conn, [b"k"], self.fds)
-                served += 1
+        pending: dict[socket.socket, tuple[bytearray, float]] = {}  # caller -> (token so far, its deadline)
+        sel = selectors.DefaultSelector()
+        self._sock.setblocking(False)
+        sel.register(self._sock, selectors.EVENT_READ, None)
+
+        def drop(conn: socket.socket) -> None:
+            pending.pop(conn, None)
+            sel.unregister(conn)
+            conn.close()
+
+        try:
+            while served < count:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(f"{count - served} worker(s) did not collect the channel fds in time")
+                for conn, (_, until) in list(pending.items()):
+                    if now >= until:  # silent or slow: hung up on, the others go on
+                        drop(conn)
+                wake = min([deadline, *(until for _, until in pending.values())])
+                for key, _ in sel.select(max(0.0, wake - now)):
+                    if key.data is None:
+                        self._accept(sel, pending, now)
+                        continue
+                    conn = key.data
+                    token, until = pending[conn]
+                    try:
+                        chunk = conn.recv(_TOKEN_BYTES - len(token))
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        drop(conn)
+                        continue
+                    if not chunk:
+                        drop(conn)
+                        continue
+                    token += chunk
+                    if len(token) < _TOKEN_BYTES:
+                        continue
+                    if secrets.compare_digest(bytes(token), self.token):
+                        try:
+                            conn.setblocking(True)
+                            conn.settimeout(PEER_TIMEOUT_S)
+                            socket.send_fds(conn, [b"k"], self.fds)
+                            served += 1
+                        except OSError:
+                            pass
+                    drop(conn)  # a stranger with a wrong token gets nothing
+        finally:
+            for conn in list(pending):
+                drop(conn)
+            sel.close()
+            self._sock.setblocking(True)
+
+    def _accept(self, sel, pending: dict, now: float) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        if not self._trusted(conn):
+            conn.close()
+            return
+        conn.setblocking(False)
+        pending[conn] = (bytearray(), now + PEER_TIMEOUT_S)
+        sel.register(conn, selectors.EVENT_READ, conn)
+
+    def _trusted(self, conn: socket.socket) -> bool:
+        """Whether the caller is this user or one of the allowed pids (SO_PEERCRED)."""
+        try:
+            pid, uid, _ = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+        except OSError:
+            return False
+        if uid == os.geteuid() or pid in self.allowed_pids:
+            return True
+        logger.warning("fd handoff: refused a connection from pid %d (uid %d), not a worker of this server",
+                       pid, uid)
+        return False
 
     def close(self) -> None:
         self._sock.close()

@@ -4,6 +4,12 @@ The engine decides which adapter sits in which slot (engine/lora_slots.py) and s
 (``StepInput.lora_loads``) only when a slot changes; every rank applies the same loads, so the
 ranks' slots agree. A step's rows name their slot in ``StepInput.lora_slots``; ``batch`` turns
 that into the per-row mask every LoRA layer of the step reads (gpu/models/lora_layers.py).
+
+A load that fails (the files changed since the engine checked them, a read error) never fails the
+step: its slot is emptied (zero A and B: a base-model delta of exactly zero) and the slot is
+reported in ``StepOutput.lora_failed``, so the engine fails that adapter's requests alone and
+forgets the slot. With tensor parallelism the ranks agree first (a failure on any rank empties the
+slot on all), so no rank raises and leaves its peers in a collective.
 """
 from __future__ import annotations
 
@@ -78,28 +84,57 @@ class WorkerLoRA:
         self.cache: OrderedDict[tuple[int, str], AdapterWeights] = OrderedDict()  # LRU, max_cpu_loras
         self.slots: list[tuple[int, str] | None] = [None] * config.max_loras
 
-    def apply_loads(self, loads: list[LoRALoad]) -> None:
-        for load in loads:
-            key = (load.lora_id, load.path)
-            weights = self.cache.get(key)
-            if weights is None:
-                weights = load_adapter_weights(load.path, self.hf_config, self.config.max_lora_rank,
-                                               self.lora_dtype)
-                self.cache[key] = weights
-                while len(self.cache) > self.config.cpu_loras:
-                    self.cache.popitem(last=False)
-                logger.info("loaded LoRA adapter %d from %s", load.lora_id, load.path)
-            self.cache.move_to_end(key)
-            for layer, holders in self.layers.items():
-                modules = weights.get(layer, {})
-                for h in holders:
-                    h.set_slot(load.slot, modules)
-            self.slots[load.slot] = key
+    def apply_loads(self, loads: list[LoRALoad]) -> list[int]:
+        """Put each load's adapter into its slot; the slots whose load failed (emptied), agreed
+        over the tensor-parallel ranks."""
+        failed = [0] * len(loads)
+        for i, load in enumerate(loads):
+            try:
+                self._load(load)
+            except Exception as e:  # noqa: BLE001 - this adapter's fault: its slot empties, the step goes on
+                logger.error("LoRA adapter %d from %r could not be loaded into slot %d: %s", load.lora_id,
+                             load.path[:300], load.slot, repr(str(e)[:1000]))
+                failed[i] = 1
+        failed = self._agree(failed)
+        for load, bad in zip(loads, failed):
+            if bad:
+                self._empty(load.slot)
+        return [load.slot for load, bad in zip(loads, failed) if bad]
+
+    def _load(self, load: LoRALoad) -> None:
+        key = (load.lora_id, load.path)
+        weights = self.cache.get(key)
+        if weights is None:
+            weights = load_adapter_weights(load.path, self.hf_config, self.config.max_lora_rank, self.lora_dtype)
+            self.cache[key] = weights
+            while len(self.cache) > self.config.cpu_loras:
+                self.cache.popitem(last=False)
+            logger.info("loaded LoRA adapter %d from %r", load.lora_id, load.path[:300])
+        self.cache.move_to_end(key)
+        for layer, holders in self.layers.items():
+            modules = weights.get(layer, {})
+            for h in holders:
+                h.set_slot(load.slot, modules)
+        self.slots[load.slot] = key
+
+    def _empty(self, slot: int) -> None:
+        for holders in self.layers.values():
+            for h in holders:
+                h.clear_slot(slot)
+        self.slots[slot] = None
+
+    def _agree(self, failed: list[int]) -> list[int]:
+        """A load failed if it failed on any tensor-parallel rank (identity at tp = 1)."""
+        from gpu.parallel_state import get_tp_size, tp_all_reduce
+
+        if get_tp_size() == 1 or not failed:
+            return failed
+        flags = tp_all_reduce(torch.tensor(failed, dtype=torch.int32, device=self.device))
+        return [int(v > 0) for v in flags.tolist()]
 
     def batch(self, step: StepInput, query_lens: list[int]) -> LoRABatch | None:
-        """The step's per-row slot mask, or None when no row uses an adapter."""
-        if step.lora_loads:
-            self.apply_loads(step.lora_loads)
+        """The step's per-row slot mask, or None when no row uses an adapter (the step's loads
+        are applied before, by ``apply_loads``)."""
         if not step.lora_slots_buf:
             return None
         seq_slots = step.lora_slots.tolist()

@@ -229,10 +229,10 @@ class ModelRunner(KVCacheSizing):
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         states = self.begin_step(step)
+        # adapters into their slots; a failed load empties its slot and fails its requests only
+        lora_failed = self.lora.apply_loads(step.lora_loads) if self.lora is not None and step.lora_loads else []
         if not states:
-            if self.lora is not None and step.lora_loads:
-                self.lora.apply_loads(step.lora_loads)
-            return StepOutput(step.step_id)
+            return StepOutput(step.step_id, lora_failed=lora_failed or None)
         drafts = draft_slices(step)  # speculative decoding: None unless some row has drafts
         if drafts is not None and self.drafter is not None:  # placeholders: the draft model proposes
             self.drafter.propose(self, step.seq_ids, states, drafts)
@@ -321,6 +321,7 @@ class ModelRunner(KVCacheSizing):
         out = StepOutput.pack(step.step_id, sample_ids, token_ids, logprobs, prompt_logprobs or None,
                               num_tokens if drafts is not None and sample_rows else None)
         out.pooled = pooled or None
+        out.lora_failed = lora_failed or None
         return out
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

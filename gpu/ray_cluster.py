@@ -6,9 +6,17 @@ Which cluster: ``--ray-address`` (``ray_address``), else what ``ray.init`` finds
 ``RAY_ADDRESS`` variable, then a cluster started with ``ray start`` on this machine), else a
 local instance started here, which the executor stops again on shutdown. A process that already
 called ``ray.init`` (tests, a notebook) keeps its instance.
+
+A local instance started here is one node and listens on the loopback interface only (issue 37):
+Ray binds its GCS, raylet, workers and agents to the node IP, on every interface by default, and
+takes the loopback address as the node IP only where it thinks clusters are off
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, its switch for Windows and macOS). ``_loopback_node``
+sets that for the start: the processes Ray spawns get 127.0.0.1 as their address. To span
+machines, start Ray yourself (`ray start --head`) and pass --ray-address.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -89,14 +97,39 @@ def _connect(ray, address: str | None, world_size: int = 1) -> bool:
             try:  # RAY_ADDRESS, else a cluster started with `ray start` on this machine
                 ray.init(address="auto", **kwargs)
             except ConnectionError:  # none: a local instance of our own, its object store bounded
-                ray.init(address="local", object_store_memory=env.RAY_OBJECT_STORE_BYTES.get(),
-                         num_cpus=local_num_cpus(world_size), **kwargs)
+                with _loopback_node():
+                    ray.init(address="local", object_store_memory=env.RAY_OBJECT_STORE_BYTES.get(),
+                             num_cpus=local_num_cpus(world_size), **kwargs)
                 started = True
     except Exception as e:
         raise ExecutorError(f"cannot connect to Ray{f' at {address}' if address else ''}: {e}") from e
     logger.info("%s Ray (%s)", "started a local" if started else "connected to",
                 ray.get_runtime_context().gcs_address)
     return started
+
+
+_RAY_LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """While a local Ray starts: its node IP is 127.0.0.1, so every process it starts listens there
+    only. Ray reads the switch from the environment (its children) and from ray_constants (this
+    driver, already imported); both are restored afterwards."""
+    from ray._private import ray_constants
+
+    before_env = os.environ.get(_RAY_LOOPBACK_SWITCH)
+    before_const = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_RAY_LOOPBACK_SWITCH] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before_const
+        if before_env is None:
+            os.environ.pop(_RAY_LOOPBACK_SWITCH, None)
+        else:
+            os.environ[_RAY_LOOPBACK_SWITCH] = before_env
 
 
 # How long release() waits for killed actors on this node to exit; it returns as soon as they

@@ -157,7 +157,8 @@ class RayRingExecutor(MultiprocExecutor):
         self.num_blocks = start_ranks(placed, self.config, runner_factory, num_threads, timeout)
         step_skeleton, step_fds = split_spec(res.step_ring.spec)
         reply_skeleton, reply_fds = split_spec(res.reply_ring.spec)
-        with FdServer(step_fds + reply_fds) as server:
+        # the actors' pids: their fds are theirs even when Ray runs as another user
+        with FdServer(step_fds + reply_fds, allowed_pids=placed.pids) as server:
             answering = output_rank(self.config)  # rank 0, or the last stage's first rank
             refs = [a.attach_channels.remote(server.address, server.token, step_skeleton, len(step_fds),
                                              reply_skeleton if rank == answering else None,

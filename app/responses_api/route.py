@@ -41,7 +41,7 @@ class ResponsesRoute:
             if head in PARAM_NAMES:
                 e.param = PARAM_NAMES[head] + ("." + rest if rest else "")
             raise
-        reply = Reply(req, run, self.chat.model_name)
+        reply = Reply(req, run, self.chat.model_name, self.chat.fanout)
         if req.stream:
             return sse_response(reply.events(self.chat.fanout), run.streams,
                                 on_close=lambda: end_unfinished(run.choices, ClientDisconnected()),
@@ -54,10 +54,11 @@ class ResponsesRoute:
 class Reply:
     """One response: its engine request (one choice) read into output items."""
 
-    def __init__(self, req: ResponsesRequest, run: ChatStart, model_name: str) -> None:
+    def __init__(self, req: ResponsesRequest, run: ChatStart, model_name: str, fanout: ChoiceFanOut) -> None:
         self.req = req
         self.run = run
         self.model_name = model_name
+        self.fanout = fanout  # what usage may tell (ChoiceFanOut.cached_tokens)
         self.items = OutputItems()
         self.reasoning_tokens = 0  # tokens generated before the reasoning ended
 
@@ -145,7 +146,8 @@ class Reply:
         usage = None
         if status != "in_progress":
             output = len(c.token_ids)
-            usage = {"input_tokens": len(c.prompt_ids), "input_tokens_details": {"cached_tokens": c.cached_tokens},
+            cached = self.fanout.cached_tokens(c, req.cache_salt)
+            usage = {"input_tokens": len(c.prompt_ids), "input_tokens_details": {"cached_tokens": cached},
                      "output_tokens": output, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                      "total_tokens": len(c.prompt_ids) + output}
         choice = req.tool_choice

@@ -15,9 +15,9 @@ async def test_malformed_json_and_bad_bodies(client):
     r = await client.post("/v1/completions", content=b'{"prompt": "x",',
                           headers={"content-type": "application/json"})
     assert "not valid JSON" in assert_openai_error(r, 400)["message"]
-    r = await client.post("/v1/completions", content=b"")
+    r = await client.post("/v1/completions", content=b"", headers={"content-type": "application/json"})
     assert "empty" in assert_openai_error(r, 400)["message"]
-    r = await client.post("/v1/completions", content=b"[1, 2]")
+    r = await client.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
     assert "JSON object" in assert_openai_error(r, 400)["message"]
 
 
@@ -104,7 +104,7 @@ async def test_oversized_body_413(client):
         for _ in range(10):
             yield b" " * 1000
 
-    r = await client.post("/v1/completions", content=chunks())
+    r = await client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert "content-length" not in r.request.headers
     assert_openai_error(r, 413)
 

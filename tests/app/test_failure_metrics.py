@@ -158,7 +158,8 @@ async def test_4xx_responses_by_status_code(engine):
     good = {"Authorization": "Bearer k"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 401
-        assert (await c.post("/v1/completions", content=b"{nope", headers=good)).status_code == 400
+        assert (await c.post("/v1/completions", content=b"{nope",
+                             headers={**good, "content-type": "application/json"})).status_code == 400
         assert (await c.post("/v1/completions", json={"prompt": "x", "temperature": -1},
                              headers=good)).status_code == 400
         assert (await c.post("/v1/completions", json={"prompt": "x", "model": "other"},

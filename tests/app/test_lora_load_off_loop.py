@@ -10,6 +10,7 @@ import httpx
 
 from app.server import build_app
 from tests.app.fake_engine import FakeAsyncEngine
+from tests.lora_fixtures import write_adapter_files
 
 
 class SlowDiskEngine(FakeAsyncEngine):
@@ -26,12 +27,14 @@ class SlowDiskEngine(FakeAsyncEngine):
         self.ended = time.perf_counter()
 
 
-async def test_health_answers_while_an_adapter_is_being_read():
+async def test_health_answers_while_an_adapter_is_being_read(tmp_path):
     engine = SlowDiskEngine()
-    app = build_app(engine, served_model_name="fake-model", allow_runtime_lora_updating=True)
+    write_adapter_files(tmp_path / "a")
+    app = build_app(engine, served_model_name="fake-model", allow_runtime_lora_updating=True,
+                    lora_roots=[str(tmp_path)])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         load = asyncio.create_task(client.post("/v1/load_lora_adapter",
-                                               json={"lora_name": "a", "lora_path": "/adapters/a"}))
+                                               json={"lora_name": "a", "lora_path": str(tmp_path / "a")}))
         for _ in range(300):  # until the adapter read has begun (on a blocked loop: until it is over)
             if engine.started is not None:
                 break
@@ -44,9 +47,10 @@ async def test_health_answers_while_an_adapter_is_being_read():
     assert answered < engine.ended, "/health waited behind an adapter read on the event loop"
 
 
-async def test_a_huge_body_is_refused_before_it_is_read():
+async def test_a_huge_body_is_refused_before_it_is_read(tmp_path):
     engine = SlowDiskEngine()
-    app = build_app(engine, served_model_name="fake-model", allow_runtime_lora_updating=True)
+    app = build_app(engine, served_model_name="fake-model", allow_runtime_lora_updating=True,
+                    lora_roots=[str(tmp_path)])
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         r = await client.post("/v1/load_lora_adapter", content=b'{"lora_name": "' + b"x" * (1 << 20) + b'"}',
                               headers={"content-type": "application/json"})

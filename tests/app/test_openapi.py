@@ -65,7 +65,7 @@ async def test_every_status_is_documented_with_the_openai_error_body(api_key):
             statuses = set(op["responses"])
             expected = {"200", "408"}  # 408: --header-timeout (every request), --body-timeout
             if method == "post" and path != "/ping":  # POST /ping reads no body
-                expected |= {"400", "404", "413"}
+                expected |= {"400", "404", "413", "415"}  # 415: a body that is not application/json
             if path in GENERATE or path in ("/health", "/ping"):
                 expected.add("503")
             if api_key and path in PROTECTED:

@@ -37,7 +37,8 @@ def test_failures_are_counted_by_a_real_server():
         assert before[ABORT] == 0 and before["pagedserve:engine_deaths_total"] == 0
 
         # 4xx, by code
-        assert httpx.post(url + "/v1/completions", content=b"{bad", timeout=30).status_code == 400
+        assert httpx.post(url + "/v1/completions", content=b"{bad", timeout=30,
+                          headers={"content-type": "application/json"}).status_code == 400
         assert httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"},
                           timeout=30).status_code == 404
         m = metrics(url)

@@ -243,3 +243,25 @@ def test_copy_on_write_without_a_free_block_changes_nothing():
     assert bm.copy_on_write(2, 10) is None
     assert bm.table(2) == bm.table(1)
     bm.check_invariants()
+
+
+def test_first_block_key_parts_are_length_prefixed_so_no_two_tuples_collide():
+    """(salt, adapter id, adapter path) enter the first block's key each with its length: salt "x"
+    with adapter (1, "/a") and salt "xL1\\0/a" on the base model were the same chain (issue 37)."""
+    from engine.lora_request import LoRARequest
+
+    def first_hash(salt, lora):
+        bm = BlockManager(num_blocks=8, block_size=4)
+        s = Seq(1, list(range(9)), cache_salt=salt, lora_key=b"" if lora is None else lora.cache_key())
+        bm.find_cached_prefix(s)
+        return s.block_hashes[0]
+
+    a1 = LoRARequest("a", 1, "/a")
+    tuples = [(None, None), ("", None), ("x", a1), ("xL1\0/a", None), ("x", None), (None, a1),
+              ("xL1\0/a", a1), ("x", LoRARequest("a", 1, "/a\0")), ("x", LoRARequest("a", 11, "/a")),
+              ("x", LoRARequest("a", 1, "1\0/a")), ("S", None), (None, LoRARequest("b", 1, "/a"))]
+    hashes = [first_hash(salt, lora) for salt, lora in tuples]
+    assert hashes[0] == first_hash(None, None)
+    # LoRARequest names are not part of the key (same id and path = same weights)
+    assert hashes[5] == hashes[-1]
+    assert len(set(hashes[:-1])) == len(tuples) - 1, "two different (salt, adapter) tuples share a chain"
