@@ -354,6 +354,8 @@ def validation_error(e: ValidationError) -> APIError:
         msg = msg[len("Value error, "):]
     if first.get("type") == "missing":
         message = f"'{param}' is a required field"
+    elif first.get("type") == "extra_forbidden" and len(loc) > 1:
+        message = f"'{'.'.join(loc[:-1])}' has no field '{loc[-1]}'"
     else:
         message = f"Invalid value for '{param}': {msg}" if param else msg
     if len(errors) > 1:
