@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import APIError
 from engine.client import EngineClient
-from app.json_types import AS_INT, BOUND_KEY, limited
+from app.json_types import AS_INT, BOUND_KEY, LIMIT_KEY, in_all, limited
 
+BadWord = Annotated[str, Field(json_schema_extra={LIMIT_KEY: "max_bad_words_chars"})]
 _TokenId = Annotated[int, Field(ge=0, le=2**63 - 1), AS_INT]  # 1.0 is an integer in JSON, as elsewhere
 
 
@@ -77,7 +78,7 @@ class StructuredFields(_Model):
     # At most the vocabulary's size (a longer list repeats ids: app/admission.py refuses it).
     allowed_token_ids: list[_TokenId] | None = Field(default=None, min_length=1,
                                                      json_schema_extra={BOUND_KEY: "vocab_items"})
-    bad_words: Annotated[list[str], limited("max_bad_words")] | None = None
+    bad_words: Annotated[list[BadWord], limited("max_bad_words")] | None = in_all("max_bad_words_chars", default=None)
 
     def structured_source(self) -> tuple[str, dict[str, Any]] | None:
         """(request field, StructuredOutputsParams kwargs), or None when the output is free."""
