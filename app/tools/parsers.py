@@ -311,14 +311,17 @@ AUTO_PARSERS = _auto_parsers()
 
 
 def parse_whole(parser, text: str) -> tuple[str, list[dict]]:
-    """Non-streamed result: (content, tool calls in OpenAI's message form)."""
-    content, calls = "", {}
+    """Non-streamed result: (content, tool calls in OpenAI's message form). A call's arguments
+    may come in many pieces (qwen3_coder: one a parameter): joined once."""
+    content, calls, pieces = "", {}, {}
     for delta in (parser.feed(text), parser.finish()):
         content += delta.content
         for d in delta.calls:
             if d.id is not None:
-                calls[d.index] = {"id": d.id, "type": "function",
-                                  "function": {"name": d.name, "arguments": d.arguments}}
+                calls[d.index] = {"id": d.id, "type": "function", "function": {"name": d.name}}
+                pieces[d.index] = [d.arguments]
             else:
-                calls[d.index]["function"]["arguments"] += d.arguments
+                pieces[d.index].append(d.arguments)
+    for i, call in calls.items():
+        call["function"]["arguments"] = "".join(pieces[i])
     return content, [calls[i] for i in sorted(calls)]

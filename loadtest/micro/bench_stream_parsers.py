@@ -33,7 +33,7 @@ class Case:
     name: str
     new_parser: Callable[[], object]
     text: Callable[[int], str]  # a reply of about n characters
-    streamed: bool = True  # False: the whole reply in one feed (a non-streamed answer)
+    streamed: bool = True  # False: the whole reply at once, as a non-streamed answer (parse_whole)
 
 
 class _ResponsesText:
@@ -91,6 +91,9 @@ def cases() -> list[Case]:
         Case("qwen3_coder_many_whole", lambda: Qwen3CoderToolParser(tools=qwen_tools),
              lambda n: _calls(n, "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n"
                                  "</tool_call>\n"), streamed=False),
+        Case("qwen3_coder_many_params_whole", lambda: Qwen3CoderToolParser(tools=qwen_tools),
+             lambda n: "<tool_call>\n<function=f>\n" + _calls(n, "<parameter=x>\n1\n</parameter>\n")
+             + "</function>\n</tool_call>", streamed=False),
         Case("qwen3_coder_long_name", lambda: Qwen3CoderToolParser(tools=qwen_tools),
              lambda n: "<tool_call>\n<function=" + "f" * n + ">\n</function>\n</tool_call>"),
         Case("required", RequiredCallsParser,
@@ -106,9 +109,15 @@ def cases() -> list[Case]:
 
 def run_once(case: Case, n: int, piece: int = 4) -> float:
     """Process CPU seconds to parse one reply of about ``n`` characters."""
+    from app.tools.parsers import parse_whole
+
     text = case.text(n)
     parser = case.new_parser()
-    pieces = [text[i:i + piece] for i in range(0, len(text), piece)] if case.streamed else [text]
+    if not case.streamed:  # as the non-streamed answer reads it
+        c0 = time.process_time()
+        parse_whole(parser, text)
+        return time.process_time() - c0
+    pieces = [text[i:i + piece] for i in range(0, len(text), piece)]
     c0 = time.process_time()
     for p in pieces:
         parser.feed(p)
