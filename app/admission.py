@@ -10,8 +10,9 @@ Two checks, each linear in what it reads:
 
 - ``check_body`` on the decoded JSON body, before the request model validates it: list lengths
   (prompts, ``stop``, ``stop_token_ids``, ``bad_words``, ``logit_bias``, ``messages``, ``tools``),
-  ``logit_bias`` keys in the vocabulary (as OpenAI and vLLM), logprob counts (vLLM's
-  ``--max-logprobs``);
+  string lengths (each ``stop`` string and bad word and all of them together, names and ids, the
+  size of ``tools``, a request's ``chat_template``: issue 37), ``logit_bias`` keys in the
+  vocabulary (as OpenAI and vLLM), logprob counts (vLLM's ``--max-logprobs``);
 - ``check_choices`` (prompts x max(n, best_of / beam width), before any prompt is tokenized) and
   ``check_commitment`` (choices x (prompt + max_tokens), before ``make_choices``).
 
@@ -24,6 +25,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from app.errors import APIError
 from contracts.config import ModelConfig
@@ -51,11 +54,24 @@ class AdmissionLimits:
     max_request_tokens: int = _limit(2 * 1024 * 1024, "tokens one request may commit: its sequences x "
                                                       "(prompt + max_tokens)")
     max_stop_sequences: int = _limit(256, "strings in `stop`")
+    max_stop_chars: int = _limit(8192, "characters of the `stop` strings in all (each at most as many): "
+                                       "their matcher is built as the request starts, about 0.7 us a "
+                                       "character")
     max_stop_token_ids: int = _limit(256, "ids in `stop_token_ids`")
     max_bad_words: int = _limit(256, "words in `bad_words`")
+    max_bad_words_chars: int = _limit(16384, "characters of the `bad_words` in all (each at most as "
+                                             "many): each is tokenized twice")
     max_logit_bias: int = _limit(300, "entries in `logit_bias` (OpenAI's bound)")
     max_messages: int = _limit(2048, "messages of one conversation (chat, /tokenize)")
     max_tools: int = _limit(128, "tools of one request (OpenAI's bound)")
+    max_tools_bytes: int = _limit(1024 * 1024, "size of one request's `tools` as JSON (names, "
+                                               "descriptions, parameter schemas)")
+    max_name_chars: int = _limit(1024, "characters of a name or id: tool and function names, message "
+                                       "names, tool call ids, `request_id` (it names every streamed "
+                                       "chunk), `cache_salt`, `user`, `model` and the like")
+    max_chat_template_chars: int = _limit(64 * 1024, "characters of a request's own `chat_template` "
+                                                     "(--trust-request-chat-template): it is parsed and "
+                                                     "compiled, about 3 s per MB")
     max_tokenize_body_bytes: int = _limit(256 * 1024, "request body of /tokenize and /detokenize "
                                                       "(larger ones get 413): tokenizing holds the "
                                                       "interpreter, about 0.7 s per MiB of text")
@@ -100,21 +116,24 @@ _LISTS = {
              ("stop_token_ids", "max_stop_token_ids"), ("bad_words", "max_bad_words")),
     "tokenize": (("messages", "max_messages"), ("tools", "max_tools")),
     "embeddings": (),
+    "score": (),
     "responses": (("input", "max_messages"), ("tools", "max_tools")),
 }
 _LOGPROBS = {"completions": ("logprobs", "prompt_logprobs"), "chat": ("top_logprobs", "prompt_logprobs"),
-             "tokenize": (), "embeddings": (), "responses": ("top_logprobs",)}
+             "tokenize": (), "embeddings": (), "score": (), "responses": ("top_logprobs",)}
 
 
 def check_body(kind: str, data: Any, limits: AdmissionLimits, vocab_size: int | None,
                max_model_len: int | None = None) -> None:
     """The bounds a JSON body can be held to before validation (``kind``: completions, chat,
-    tokenize, embeddings or responses). Only reads lengths and a bounded number of keys; shapes that are
+    tokenize, embeddings, score or responses). Only reads lengths and a bounded number of keys; shapes that are
     wrong are left to the request model's validation."""
     if not isinstance(data, dict):
         return
-    if kind == "embeddings":
-        check_id_prompt_lengths(data.get("input"), "input", max_model_len, "input")
+    if kind in ("embeddings", "score"):
+        if kind == "embeddings":
+            check_id_prompt_lengths(data.get("input"), "input", max_model_len, "input")
+        check_strings(kind, data, limits)
         return
     if kind == "completions" and data.get("truncate_prompt_tokens") is None:
         check_id_prompt_lengths(data.get("prompt"), "prompt", max_model_len, "prompt")
@@ -135,12 +154,83 @@ def check_body(kind: str, data: Any, limits: AdmissionLimits, vocab_size: int | 
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) \
                 and len(prompt) > limits.max_prompts:
             raise refuse("prompt", f"'prompt' holds {len(prompt)} prompts", "max_prompts", limits.max_prompts)
+    check_strings(kind, data, limits)
     if kind != "tokenize":
         check_logit_bias(data.get("logit_bias"), limits, vocab_size)
     for name in _LOGPROBS[kind]:
         value = data.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= limits.max_logprobs < value:
             raise refuse(name, f"'{name}' asks for {value}", "max_logprobs", limits.max_logprobs)
+
+
+# Names and ids, as paths in the body ("*": each item of a list), each at most max_name_chars.
+_TOP_NAMES = (("model",), ("user",), ("request_id",), ("cache_salt",))
+_OPENAI_IDS = (("service_tier",), ("prompt_cache_key",), ("safety_identifier",))
+_CONVERSATION_NAMES = (("messages", "*", "name"), ("messages", "*", "tool_call_id"),
+                       ("messages", "*", "tool_calls", "*", "id"),
+                       ("messages", "*", "tool_calls", "*", "function", "name"),
+                       ("tools", "*", "function", "name"), ("tool_choice", "function", "name"))
+_NAMES = {
+    "completions": _TOP_NAMES,
+    "chat": _TOP_NAMES + _OPENAI_IDS + _CONVERSATION_NAMES + (("reasoning_effort",),),
+    "tokenize": (("model",),) + _CONVERSATION_NAMES,
+    "embeddings": _TOP_NAMES,
+    "score": _TOP_NAMES,
+    "responses": _TOP_NAMES + _OPENAI_IDS + (("input", "*", "id"), ("input", "*", "call_id"), ("input", "*", "name"),
+                                             ("tools", "*", "name"), ("tool_choice", "name"), ("reasoning", "effort")),
+}
+# Lists of strings bounded one by one and in all: (field, limit)
+_STRING_LISTS = {"completions": (("stop", "max_stop_chars"), ("bad_words", "max_bad_words_chars")),
+                 "chat": (("stop", "max_stop_chars"), ("bad_words", "max_bad_words_chars"))}
+
+
+def _strings_at(value: Any, path: tuple[str, ...], where: str):
+    """(param, string) for each string at ``path`` under ``value``."""
+    if not path:
+        if isinstance(value, str):
+            yield where, value
+        return
+    key, rest = path[0], path[1:]
+    if key == "*":
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                yield from _strings_at(item, rest, f"{where}.{i}")
+    elif isinstance(value, dict) and key in value:
+        yield from _strings_at(value[key], rest, f"{where}.{key}" if where else key)
+
+
+def check_strings(kind: str, data: dict, limits: AdmissionLimits) -> None:
+    """Each string and each list of strings within its length (issue 37): one 1,000,000-character
+    stop string froze the event loop 0.75 s while its matcher was built, a 16 MiB ``request_id``
+    named every streamed chunk. Reads only lengths (and ``tools`` once as JSON, in C)."""
+    for name, limit_name in _STRING_LISTS.get(kind, ()):
+        value = data.get(name)
+        limit = getattr(limits, limit_name)
+        strings = [value] if isinstance(value, str) else value if isinstance(value, list) else ()
+        total = 0
+        for item in strings:
+            if isinstance(item, str):
+                if len(item) > limit:
+                    raise refuse(name, f"'{name}' holds a string of {len(item)} characters", limit_name, limit)
+                total += len(item)
+        if total > limit:
+            raise refuse(name, f"'{name}' holds {total} characters in all", limit_name, limit,
+                         REQUEST_LIMIT_CODE)
+    for path in _NAMES[kind]:
+        for param, text in _strings_at(data, path, ""):
+            if len(text) > limits.max_name_chars:
+                raise refuse(param, f"'{param}' has {len(text)} characters", "max_name_chars",
+                             limits.max_name_chars)
+    tools = data.get("tools")
+    if isinstance(tools, list) and tools and kind not in ("embeddings", "score"):
+        size = len(orjson.dumps(tools))
+        if size > limits.max_tools_bytes:
+            raise refuse("tools", f"'tools' takes {size} bytes as JSON", "max_tools_bytes",
+                         limits.max_tools_bytes, REQUEST_LIMIT_CODE)
+    template = data.get("chat_template")
+    if isinstance(template, str) and len(template) > limits.max_chat_template_chars:
+        raise refuse("chat_template", f"'chat_template' has {len(template)} characters",
+                     "max_chat_template_chars", limits.max_chat_template_chars)
 
 
 def check_id_prompt_lengths(value: Any, param: str, max_model_len: int | None, what: str) -> None:

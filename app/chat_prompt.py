@@ -2,6 +2,7 @@
 The chat route and /tokenize with messages share it."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from app.errors import APIError
@@ -17,13 +18,16 @@ class ChatPrompts:
         self.engine = engine
         self.checks = checks
 
-    def template_messages(self, messages: list[Any], tools: list[dict] | None = None,
-                          chat_template: str | None = None) -> tuple[list[dict], list[dict] | None]:
+    async def template_messages(self, messages: list[Any], tools: list[dict] | None = None,
+                                chat_template: str | None = None) -> tuple[list[dict], list[dict] | None]:
         """The conversation and the ``tools`` variable for the chat template (the request's own
         ``chat_template`` or the model's): tools and tool-call turns natively when the template
-        knows tools, else written out (app/tools/prompt.py)."""
-        template = chat_template or self.engine.tokenizer.chat_template
-        native = tool_prompt.template_knows_tools(template)
+        knows tools, else written out (app/tools/prompt.py). A request's own template is parsed
+        for that off the event loop (parsing takes about 3 s per MB of template)."""
+        if chat_template is not None and "tools" in chat_template:
+            native = await asyncio.to_thread(tool_prompt.template_knows_tools, chat_template)
+        else:
+            native = tool_prompt.template_knows_tools(chat_template or self.engine.tokenizer.chat_template)
         out = tool_prompt.template_messages(messages, native)
         if tools and not native:
             return tool_prompt.with_default_tool_prompt(out, tools), None

@@ -87,7 +87,7 @@ class ChatRoute:
         lora = self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         template = options.get("chat_template") or self.engine.tokenizer.chat_template
         plan = build_plan(req, self.tool_config, template)
-        messages, tools = self.prompts.template_messages(req.messages, plan.tools, options.get("chat_template"))
+        messages, tools = await self.prompts.template_messages(req.messages, plan.tools, options.get("chat_template"))
         text, ids = await self.prompts.chat_prompt(
             messages, req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
             options, tools, bounded=True, keep=req.truncate_prompt_tokens)

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator
 
-from app.json_types import AS_INT, BOUND_KEY, NonEmptyStr
+from app.json_types import AS_INT, BOUND_KEY, Name, NonEmptyName, NonEmptyStr
 from app.protocol import INT64_MAX, INT64_MIN, OpenAIModel, TokenId
 from app.protocol import _check_id_range, _is_json_int, _json_integer
 
@@ -59,10 +59,10 @@ def input_shape(v: Any) -> Any:
 class PoolingFields(OpenAIModel):
     """What both routes take beside their inputs."""
 
-    model: str | None = None
-    user: str | None = None
+    model: Name | None = None
+    user: Name | None = None
     # vLLM's extras
-    request_id: str | None = None  # names the response when no X-Request-Id header is sent
+    request_id: Name | None = None  # names the response when no X-Request-Id header is sent
     priority: Int64 = 0
     add_special_tokens: bool = True  # BOS etc. around a text input
     # pagedserve: how the hidden states of the input become one vector (default "last", as
@@ -70,7 +70,7 @@ class PoolingFields(OpenAIModel):
     pooling_type: PoolingType | None = None
     # vLLM's prefix-cache tenant key, as on chat and completions: only requests with an equal
     # salt share cached KV blocks.
-    cache_salt: NonEmptyStr | None = None
+    cache_salt: NonEmptyName | None = None
 
 
 class EmbeddingRequest(PoolingFields):

@@ -77,7 +77,7 @@ class EmbeddingsRoute:
         from engine.pooling_outputs import cosine
         from engine.scoring import score_pairs
 
-        req = parse(ScoreRequest, await self.checks.read_json(request))
+        req = parse(ScoreRequest, await self.checks.read_admitted(request, "score"))
         first = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
         second = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
         try:

@@ -15,10 +15,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import APIError
-from app.json_types import AS_INT, BOUND_KEY, NumLogprobs
+from app.json_types import AS_INT, BOUND_KEY, Name, NumLogprobs, limited
 
 logger = logging.getLogger(__name__)
 
+# A request's own chat template (app/admission.py bounds its length: it is parsed and compiled).
+RequestTemplate = Annotated[str, limited("max_chat_template_chars")]
 # A prompt length: keeps at least one token and leaves room for one generated token.
 PromptTokens = Annotated[int, Field(ge=1, json_schema_extra={BOUND_KEY: "context"}), AS_INT]
 
@@ -46,7 +48,7 @@ class _Fields(BaseModel):
 class ExtraFields(_Fields):
     """vLLM's extras both generating routes take."""
 
-    request_id: str | None = None  # names the response when no X-Request-Id header is sent
+    request_id: Name | None = None  # names the response when no X-Request-Id header is sent
     prompt_logprobs: NumLogprobs | None = None
     truncate_prompt_tokens: PromptTokens | None = None  # keep the last N prompt tokens
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:<id>"
@@ -90,9 +92,9 @@ class ChatExtraFields(ExtraFields):
     echo: bool = False  # the reply starts with the last message's content if it is the assistant's
     add_special_tokens: bool = False  # on top of what the template writes
     documents: list[dict[str, str]] | None = None  # for templates that render RAG documents
-    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template: RequestTemplate | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=TEMPLATE_KWARGS_SCHEMA)
-    reasoning_effort: str | None = None  # handed to the template, as vLLM
+    reasoning_effort: Name | None = None  # handed to the template, as vLLM
     include_reasoning: bool = True  # false: the reasoning (--reasoning-parser) is left out of the reply
     mm_processor_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
     audio: Any = Field(default=None, json_schema_extra=_ONLY_NULL)
@@ -103,9 +105,9 @@ class ChatExtraFields(ExtraFields):
     prediction: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    service_tier: Name | None = None
+    prompt_cache_key: Name | None = None
+    safety_identifier: Name | None = None
 
     def check_extra_fields(self, stream: bool) -> None:
         super().check_extra_fields(stream)
@@ -128,7 +130,7 @@ class TokenizeExtraFields(_Fields):
 
     return_token_strs: bool | None = None  # also the token pieces
     documents: list[dict[str, str]] | None = None
-    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template: RequestTemplate | None = None  # needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=TEMPLATE_KWARGS_SCHEMA)
     mm_processor_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=_EMPTY_OBJECT_OR_NULL)
 

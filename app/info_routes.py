@@ -78,7 +78,7 @@ class InfoRoutes:
         options = chat_template_options(req, self.trust_request_chat_template)  # also refuses
         messages = tools = None
         if req.messages is not None:
-            messages, tools = self.prompts.template_messages(req.messages, [t.as_dict() for t in req.tools or []],
+            messages, tools = await self.prompts.template_messages(req.messages, [t.as_dict() for t in req.tools or []],
                                                      options.get("chat_template"))
         self.checks.check_model(req.model)  # after the body: what the schema refuses is a 400 first
         if messages is not None:

@@ -37,6 +37,23 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 NumLogprobs = Annotated[int, Field(ge=0, json_schema_extra={LIMIT_KEY: "max_logprobs"}), AS_INT]
 
 
+# Schema extension naming the AdmissionLimits field that bounds a list's strings in all (their
+# characters, or for a ``_bytes`` limit the list's size as JSON): JSON Schema cannot state it, so
+# app/openapi.py writes it into the description.
+TOTAL_KEY = "x-pagedserve-total"
+
+
 def limited(limit_name: str, **constraints: Any) -> Any:
     """A Field bounded by an admission limit (app/admission.py checks it; the schema says it)."""
     return Field(json_schema_extra={LIMIT_KEY: limit_name}, **constraints)
+
+
+def in_all(limit_name: str, **constraints: Any) -> Any:
+    """A Field (a list of strings, or of tools) bounded in all by an admission limit."""
+    return Field(json_schema_extra={TOTAL_KEY: limit_name}, **constraints)
+
+
+# A name or id (a tool's, a message's, a call's, request_id, cache_salt, user...): at most
+# --max-name-chars characters (app/admission.py).
+Name = Annotated[str, limited("max_name_chars")]
+NonEmptyName = Annotated[str, Field(min_length=1, json_schema_extra={LIMIT_KEY: "max_name_chars"})]

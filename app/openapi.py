@@ -13,13 +13,14 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from app.admission import AdmissionLimits, int_range_pattern
+from app.admission import AdmissionLimits, flag, int_range_pattern
 from app.auth import is_protected
 from app.embeddings_protocol import EmbeddingRequest, ScoreRequest
 from app.responses_api.protocol import ResponsesRequest
 from app.protocol import (
     BOUND_KEY,
     LIMIT_KEY,
+    TOTAL_KEY,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -291,7 +292,7 @@ def _timeout_error(*, body: bool) -> dict[str, Any]:
     return _error(f"{what}; the connection is closed (code `request_timeout`).")
 
 
-_LIMIT_KEYWORD = {"array": "maxItems", "object": "maxProperties", "integer": "maximum"}
+_LIMIT_KEYWORD = {"array": "maxItems", "object": "maxProperties", "integer": "maximum", "string": "maxLength"}
 
 
 def _fill_bounds(node: Any, bounds: dict[str, int | None], limits: AdmissionLimits) -> None:
@@ -316,6 +317,12 @@ def _fill_bounds(node: Any, bounds: dict[str, int | None], limits: AdmissionLimi
             limit = getattr(limits, limit_name)
             if limit >= 0:  # max_logprobs -1: no cap
                 node[keyword] = min(node.get(keyword, limit), limit)
+        total_name = node.pop(TOTAL_KEY, None)
+        if total_name is not None:  # JSON Schema cannot state it: the description does
+            total = getattr(limits, total_name)
+            what = "bytes as JSON" if total_name.endswith("_bytes") else "characters in all"
+            note = f"At most {total} {what} ({flag(total_name)})."
+            node["description"] = f"{node['description']} {note}" if node.get("description") else note
         for value in node.values():
             _fill_bounds(value, bounds, limits)
     elif isinstance(node, list):

@@ -22,7 +22,8 @@ from app.structured_args import StructuredFields
 from app.extra_fields import ChatExtraFields, CompletionExtraFields, TokenizeExtraFields, log_ignored_fields
 from app.json_types import AS_INT as _AS_INT
 from app.json_types import (  # noqa: F401  (re-exported)
-    BOUND_KEY, INT64_MAX, INT64_MIN, LIMIT_KEY, MAX_N, Int, NonEmptyStr, NumLogprobs, limited)
+    BOUND_KEY, INT64_MAX, INT64_MIN, LIMIT_KEY, MAX_N, TOTAL_KEY, Int, Name, NonEmptyName, NonEmptyStr, NumLogprobs,
+    in_all, limited)
 from app.json_types import json_integer as _json_integer
 
 # A token id the model reads: the server answers 400 past the vocabulary.
@@ -36,7 +37,8 @@ AnyTokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,17})$")]
 LogitBias = Annotated[dict[AnyTokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0)]],
                       Field(json_schema_extra={"additionalProperties": False, BOUND_KEY: "vocab_key",
                                                LIMIT_KEY: "max_logit_bias"})]
-StopList = Annotated[list[NonEmptyStr], limited("max_stop_sequences")]
+StopStr = Annotated[str, Field(min_length=1, json_schema_extra={LIMIT_KEY: "max_stop_chars"})]
+StopList = Annotated[list[StopStr], limited("max_stop_sequences")]
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), _AS_INT]
 BestOf = Annotated[int, Field(ge=1, le=MAX_N), _AS_INT]
 Seed = Annotated[int, Field(ge=0, le=INT64_MAX), _AS_INT]
@@ -73,7 +75,7 @@ class SamplingFields(StructuredFields, OpenAIModel):
     """Fields shared by completions and chat completions (the output constraints:
     app/structured_args.py)."""
 
-    model: str | None = None
+    model: Name | None = None
     n: Int = Field(default=1, ge=1, le=MAX_N)
     best_of: BestOf | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -82,10 +84,10 @@ class SamplingFields(StructuredFields, OpenAIModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: LogitBias | None = None
     seed: Seed | None = None
-    stop: NonEmptyStr | StopList | None = None
+    stop: StopStr | StopList | None = in_all("max_stop_chars", default=None)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     # vLLM extras
     top_k: TopK | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -99,7 +101,7 @@ class SamplingFields(StructuredFields, OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's prefix-cache tenant key: only requests with an equal salt share cached KV blocks.
-    cache_salt: NonEmptyStr | None = None
+    cache_salt: NonEmptyName | None = None
 
     # The "before" validators only give the common mistakes a clearer message than pydantic's;
     # the field types carry the same rules for the schema.
@@ -244,9 +246,9 @@ class ContentPart(OpenAIModel):
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: Name | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: Name | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -277,7 +279,8 @@ class ChatCompletionRequest(SamplingFields, ChatExtraFields):
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: Annotated[list[ToolDefinition], limited("max_tools")] | None = None  # app/tools/plan.py
+    tools: Annotated[list[ToolDefinition], limited("max_tools")] | None = in_all(  # app/tools/plan.py
+        "max_tools_bytes", default=None)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_LIST_OR_NULL)
@@ -311,10 +314,11 @@ class TokenizeRequest(OpenAIModel, TokenizeExtraFields):
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
     ]})
-    model: str | None = None
+    model: Name | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], limited("max_messages")] | None = None
-    tools: Annotated[list[ToolDefinition], limited("max_tools")] | None = None  # rendered as for chat (vLLM)
+    tools: Annotated[list[ToolDefinition], limited("max_tools")] | None = in_all(  # rendered as for chat (vLLM)
+        "max_tools_bytes", default=None)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -354,6 +358,8 @@ def validation_error(e: ValidationError) -> APIError:
         msg = msg[len("Value error, "):]
     if first.get("type") == "missing":
         message = f"'{param}' is a required field"
+    elif first.get("type") == "extra_forbidden" and len(loc) > 1:
+        message = f"'{'.'.join(loc[:-1])}' has no field '{loc[-1]}'"
     else:
         message = f"Invalid value for '{param}': {msg}" if param else msg
     if len(errors) > 1:

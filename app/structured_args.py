@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import APIError
 from engine.client import EngineClient
-from app.json_types import AS_INT, BOUND_KEY, limited
+from app.json_types import AS_INT, BOUND_KEY, LIMIT_KEY, in_all, limited
 
+BadWord = Annotated[str, Field(json_schema_extra={LIMIT_KEY: "max_bad_words_chars"})]
 _TokenId = Annotated[int, Field(ge=0, le=2**63 - 1), AS_INT]  # 1.0 is an integer in JSON, as elsewhere
 
 
@@ -38,13 +39,32 @@ class ResponseFormat(_Model):
 
 
 class StructuredOutputsField(_Model):
-    """vLLM's ``structured_outputs`` object (other vLLM keys in it are ignored)."""
+    """vLLM's ``structured_outputs`` object. A key vLLM's object does not have is a 400 naming it
+    (it was dropped silently: issue 37); vLLM's own keys are all accepted, since its client sends
+    the whole object (``dataclasses.asdict``), and those that would change the output
+    (``whitespace_pattern``, ``structural_tag``) are refused unless null. Its ``disable_*`` flags
+    are hints this server's grammar engine does not need."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True)
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})
+    structural_tag: Any = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})
+    backend_: str | None = Field(default=None, alias="_backend")
+    backend_was_auto_: bool | None = Field(default=None, alias="_backend_was_auto")
+
+    def check_supported(self) -> None:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise APIError.unsupported(f"structured_outputs.{name}",
+                                           f"structured_outputs.{name} is not supported")
 
 
 class StructuredFields(_Model):
@@ -58,7 +78,7 @@ class StructuredFields(_Model):
     # At most the vocabulary's size (a longer list repeats ids: app/admission.py refuses it).
     allowed_token_ids: list[_TokenId] | None = Field(default=None, min_length=1,
                                                      json_schema_extra={BOUND_KEY: "vocab_items"})
-    bad_words: Annotated[list[str], limited("max_bad_words")] | None = None
+    bad_words: Annotated[list[BadWord], limited("max_bad_words")] | None = in_all("max_bad_words_chars", default=None)
 
     def structured_source(self) -> tuple[str, dict[str, Any]] | None:
         """(request field, StructuredOutputsParams kwargs), or None when the output is free."""
@@ -74,6 +94,7 @@ class StructuredFields(_Model):
             sources.append(("response_format", {"json": rf.json_schema.schema_}))
         so = self.structured_outputs
         if so is not None:
+            so.check_supported()
             kw = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                     ("grammar", so.grammar), ("json_object", so.json_object))
                   if v is not None}

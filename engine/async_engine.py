@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 
-from engine.bounded_render import _RenderInterrupted, _render_bounded
+from engine.bounded_render import MAX_TEMPLATE_LINES, _RenderInterrupted, _render_bounded
 from engine.core import INTERNAL_REQUEST_ERROR
 from engine.engine_loop import EngineLoop
 from engine.errors import (SHUTDOWN_ABORT_MESSAGE, EngineDeadError, EngineError, EngineOverloadedError,
@@ -211,7 +211,7 @@ class AsyncEngine(EngineLoop, WorkerRestarts):
                 return _render_bounded(lambda: self.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message, **template_kwargs),
-                    pool.timeout_s if own_template else None)
+                    pool.timeout_s if own_template else None, MAX_TEMPLATE_LINES if own_template else None)
             except _RenderInterrupted:
                 raise pool.deadline_error(param="chat_template") from None
 

@@ -86,7 +86,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _render_env():
+def _render_env(bounded: bool = False):
+    """The model's template renders in Jinja's immutable sandbox; a request's own (``bounded``)
+    in engine/template_sandbox.py's, which also bounds what it may build."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -101,16 +103,44 @@ def _render_env():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    if bounded:
+        from engine.template_sandbox import BoundedSandbox
+
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    else:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    if bounded:
+        env.prepare()
     return env
 
 
 @functools.lru_cache(maxsize=8)
 def _compile_template(source: str):
     return _render_env().from_string(source)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_request_template(source: str):
+    return _render_env(bounded=True).from_string(source)
+
+
+def template_variables(source: str) -> set[str]:
+    """The variables a chat template reads without setting them (``tools``, ``documents``...).
+    Parsed in the bounded sandbox: Jinja folds constant expressions while it analyses a template,
+    and in a plain environment ``{{ 7**30000000 }}`` was computed right there (issue 37).
+    TemplateSyntaxError when it does not parse."""
+    from jinja2 import meta
+
+    return meta.find_undeclared_variables(_render_env(bounded=True).parse(source))
+
+
+# What a request's own template may raise besides TemplateError: its fault, a 400 (the sandbox's
+# "range too big" is an OverflowError, a template recursing for ever a RecursionError, ...).
+_TEMPLATE_FAULTS = (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError,
+                    MemoryError)
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -351,7 +381,8 @@ class Tokenizer:
                             **kwargs) -> str:
         """The prompt text for ``messages`` (no tokenization), as transformers renders it.
         ``kwargs`` (e.g. tools) are passed to the template; ``chat_template`` replaces the
-        model's (a request's own template, rendered in the same sandbox)."""
+        model's (a request's own template, rendered in a sandbox that also bounds what it may
+        build: engine/template_sandbox.py)."""
         import jinja2
 
         template = chat_template or self.chat_template
@@ -373,10 +404,21 @@ class Tokenizer:
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         try:
-            rendered = _compile_template(template).render(
-                messages=chat, add_generation_prompt=add_generation_prompt, **variables)
+            if chat_template is None:
+                rendered = _compile_template(template).render(
+                    messages=chat, add_generation_prompt=add_generation_prompt, **variables)
+            else:
+                from engine.template_sandbox import render_budget
+
+                with render_budget():
+                    rendered = _compile_request_template(template).render(
+                        messages=chat, add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from None
+        except _TEMPLATE_FAULTS as e:
+            if chat_template is None:
+                raise
+            raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from None
         if continue_final_message:
             tag = _CONTINUE_TAG.strip()
             if final.strip() not in rendered or tag not in rendered:

@@ -28,11 +28,22 @@ MIX = {
 # What a hostile request may be answered with: served, or refused by the admission guard.
 HOSTILE_OK = (200, 400, 413)
 HOSTILE_KINDS = ("huge_stop", "big_bad_words", "big_logit_bias", "fanout_n", "big_tokenize",
-                 "many_tool_messages", "template_kwargs_self", "huge_text_prompt")
+                 "many_tool_messages", "template_kwargs_self", "huge_text_prompt",
+                 # issue 37: long strings, and a request's own template (400 without
+                 # --trust-request-chat-template, 400 from its bounds with it)
+                 "long_stop_string", "many_long_stops", "long_bad_word", "long_tool_description",
+                 "request_template")
+MIB = 1024 * 1024
 # Each hostile kind's size at hostile_scale 1.0 (list items, prompts, characters; 0: no size).
 HOSTILE_FULL_SIZE = {"huge_stop": 40_000, "big_bad_words": 20_000, "big_logit_bias": 50_000,
                      "fanout_n": 2000, "big_tokenize": 200_000, "many_tool_messages": 20_000,
-                     "template_kwargs_self": 0, "huge_text_prompt": 200_000}
+                     "template_kwargs_self": 0, "huge_text_prompt": 200_000,
+                     "long_stop_string": 4 * MIB, "many_long_stops": 200, "long_bad_word": 4 * MIB,
+                     "long_tool_description": 4 * MIB, "request_template": 0}
+# Request templates that froze (the first), killed (the second) or failed (the third) a server.
+HOSTILE_TEMPLATES = ("{{ (7**30000000) % 10 }}", "{{ 'a' * 10**10 }}", "{{ range(10**9)|list|length }}",
+                     "{% set ns = namespace(x=[1]) %}{% for i in range(80) %}{% set ns.x = [ns.x, ns.x] %}"
+                     "{% endfor %}{{ ns.x }}")
 
 
 @dataclass(slots=True)
@@ -127,6 +138,23 @@ def _hostile(rng: random.Random, index: int, model: str, scale: float) -> Planne
                     {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
         msgs += [{"role": "tool", "tool_call_id": "c0", "content": "ok " * 4} for _ in range(n)]
         body = {**short, "messages": msgs}
+        path = CHAT
+    elif what == "long_stop_string":  # its matcher was built a character at a time on the loop
+        body = {**short, "prompt": _text(rng, 3, 10), "stop": "x" * n}
+        path = COMPLETIONS
+    elif what == "many_long_stops":  # n stop strings of 64 KiB (13 MB at full size)
+        body = {**short, "prompt": _text(rng, 3, 10), "stop": [f"{i:05d}" + "x" * 65531 for i in range(n)]}
+        path = COMPLETIONS
+    elif what == "long_bad_word":  # tokenized twice on the loop
+        body = {**short, "messages": _messages(rng), "bad_words": ["y" * n]}
+        path = CHAT
+    elif what == "long_tool_description":
+        body = {**short, "messages": _messages(rng), "tool_choice": "none", "tools": [
+            {"type": "function", "function": {"name": "f", "description": "d" * n,
+                                              "parameters": {"type": "object", "properties": {}}}}]}
+        path = CHAT
+    elif what == "request_template":
+        body = {**short, "messages": _messages(rng), "chat_template": rng.choice(HOSTILE_TEMPLATES)}
         path = CHAT
     elif what == "huge_text_prompt":
         # a multi-MB text prompt (n sentences of 21 characters): tokenizing it held the loop ~0.75 s

@@ -73,6 +73,9 @@ class ReasoningParser:
             self._state = _LEAD
             self._lead_ok = True
         self._pending = ""  # text held back: it may be (the start of) a tag
+        # Leading whitespace held back with it, as its pieces: a reply of whitespace streamed a
+        # few characters at a time was copied whole for each (issue 37).
+        self._lead_ws: list[str] = []
         self.saw_reasoning = self._state == _REASONING  # the reply has a reasoning part (maybe empty)
 
     @property
@@ -81,6 +84,15 @@ class ReasoningParser:
 
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
+        if self._lead_ok and text.isspace() and (self._lead_ws or self._pending.isspace()):
+            if not self._lead_ws:
+                self._lead_ws.append(self._pending)
+                self._pending = ""
+            self._lead_ws.append(text)  # still only whitespace: kept as pieces, not copied again
+            return out
+        if self._lead_ws:
+            self._pending = "".join(self._lead_ws) + self._pending
+            self._lead_ws = []
         buf = self._pending + text
         self._pending = ""
         while buf:
@@ -117,7 +129,8 @@ class ReasoningParser:
     def finish(self) -> ReasoningDelta:
         """The reply ended: what was held back goes where it was headed."""
         out = ReasoningDelta()
-        pending, self._pending = self._pending, ""
+        pending, self._pending = "".join(self._lead_ws) + self._pending, ""
+        self._lead_ws = []
         if self._state == _REASONING:
             out.reasoning = pending
         else:

@@ -27,6 +27,9 @@ class OutputItems:
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
         self._calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its item
+        # The open item's text (or a call's arguments) as its pieces, joined when it closes: one
+        # long reply streamed in small deltas was copied whole for each (issue 37).
+        self._pieces: list[str] = []
 
     # ---- pieces in, events out ----------------------------------------------------------------
 
@@ -35,7 +38,7 @@ class OutputItems:
             return []
         events = self._ensure("reasoning")
         item = self._open
-        item["content"][0]["text"] += text
+        self._pieces.append(text)
         events.append({"type": "response.reasoning_text.delta", "item_id": item["id"],
                        "output_index": self._index(), "content_index": 0, "delta": text})
         return events
@@ -45,7 +48,7 @@ class OutputItems:
             return []
         events = self._ensure("message")
         item = self._open
-        item["content"][0]["text"] += text
+        self._pieces.append(text)
         events.append({"type": "response.output_text.delta", "item_id": item["id"],
                        "output_index": self._index(), "content_index": 0, "delta": text, "logprobs": []})
         return events
@@ -62,7 +65,7 @@ class OutputItems:
         if item is not self._open:  # the parsers finish a call before the next one starts
             raise RuntimeError("a tool call's arguments arrived after another item began")
         if delta.arguments:
-            item["arguments"] += delta.arguments
+            self._pieces.append(delta.arguments)
             events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
                            "output_index": self._index(), "delta": delta.arguments})
         return events
@@ -75,8 +78,10 @@ class OutputItems:
         index = self.items.index(item)
         events: list[Event] = []
         kind = item["type"]
+        text, self._pieces = "".join(self._pieces), []
         if kind == "message" or kind == "reasoning":
             part = item["content"][0]
+            part["text"] = text
             done = "response.output_text.done" if kind == "message" else "response.reasoning_text.done"
             text_done = {"type": done, "item_id": item["id"], "output_index": index, "content_index": 0,
                          "text": part["text"]}
@@ -86,6 +91,7 @@ class OutputItems:
             events.append({"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
                            "content_index": 0, "part": dict(part)})
         else:
+            item["arguments"] = text
             events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
                            "output_index": index, "name": item["name"], "arguments": item["arguments"]})
         item["status"] = status
@@ -116,6 +122,7 @@ class OutputItems:
     def _add(self, item: dict[str, Any]) -> list[Event]:
         self.items.append(item)
         self._open = item
+        self._pieces = []
         added = _copy(item)
         if "content" in added:
             added["content"] = []  # its part is announced next (content_part.added)

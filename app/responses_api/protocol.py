@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.errors import APIError
 from app.extra_fields import TEMPLATE_KWARGS_SCHEMA, check_template_kwargs
-from app.json_types import AS_INT, BOUND_KEY, INT64_MAX, NumLogprobs, limited
+from app.json_types import AS_INT, BOUND_KEY, INT64_MAX, LIMIT_KEY, Name, NonEmptyName, NumLogprobs, in_all, limited
 
 _NULL = {"type": "null"}
 _FALSE_OR_NULL = {"anyOf": [{"const": False}, _NULL]}
@@ -34,6 +34,7 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}
 _TEXT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
 _STR = {"type": "string"}
+_NAME = {"type": "string", LIMIT_KEY: "max_name_chars"}  # app/admission.py bounds names and ids
 
 
 def _item_shapes(schema: dict[str, Any]) -> None:
@@ -43,16 +44,16 @@ def _item_shapes(schema: dict[str, Any]) -> None:
          "properties": {"type": {"anyOf": [{"const": "message"}, {"type": "null"}]}, "role": {"enum": ["user", "system", "developer", "assistant"]},
                         "content": {"anyOf": [_TEXT, {"type": "null"}]}}},
         {"type": "object", "title": "function_call", "required": ["type", "call_id", "name", "arguments"],
-         "properties": {"type": {"const": "function_call"}, "call_id": _STR, "name": _STR, "arguments": _STR}},
+         "properties": {"type": {"const": "function_call"}, "call_id": _NAME, "name": _NAME, "arguments": _STR}},
         {"type": "object", "title": "function_call_output", "required": ["type", "call_id", "output"],
-         "properties": {"type": {"const": "function_call_output"}, "call_id": _STR, "output": _TEXT}},
+         "properties": {"type": {"const": "function_call_output"}, "call_id": _NAME, "output": _TEXT}},
         {"type": "object", "title": "reasoning", "required": ["type"], "properties": {"type": {"const": "reasoning"}}},
     ]
 
 
 def _function_tool(schema: dict[str, Any]) -> None:
     schema["properties"]["type"] = {"const": "function"}
-    schema["properties"]["name"] = {"type": "string", "minLength": 1}
+    schema["properties"]["name"] = {"type": "string", "minLength": 1, LIMIT_KEY: "max_name_chars"}
     schema["required"] = ["type", "name"]
 
 
@@ -124,20 +125,20 @@ class ResponsesTextConfig(_Model):
 
 
 class ResponsesReasoning(_Model):
-    effort: str | None = None  # handed to the chat template, as chat's reasoning_effort
+    effort: Name | None = None  # handed to the chat template, as chat's reasoning_effort
     summary: str | None = None  # no summaries are written; the reasoning item holds the text
     generate_summary: str | None = None
 
 
 class ResponsesRequest(_Model):
-    model: str | None = None
+    model: Name | None = None
     input: Union[Annotated[str, Field(min_length=1)],
                  Annotated[list[ResponsesInputItem], limited("max_messages", min_length=1)]]
     instructions: str | None = None
     max_output_tokens: MaxOutputTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    tools: Annotated[list[ResponsesFunctionTool], limited("max_tools")] | None = None
+    tools: Annotated[list[ResponsesFunctionTool], limited("max_tools")] | None = in_all("max_tools_bytes", default=None)
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: ResponsesTextConfig | None = None
@@ -145,10 +146,10 @@ class ResponsesRequest(_Model):
     stream: bool = False
     store: bool | None = None  # nothing is stored either way (previous_response_id is refused)
     metadata: dict[str, str] | None = None
-    user: str | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    user: Name | None = None
+    service_tier: Name | None = None
+    prompt_cache_key: Name | None = None
+    safety_identifier: Name | None = None
     stream_options: dict[str, Any] | None = None  # include_obfuscation: no obfuscation is sent
     # vLLM's sampling extras (as on chat)
     top_k: Annotated[int, Field(ge=-1, le=INT64_MAX), AS_INT] | None = None
@@ -156,8 +157,8 @@ class ResponsesRequest(_Model):
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     seed: Annotated[int, Field(ge=0, le=INT64_MAX), AS_INT] | None = None
     priority: Annotated[int, Field(ge=-(2**63), le=INT64_MAX), AS_INT] = 0
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    request_id: str | None = None
+    cache_salt: NonEmptyName | None = None
+    request_id: Name | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, json_schema_extra=TEMPLATE_KWARGS_SCHEMA)
     # Declared so that they are refused by name (check_supported).
     previous_response_id: str | None = Field(default=None, json_schema_extra=_ONLY_NULL)

@@ -13,6 +13,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
+from app.partial_tags import Pieces
 from app.tools.json_scan import JsonScanError, JsonScanner
 
 
@@ -71,7 +72,7 @@ class CallTracker:
         self.calls = calls
         self.arg_keys = arg_keys
         self.max_calls = max_calls
-        self.text = ""
+        self.text = Pieces()  # everything fed, as its pieces (issue 37: ``+=`` copied it per piece)
         self.scanner = JsonScanner(self, call_depth)
         self._cur: TrackedCall | None = None
         self.mine: list[TrackedCall] = []
@@ -79,20 +80,22 @@ class CallTracker:
     # ---- feeding ---------------------------------------------------------------------------
 
     def feed(self, text: str) -> None:
-        self.text += text
+        self.text.append(text)
         self.scanner.feed(text)
 
-    def feed_until_done(self, text: str) -> int:
-        """Read ``text`` up to the end of the JSON value; return how much was read. On a
-        JsonScanError, ``self.scanner.pos - start`` is the offending character's offset."""
-        start = len(self.text)
-        self.text += text
+    def feed_until_done(self, text: str, start: int = 0) -> int:
+        """Read ``text[start:]`` up to the end of the JSON value; return how much was read. On a
+        JsonScanError, the offending character is ``scanner.pos`` (after) - ``scanner.pos``
+        (before) characters from ``start``. ``text`` is referred to, not copied: the listener
+        reads characters at the positions the scanner reports while it reads."""
+        held = len(self.text)
+        self.text.append(text, start)
         try:
-            n = self.scanner.feed_until_done(text)
+            n = self.scanner.feed_until_done(text, start)
         except JsonScanError:
-            self.text = self.text[:self.scanner.pos]
+            self.text.truncate(self.scanner.pos)
             raise
-        self.text = self.text[:start + n]
+        self.text.truncate(held + n)
         return n
 
     @property
@@ -144,7 +147,7 @@ class CallTracker:
         return any(c.header_sent for c in self.mine)
 
 
-def release(c: TrackedCall, text: str, out: list[CallDelta], max_calls: int | None) -> None:
+def release(c: TrackedCall, text: Pieces, out: list[CallDelta], max_calls: int | None) -> None:
     """Release call ``c``'s header and newly read arguments (from its tracker's ``text``)."""
     if max_calls is not None and c.index >= max_calls:
         c.finished = c.ended  # parsed, never sent (parallel_tool_calls: false)

@@ -56,22 +56,24 @@ class JsonScanner:
         self._lit = ""
         self._lit_at = 0
 
-    def feed(self, text: str) -> None:
-        for ch in text:
-            self._char(ch)
+    def feed(self, text: str, start: int = 0) -> None:
+        """Read ``text[start:]`` (an offset, not a slice: a parser reading many calls from one
+        piece must not copy the rest of it for each)."""
+        char = self._char
+        for i in range(start, len(text)):
+            char(text[i])
             self.pos += 1
 
-    def feed_until_done(self, text: str) -> int:
-        """Feed until the value is complete; return how many characters were read (on a
-        JsonScanError, ``pos`` is the offending character's position)."""
-        n = 0
-        for ch in text:
-            if self.done:
-                break
-            self._char(ch)
+    def feed_until_done(self, text: str, start: int = 0) -> int:
+        """Feed ``text[start:]`` until the value is complete; return how many characters were
+        read (on a JsonScanError, ``pos`` is the offending character's position)."""
+        char = self._char
+        i, end = start, len(text)
+        while i < end and not self.done:
+            char(text[i])
             self.pos += 1
-            n += 1
-        return n
+            i += 1
+        return i - start
 
     # ---- internals ---------------------------------------------------------------------------
 

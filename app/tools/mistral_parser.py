@@ -6,7 +6,7 @@ they are validated; a malformed call turns the rest into content (an announced c
 back), as the other parsers do."""
 from __future__ import annotations
 
-from app.partial_tags import held_prefix
+from app.partial_tags import find_split, held_prefix, joined as _joined, last as _last
 from app.tools.calls import CallDelta, CallTracker, ParsedDelta, TrackedCall, new_call_id
 from app.tools.json_scan import JsonScanError, JsonScanner
 
@@ -41,14 +41,86 @@ class MistralToolParser:
         self._current_id = ""
 
     def feed(self, text: str) -> ParsedDelta:
+        """Linear in ``text`` (issue 37): read by offsets, never copied from an offset to its end;
+        only a possible tag or a name (at most 256 characters) is held from piece to piece."""
         out = ParsedDelta()
         if self.failed:
             out.content = text
             return out
-        buf = self._pending + text
-        self._pending = ""
-        while buf and not self.failed:
-            buf = self._step(buf, out)
+        content: list[str] = []
+        prefix, self._pending = self._pending, ""  # read before text[i:]
+        i, n = 0, len(text)
+        while (prefix or i < n) and not self.failed:
+            if self._state == _OUTSIDE:
+                at = find_split(prefix, text, i, self.start_tag)
+                if at < 0:
+                    tail = _last(prefix, text, i, len(self.start_tag) - 1)
+                    hold = held_prefix(tail, self.start_tag)
+                    content.append(_joined(prefix, text, i, len(prefix) + n - i - hold))
+                    self._pending = tail[len(tail) - hold:]
+                    break
+                before = _joined(prefix, text, i, at)
+                if not self.calls or before.strip():
+                    content.append(before)
+                self._state = _DECIDE
+                i += at + len(self.start_tag) - len(prefix)  # the tag ends in text: prefix is shorter
+                prefix = ""
+            elif self._state == _DECIDE:  # whitespace (dropped), then "[" of an array or a name
+                while i < n and text[i].isspace():
+                    i += 1
+                if i == n:
+                    break
+                if text[i] == "[" and not text.startswith(self.args_tag, i):
+                    self._state = _ARRAY
+                    self._tracker = CallTracker(self.calls, call_depth=2, arg_keys=("arguments", "parameters"),
+                                                max_calls=self.max_calls)
+                else:
+                    self._state = _NAME
+            elif self._state == _ARRAY:
+                start = self._tracker.scanner.pos
+                try:
+                    k = self._tracker.feed_until_done(text, i)
+                except JsonScanError:
+                    self._tracker.drain(out.calls)
+                    self._fail(out, text[i + self._tracker.scanner.pos - start + 1:])
+                    break
+                self._tracker.drain(out.calls)
+                if self._tracker.done:
+                    self._state = _OUTSIDE
+                i += k
+            elif self._state == _NAME:
+                at = find_split(prefix, text, i, self.args_tag)
+                if at < 0:
+                    size = len(prefix) + n - i
+                    rest = _joined(prefix, text, i, min(size, 257))
+                    if size > 256 or "{" in rest:  # no name is that long, nor holds a brace
+                        self._fail(out, self.start_tag + _joined(prefix, text, i, size))
+                    else:
+                        self._pending = rest
+                    break
+                name = _joined(prefix, text, i, at).split(self.call_id_tag)[0].strip()
+                if not name:
+                    self._fail(out, self.start_tag + _joined(prefix, text, i, len(prefix) + n - i))
+                    break
+                self._open_call(name, out)
+                self._state, self._args = _ARGS, JsonScanner(_NoCalls(), call_depth=1 << 30)
+                i += at + len(self.args_tag) - len(prefix)  # the tag ends in text: else found before
+                prefix = ""
+            else:  # _ARGS: the arguments object, released as far as it is valid
+                start = self._args.pos
+                try:
+                    k = self._args.feed_until_done(text, i)
+                except JsonScanError:
+                    k = self._args.pos - start
+                    self._release(text[i:i + k], out)
+                    self._fail(out, text[i + k + 1:])
+                    break
+                self._release(text[i:i + k], out)
+                if self._args.done:
+                    self._current.ended = self._current.finished = True
+                    self._state, self._args, self._current = _OUTSIDE, None, None
+                i += k
+        out.content = "".join(content) + out.content
         return out
 
     def finish(self) -> ParsedDelta:
@@ -63,74 +135,6 @@ class MistralToolParser:
         elif self._state in (_ARRAY, _ARGS):  # ended inside a call's JSON
             self._fail(out, "")
         return out
-
-    # ---- one state's worth of text -----------------------------------------------------------
-
-    def _step(self, buf: str, out: ParsedDelta) -> str:
-        if self._state == _OUTSIDE:
-            at = buf.find(self.start_tag)
-            if at < 0:
-                hold = held_prefix(buf, self.start_tag)
-                out.content += buf[:len(buf) - hold]
-                self._pending = buf[len(buf) - hold:]
-                return ""
-            if not self.calls or buf[:at].strip():
-                out.content += buf[:at]
-            self._state = _DECIDE
-            return buf[at + len(self.start_tag):]
-        if self._state == _DECIDE:
-            head = buf.lstrip()
-            if not head:
-                self._pending = buf
-                return ""
-            if head[0] == "[" and not head.startswith(self.args_tag):
-                self._state = _ARRAY
-                self._tracker = CallTracker(self.calls, call_depth=2, arg_keys=("arguments", "parameters"),
-                                            max_calls=self.max_calls)
-            else:
-                self._state = _NAME
-            return head
-        if self._state == _ARRAY:
-            start = self._tracker.scanner.pos
-            try:
-                n = self._tracker.feed_until_done(buf)
-            except JsonScanError:
-                self._tracker.drain(out.calls)
-                self._fail(out, buf[self._tracker.scanner.pos - start + 1:])
-                return ""
-            self._tracker.drain(out.calls)
-            if self._tracker.done:
-                self._state = _OUTSIDE
-            return buf[n:]
-        if self._state == _NAME:
-            at = buf.find(self.args_tag)
-            if at < 0:
-                if len(buf) > 256 or "{" in buf:  # no name is that long, nor holds a brace
-                    self._fail(out, self.start_tag + buf)
-                    return ""
-                self._pending = buf
-                return ""
-            name = buf[:at].split(self.call_id_tag)[0].strip()
-            if not name:
-                self._fail(out, self.start_tag + buf)
-                return ""
-            self._open_call(name, out)
-            self._state, self._args = _ARGS, JsonScanner(_NoCalls(), call_depth=1 << 30)
-            return buf[at + len(self.args_tag):]
-        # _ARGS: the arguments object, released as far as it is valid
-        start = self._args.pos
-        try:
-            n = self._args.feed_until_done(buf)
-        except JsonScanError:
-            n = self._args.pos - start
-            self._release(buf[:n], out)
-            self._fail(out, buf[n + 1:])
-            return ""
-        self._release(buf[:n], out)
-        if self._args.done:
-            self._current.ended = self._current.finished = True
-            self._state, self._args, self._current = _OUTSIDE, None, None
-        return buf[n:]
 
     def _open_call(self, name: str, out: ParsedDelta) -> None:
         self._current = TrackedCall(index=len(self.calls), name=name)

@@ -8,13 +8,18 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.json_types import LIMIT_KEY, Name
+
+# OpenAI's function names are 1..64 characters; this server bounds them by --max-name-chars.
+FunctionName = Annotated[str, Field(min_length=1, json_schema_extra={LIMIT_KEY: "max_name_chars"})]
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
 
 class FunctionDefinition(_Model):
-    name: Annotated[str, Field(min_length=1)]
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -30,7 +35,7 @@ class ToolDefinition(_Model):
 
 
 class NamedFunction(_Model):
-    name: Annotated[str, Field(min_length=1)]
+    name: FunctionName
 
 
 class NamedToolChoice(_Model):
@@ -42,13 +47,13 @@ ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
 class FunctionCall(_Model):
-    name: str
+    name: Name
     arguments: str
 
 
 class ToolCall(_Model):
     """A call in an assistant message of the conversation (as the API returned it)."""
 
-    id: str
+    id: Name
     type: Literal["function"] = "function"
     function: FunctionCall

@@ -18,7 +18,7 @@ A non-streamed answer is the sum of the same deltas (``parse_whole``), so the tw
 """
 from __future__ import annotations
 
-from app.partial_tags import held_prefix
+from app.partial_tags import find_split, held_prefix, joined as _joined, last as _last
 from app.tools.calls import CallDelta, CallTracker, ParsedDelta, TrackedCall, new_call_id
 from app.tools.json_scan import JsonScanError
 
@@ -36,94 +36,112 @@ class HermesToolParser:
         self.failed = False
         self._state = _OUTSIDE
         self._pending = ""  # outside text not released (may start the start tag)
-        self._ws_held = ""  # whitespace after a call, released only if text follows it
+        self._ws_held: list[str] = []  # whitespace after a call, released only if text follows it
         self._tracker: CallTracker | None = None
-        self._block = ""  # raw text of the current block, for the fallback to content
-        self._after = ""
+        self._block: list[str] = []  # raw text of the current block, for the fallback to content
+        self._after = ""  # after a call: the start of the end tag read so far (whitespace dropped)
 
     def feed(self, text: str) -> ParsedDelta:
+        """Linear in ``text`` (issue 37): the piece is read by offsets, never copied from an
+        offset to its end, and nothing held is copied again."""
         out = ParsedDelta()
         if self.failed:
             out.content = text
             return out
-        while text:
+        content: list[str] = []
+        prefix, self._pending = self._pending, ""  # read before text[i:]: short (a tag's start)
+        i, n = 0, len(text)
+        while prefix or i < n:
             if self._state == _OUTSIDE:
-                buf = self._pending + text
-                text = ""
-                at = buf.find(self.start_tag)
+                at = find_split(prefix, text, i, self.start_tag)
                 if at >= 0:
                     self._drain(out)  # the previous call's last pieces, before its tracker goes
-                    self._content(buf[:at], out)
-                    self._pending = ""
-                    text = buf[at + len(self.start_tag):]
+                    self._content(_joined(prefix, text, i, at), content)
+                    i += at + len(self.start_tag) - len(prefix)  # the tag ends in text: prefix is shorter
+                    prefix = ""
                     self._state = _INSIDE
-                    self._block = self.start_tag
+                    self._block = [self.start_tag]
                     self._tracker = CallTracker(self.calls, max_calls=self.max_calls)
                 else:
-                    hold = held_prefix(buf, self.start_tag)
-                    self._content(buf[:len(buf) - hold], out)
-                    self._pending = buf[len(buf) - hold:]
+                    tail = _last(prefix, text, i, len(self.start_tag) - 1)
+                    hold = held_prefix(tail, self.start_tag)
+                    self._content(_joined(prefix, text, i, len(prefix) + n - i - hold), content)
+                    self._pending = tail[len(tail) - hold:]
+                    prefix, i = "", n
             elif self._state == _INSIDE:
                 start = self._tracker.scanner.pos
                 try:
-                    i = self._tracker.feed_until_done(text)
+                    k = self._tracker.feed_until_done(text, i)
                 except JsonScanError:
-                    i = self._tracker.scanner.pos - start
-                    self._block += text[:i + 1]
-                    self._fail(out, text[i + 1:], text[i])
+                    k = self._tracker.scanner.pos - start
+                    self._block.append(text[i:i + k + 1])
+                    self._fail(out, content, text[i + k + 1:], text[i + k])
+                    out.content = "".join(content)
                     return out
-                self._block += text[:i]
-                text = text[i:]
+                self._block.append(text[i:i + k])
+                i += k
                 if self._tracker.done:
                     self._state, self._after = _AFTER, ""
             else:  # _AFTER: whitespace, then the end tag (or, leniently, anything else)
-                self._after += text
-                text = ""
-                tail = self._after.lstrip()
-                if tail.startswith(self.end_tag):
+                if not self._after:
+                    while i < n and text[i].isspace():
+                        i += 1
+                    if i == n:
+                        break
+                need = self.end_tag[len(self._after):]
+                if text.startswith(need, i):
+                    self._state, self._after = _OUTSIDE, ""
+                    i += len(need)
+                elif i + len(need) > n and need.startswith(text[i:]):
+                    self._after += text[i:]  # still the start of the end tag
+                    i = n
+                else:
                     self._state = _OUTSIDE
-                    text = tail[len(self.end_tag):]
-                elif not self.end_tag.startswith(tail):
-                    self._state = _OUTSIDE
-                    text = tail
+                    prefix, self._after = self._after, ""
         self._drain(out)
+        out.content = "".join(content)
         return out
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self.failed:
             return out
+        content: list[str] = []
         if self._state == _OUTSIDE:
-            self._content(self._pending, out)
+            self._content(self._pending, content)
             self._pending = ""
         elif self._state == _INSIDE:  # the reply ended inside a call's JSON
-            self._fail(out, "", "")
+            self._fail(out, content, "", "")
         self._drain(out)
+        out.content = "".join(content)
         return out
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _content(self, text: str, out: ParsedDelta) -> None:
+    def _content(self, text: str, content: list[str]) -> None:
         if not text:
             return
         if self.calls and not text.strip():
-            self._ws_held += text
+            self._ws_held.append(text)
             return
-        out.content += self._ws_held + text
-        self._ws_held = ""
+        content.extend(self._ws_held)
+        content.append(text)
+        self._ws_held = []
 
     def _drain(self, out: ParsedDelta) -> None:
         if self._tracker is not None:
             self._tracker.drain(out.calls)
 
-    def _fail(self, out: ParsedDelta, rest: str, bad: str) -> None:
+    def _fail(self, out: ParsedDelta, content: list[str], rest: str, bad: str) -> None:
         """Malformed call: from here on everything is content. A call not yet announced goes out
         as the text it was; one already announced cannot be taken back and ends where it is."""
         self.failed = True
         self._drain(out)
         announced = self._tracker.header_sent()
-        out.content += self._ws_held + (bad if announced else self._block) + rest
-        self._ws_held = ""
+        content.extend(self._ws_held)
+        content.extend([bad] if announced else self._block)
+        content.append(rest)
+        self._ws_held = []
         for c in self._tracker.mine:
             c.finished = True
 
@@ -199,30 +217,26 @@ class Llama3JsonToolParser:
         self.calls: list[TrackedCall] = []
         self.failed = False
         self._mode = "start"  # start | calls | content
-        self._head = ""
+        self._head: list[str] = []  # the reply while undecided (whitespace, the python tag)
+        self._tag_at = -1  # -1: before the tag; 0..len: its characters matched; then whitespace
         self._tracker: CallTracker | None = None
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
+        i = 0
         if self._mode == "start":
-            self._head += text
-            head = self._head.lstrip()
-            if head.startswith(self.python_tag):
-                head = head[len(self.python_tag):].lstrip()
-            elif self.python_tag.startswith(head):
-                return out  # may still become the tag
-            if not head:
+            i = self._read_head(text)
+            if i < 0:
+                return out  # still undecided
+            if self._mode == "content":
+                self._head.append(text)
+                out.content = "".join(self._head)
                 return out
-            if head[0] != "{":
-                self._mode = "content"
-                out.content = self._head
-                return out
-            self._mode, text = "calls", head
         if self._mode == "content" or self.failed:
             out.content += text
             return out
-        i = 0
-        while i < len(text):
+        n = len(text)
+        while i < n:
             if self._tracker is None or self._tracker.done:
                 if text[i] in " \t\n\r;":
                     i += 1
@@ -236,17 +250,39 @@ class Llama3JsonToolParser:
                                             max_calls=self.max_calls)
             start = self._tracker.scanner.pos
             try:
-                i += self._tracker.feed_until_done(text[i:])
+                i += self._tracker.feed_until_done(text, i)
             except JsonScanError:
                 self._fail(out, text[i + self._tracker.scanner.pos - start + 1:])
                 return out
         self._tracker.drain(out.calls)
         return out
 
+    def _read_head(self, text: str) -> int:
+        """Read the undecided start (whitespace, the python tag, whitespace) one character at a
+        time, each once; at its first other character, the mode it decides ("calls" at a ``{``
+        outside the tag, else "content") and that character's offset in ``text``; -1 while
+        undecided."""
+        tag = self.python_tag
+        for i, ch in enumerate(text):
+            if self._tag_at < 0 or self._tag_at == len(tag):  # whitespace around the tag
+                if ch.isspace():
+                    continue
+                if self._tag_at < 0 and ch == tag[0]:
+                    self._tag_at = 1
+                    continue
+                self._mode = "calls" if ch == "{" else "content"
+                return i
+            if ch != tag[self._tag_at]:
+                self._mode = "content"
+                return i
+            self._tag_at += 1
+        self._head.append(text)
+        return -1
+
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self._mode == "start":
-            out.content = self._head
+            out.content = "".join(self._head)
         elif self._mode == "calls" and not self.failed and not self._tracker.done:
             self._fail(out, "")
         return out
@@ -275,14 +311,17 @@ AUTO_PARSERS = _auto_parsers()
 
 
 def parse_whole(parser, text: str) -> tuple[str, list[dict]]:
-    """Non-streamed result: (content, tool calls in OpenAI's message form)."""
-    content, calls = "", {}
+    """Non-streamed result: (content, tool calls in OpenAI's message form). A call's arguments
+    may come in many pieces (qwen3_coder: one a parameter): joined once."""
+    content, calls, pieces = "", {}, {}
     for delta in (parser.feed(text), parser.finish()):
         content += delta.content
         for d in delta.calls:
             if d.id is not None:
-                calls[d.index] = {"id": d.id, "type": "function",
-                                  "function": {"name": d.name, "arguments": d.arguments}}
+                calls[d.index] = {"id": d.id, "type": "function", "function": {"name": d.name}}
+                pieces[d.index] = [d.arguments]
             else:
-                calls[d.index]["function"]["arguments"] += d.arguments
+                pieces[d.index].append(d.arguments)
+    for i, call in calls.items():
+        call["function"]["arguments"] = "".join(pieces[i])
     return content, [calls[i] for i in sorted(calls)]

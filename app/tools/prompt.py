@@ -32,16 +32,20 @@ For each function call, return a json object with function name and arguments wi
 @functools.lru_cache(maxsize=8)
 def template_knows_tools(source: str | None) -> bool:
     """Does the chat template read the ``tools`` variable? None (a template we cannot see, e.g.
-    an engine stand-in) is trusted to."""
+    an engine stand-in) is trusted to. Parsing takes time linear in the template (a request's
+    own: call it off the event loop) and evaluates nothing (engine.tokenizer.template_variables)."""
     if source is None:
         return True
+    if "tools" not in source:
+        return False
     import jinja2
-    from jinja2 import meta
+
+    from engine.tokenizer import template_variables
 
     try:
-        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(source))
+        return "tools" in template_variables(source)
     except jinja2.TemplateSyntaxError:
-        return "tools" in source
+        return True
 
 
 def default_tool_prompt(tools: list[dict]) -> str:

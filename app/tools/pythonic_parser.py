@@ -33,9 +33,12 @@ def _literal(node: ast.AST) -> Any:
             raise PythonicCallError("** in a dict literal")
         return {str(_literal(k)): _literal(v) for k, v in zip(node.keys, node.values)}
     try:
-        return ast.literal_eval(node)
+        value = ast.literal_eval(node)
     except ValueError:
         raise PythonicCallError(f"not a literal: {ast.unparse(node)}") from None
+    if value is not None and not isinstance(value, (str, int, float)):  # a set, bytes, 1j, ...: no JSON
+        raise PythonicCallError(f"not a JSON value: {ast.unparse(node)}")
+    return value
 
 
 def parse_calls(text: str) -> list[tuple[str, str]]:
@@ -68,9 +71,11 @@ class PythonicToolParser:
         self.calls: list[CallDelta] = []
         self.failed = False
         self._state = _START
-        self._raw = ""  # everything read until the list closed: the content if it is no calls
-        self._list = ""  # the list so far
-        self._tail = ""  # text after the list (its end tag, whitespace, or content at the end)
+        # Text kept as pieces, joined once when needed (issue 37: ``+=`` copied it per piece).
+        self._raw: list[str] = []  # everything read until the list closed: the content if it is no calls
+        self._list: list[str] = []  # the list so far
+        self._tail: list[str] = []  # text after the list (its end tag, whitespace, or content at the end)
+        self._tag_at = -1  # START: -1 before the start tag; 0..len its characters matched; then whitespace
         self._depth = 0
         self._quote = ""  # the open string's quote ('' = not in a string)
         self._escape = False
@@ -81,35 +86,53 @@ class PythonicToolParser:
             out.content = text
             return out
         if self._state == _AFTER:
-            self._tail += text
+            self._tail.append(text)
             return out
-        self._raw += text
+        self._raw.append(text)
+        start = 0
         if self._state == _START:
-            head = self._raw.lstrip()
-            if head.startswith(self.start_tag):
-                head = head[len(self.start_tag):].lstrip()
-            elif self.start_tag.startswith(head):
+            start = self._read_head(text)
+            if start < 0:
                 return out  # nothing yet, or maybe the tag
-            if not head:
+            if self._state == _CONTENT:
+                out.content = "".join(self._raw)
                 return out
-            if head[0] != "[":
-                self._state, out.content = _CONTENT, self._raw
-                return out
-            self._state, text = _LIST, head
-        for i, ch in enumerate(text):
-            self._list += ch
-            if self._scan(ch):  # the list closed
+        scan = self._scan
+        for i in range(start, len(text)):
+            if scan(text[i]):  # the list closed
+                self._list.append(text[start:i + 1])
                 self._emit(out, text[i + 1:])
-                break
+                return out
+        self._list.append(text[start:] if start else text)
         return out
+
+    def _read_head(self, text: str) -> int:
+        """START: read whitespace, the start tag, whitespace, each character once; at the first
+        other character, the state it decides (_LIST at a "[" outside the tag, else _CONTENT) and
+        its offset; -1 while undecided."""
+        tag = self.start_tag
+        for i, ch in enumerate(text):
+            if self._tag_at < 0 or self._tag_at == len(tag):  # whitespace around the tag
+                if ch.isspace():
+                    continue
+                if self._tag_at < 0 and ch == tag[0]:
+                    self._tag_at = 1
+                    continue
+                self._state = _LIST if ch == "[" else _CONTENT
+                return i
+            if ch != tag[self._tag_at]:
+                self._state = _CONTENT
+                return i
+            self._tag_at += 1
+        return -1
 
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self._state in (_START, _LIST):  # no list, or one that never closed: the text as it was
             self.failed = self._state == _LIST
-            out.content = self._raw
+            out.content = "".join(self._raw)
         elif self._state == _AFTER:
-            rest = self._tail.replace(self.end_tag, "")
+            rest = "".join(self._tail).replace(self.end_tag, "")
             if rest.strip():
                 out.content = rest
         return out
@@ -137,13 +160,13 @@ class PythonicToolParser:
 
     def _emit(self, out: ParsedDelta, rest: str) -> None:
         try:
-            calls = parse_calls(self._list)
+            calls = parse_calls("".join(self._list))
         except PythonicCallError:
             self.failed = True
             self._state = _CONTENT
-            out.content += self._raw
+            out.content += "".join(self._raw)
             return
-        self._state, self._tail = _AFTER, rest
+        self._state, self._tail = _AFTER, [rest]
         for name, arguments in calls if self.max_calls is None else calls[:self.max_calls]:
             call = CallDelta(len(self.calls), new_call_id(), name, arguments)
             self.calls.append(call)

@@ -20,7 +20,7 @@ import ast
 import json
 from typing import Any
 
-from app.partial_tags import held_prefix
+from app.partial_tags import find_split, held_prefix, joined as _joined, last as _last
 from app.tools.calls import CallDelta, ParsedDelta, new_call_id
 
 _OUTSIDE, _BLOCK, _FUNCTION, _AFTER = range(4)
@@ -54,6 +54,11 @@ def convert(value: str, schema: dict | None) -> Any:
 
 
 class Qwen3CoderToolParser:
+    """Read in one pass (issue 37): each character is looked at a bounded number of times, and
+    nothing held is copied again when a piece arrives. The tags are matched a character at a
+    time; a name and a parameter's value, which may be long, are searched for their end
+    (``>``, ``</parameter>``) with ``str.find`` in each new piece only."""
+
     name = "qwen3_coder"
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
@@ -65,8 +70,16 @@ class Qwen3CoderToolParser:
         self._params = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
                         for t in tools or [] if t.get("type") == "function"}
         self._state = _OUTSIDE
-        self._buf = ""  # text not yet consumed
-        self._block = ""  # the current block's raw text (content again if it is malformed)
+        self._pending = ""  # outside a block: text that may start the start tag
+        # In a block, its text is read (consumed) tag by tag; what is not consumed yet is
+        # ``_unread`` (earlier pieces) + the current piece from ``_mark``.
+        self._raw: list[str] = []  # the block's consumed text (content again if it is malformed)
+        self._unread: list[str] = []
+        self._unread_len = 0
+        self._unread_tail = ""  # the last characters of _unread (a closing tag may start in them)
+        self._mark = 0
+        self._head = ""  # the tag being matched (after whitespace), up to its name
+        self._name: list[str] | None = None  # the name after "<function=" / "<parameter=" so far
         self._call: CallDelta | None = None
         self._param: str | None = None  # the parameter whose value is being read
         self._num_args = 0
@@ -76,9 +89,38 @@ class Qwen3CoderToolParser:
         if self.failed:
             out.content = text
             return out
-        self._buf += text
-        while self._buf and not self.failed and self._step(out):
-            pass
+        content: list[str] = []
+        prefix, self._pending = self._pending, ""  # outside: read before text[i:]
+        i, n = 0, len(text)
+        self._mark = 0
+        while not self.failed:
+            if self._state == _OUTSIDE:
+                if not prefix and i >= n:
+                    break
+                at = find_split(prefix, text, i, self.start_tag)
+                if at < 0:
+                    tail = _last(prefix, text, i, len(self.start_tag) - 1)
+                    hold = held_prefix(tail, self.start_tag)
+                    self._content(_joined(prefix, text, i, len(prefix) + n - i - hold), content)
+                    self._pending = tail[len(tail) - hold:]
+                    break
+                self._content(_joined(prefix, text, i, at), content)
+                i += at + len(self.start_tag) - len(prefix)  # the tag ends in text: prefix is shorter
+                prefix = ""
+                self._state, self._raw, self._mark = _BLOCK, [self.start_tag], i
+                self._head, self._name = "", None
+            elif i >= n:
+                break
+            elif self._state == _FUNCTION and self._param is not None:
+                i = self._read_value(text, i, out)
+            else:
+                i, prefix = self._read_tag(text, i, out, content)
+        if self._state in (_BLOCK, _FUNCTION) and not self.failed and self._mark < n:
+            piece = text[self._mark:]
+            self._unread.append(piece)
+            self._unread_len += len(piece)
+            self._unread_tail = (self._unread_tail + piece[-len(_PARAM_END):])[-len(_PARAM_END):]
+        out.content = "".join(content) + out.content
         return out
 
     def finish(self) -> ParsedDelta:
@@ -86,85 +128,101 @@ class Qwen3CoderToolParser:
         if self.failed:
             return out
         if self._state == _OUTSIDE:
-            self._content(self._buf, out)
+            content: list[str] = []
+            self._content(self._pending, content)
+            out.content = "".join(content)
         elif self._state in (_BLOCK, _FUNCTION):  # the reply ended inside a call
-            self._fail(out)
-        self._buf = ""
+            self._fail(out, "")
+        self._pending = ""
         return out
 
-    # ---- one step: True when it consumed something and may go on --------------------------------
+    # ---- reading a block ------------------------------------------------------------------------
 
-    def _step(self, out: ParsedDelta) -> bool:
-        buf = self._buf
-        if self._state == _OUTSIDE:
-            at = buf.find(self.start_tag)
-            if at < 0:
-                hold = held_prefix(buf, self.start_tag)
-                self._content(buf[:len(buf) - hold], out)
-                self._buf = buf[len(buf) - hold:]
-                return False
-            self._content(buf[:at], out)
-            self._state, self._block, self._buf = _BLOCK, self.start_tag, buf[at + len(self.start_tag):]
-            return True
-        head = buf.lstrip()
-        if self._state == _BLOCK:  # expecting <function=NAME>
-            tag = self._tag(head, _FN)
-            if tag is None:
-                return False
-            name = tag.strip() if tag is not False else ""
-            if not name:
-                return self._fail(out)
+    def _read_tag(self, text: str, i: int, out: ParsedDelta, content: list[str]) -> tuple[int, str]:
+        """Whitespace, then the tag the state expects: <function=NAME> (_BLOCK), <parameter=NAME>
+        or </function> (_FUNCTION), </tool_call> (_AFTER: anything else leaves the block, as text
+        read from (the returned prefix) + text[i:])."""
+        n = len(text)
+        while i < n:
+            if self._name is not None:  # a name, to ">"
+                close = text.find(">", i)
+                if close < 0:
+                    self._name.append(text[i:])
+                    return n, ""
+                name = "".join(self._name) + text[i:close]
+                self._name = None
+                self._consume(text, close + 1)
+                self._named(name.strip(), out, text, close + 1)
+                return close + 1, ""
+            ch = text[i]
+            i += 1
+            if not self._head and ch.isspace():
+                continue
+            head = self._head = self._head + ch
+            if self._state == _BLOCK:
+                if head == _FN:
+                    self._name = []
+                elif not _FN.startswith(head):
+                    self._fail(out, text)
+                    return n, ""
+            elif self._state == _FUNCTION:
+                if head == _FN_END:
+                    self._consume(text, i)
+                    self._close_call(out)
+                    self._state, self._head = _AFTER, ""
+                    return i, ""
+                if head == _PARAM:
+                    self._name = []
+                elif not (_FN_END.startswith(head) or _PARAM.startswith(head)):
+                    self._fail(out, text)
+                    return n, ""
+            else:  # _AFTER
+                if head == self.end_tag:
+                    self._state, self._head = _OUTSIDE, ""
+                    return i, ""
+                if not self.end_tag.startswith(head):
+                    self._state, self._head = _OUTSIDE, ""
+                    return i, head
+        return n, ""
+
+    def _named(self, name: str, out: ParsedDelta, text: str, i: int) -> None:
+        """A name's ">" was read (and consumed): open the call, or start the parameter's value."""
+        self._head = ""
+        if not name:
+            self._fail(out, text)
+        elif self._state == _BLOCK:
             self._open(name, out)
             self._state = _FUNCTION
-            return True
-        if self._state == _FUNCTION and self._param is not None:  # a parameter's value, to </parameter>
-            end = buf.find(_PARAM_END)
-            if end < 0:
-                return False
-            value = buf[:end]
-            self._take(end + len(_PARAM_END))
-            self._argument(self._param, value, out)
-            self._param = None
-            return True
-        if self._state == _FUNCTION:  # parameters, then </function>
-            if head.startswith(_FN_END):
-                self._take(len(buf) - len(head) + len(_FN_END))
-                self._close_call(out)
-                self._state = _AFTER
-                return True
-            if _FN_END.startswith(head):
-                return False
-            param = self._tag(head, _PARAM)
-            if param is None:
-                return False
-            if param is False or not param.strip():
-                return self._fail(out)
-            self._param = param.strip()
-            return True
-        # _AFTER: whitespace, then </tool_call> (or, leniently, anything else)
-        if head.startswith(self.end_tag):
-            self._buf = head[len(self.end_tag):]
-            self._state = _OUTSIDE
-            return True
-        if head and not self.end_tag.startswith(head):
-            self._buf, self._state = head, _OUTSIDE
-            return True
-        return False
+        else:
+            self._param = name
 
-    def _tag(self, head: str, opener: str) -> str | None | bool:
-        """``<opener NAME>`` at the start of ``head``: its NAME, consumed; None while incomplete;
-        False when the text cannot become it."""
-        if not head.startswith(opener):
-            return None if opener.startswith(head) else False
-        close = head.find(">")
-        if close < 0:
-            return None
-        self._take(len(self._buf) - len(head) + close + 1)
-        return head[len(opener):close]
+    def _read_value(self, text: str, i: int, out: ParsedDelta) -> int:
+        """A parameter's value, to </parameter>: found in the new piece (or across its start)."""
+        tail = self._unread_tail if self._unread else ""
+        at = find_split(tail, text, i, _PARAM_END)
+        if at < 0:
+            return len(text)
+        size = self._unread_len + (i - self._mark) - len(tail) + at  # the value's length
+        value = self._unconsumed(text, size)
+        self._consume(text, self._mark + size + len(_PARAM_END) - self._unread_len)
+        self._argument(self._param, value, out)
+        self._param = None
+        return self._mark
 
-    def _take(self, n: int) -> None:
-        self._block += self._buf[:n]
-        self._buf = self._buf[n:]
+    def _unconsumed(self, text: str, size: int) -> str:
+        """The first ``size`` characters not consumed yet."""
+        if size <= self._unread_len:
+            return "".join(self._unread)[:size]
+        return "".join(self._unread) + text[self._mark:self._mark + size - self._unread_len]
+
+    def _consume(self, text: str, end: int) -> None:
+        """Everything not consumed up to text[end] joins the block's text."""
+        self._raw.extend(self._unread)
+        self._raw.append(text[self._mark:end])
+        self._unread, self._unread_len, self._unread_tail = [], 0, ""
+        self._mark = end
+
+    # ---- calls ----------------------------------------------------------------------------------
 
     def _open(self, name: str, out: ParsedDelta) -> None:
         self._call = CallDelta(len(self.calls), new_call_id(), name, "")
@@ -189,14 +247,13 @@ class Qwen3CoderToolParser:
     def _sent(self, call: CallDelta) -> bool:
         return self.max_calls is None or call.index < self.max_calls
 
-    def _content(self, text: str, out: ParsedDelta) -> None:
+    def _content(self, text: str, content: list[str]) -> None:
         if text and (not self.calls or text.strip()):  # whitespace between calls is dropped
-            out.content += text
+            content.append(text)
 
-    def _fail(self, out: ParsedDelta) -> bool:
-        """Malformed: from here on everything is content; a call already announced stays."""
+    def _fail(self, out: ParsedDelta, text: str) -> None:
+        """Malformed: from here on everything is content (the block's text as it was, and the rest
+        of ``text``); a call already announced stays, and only what was not consumed follows it."""
         self.failed = True
         announced = self._call is not None and self._sent(self._call)
-        out.content += ("" if announced else self._block) + self._buf
-        self._buf = ""
-        return False
+        out.content += ("" if announced else "".join(self._raw)) + "".join(self._unread) + text[self._mark:]

@@ -21,13 +21,14 @@ from collections import OrderedDict
 import numpy as np
 
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.structured_output.constraint import SeqConstraint, bad_word_token_seqs, ids_to_row, words_for
+from engine.structured_output.constraint import BadWords, SeqConstraint, bad_word_token_seqs, ids_to_row, words_for
 from engine.prep_pools import DeadlinePool
 from engine.structured_output.xgrammar_backend import GrammarError, XGrammarBackend
 
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # distinct grammars kept (compiled and validated)
+BAD_WORDS_CACHE = 256  # distinct bad-word lists kept, tokenized and indexed
 COMPILE_THREADS = 2  # grammars compiled at once (each compile is single-threaded in xgrammar)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0  # contracts/config.py PrepConfig.grammar_compile_timeout
 
@@ -42,6 +43,9 @@ class StructuredOutputManager:
         self._validated: OrderedDict[tuple, object] = OrderedDict()  # key -> Grammar | GrammarError
         self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._lock = threading.Lock()  # validate() may run in the app's pool and on the loop
+        # Bad words, tokenized and indexed by check() in the grammar pool, found again by
+        # new_constraint() on the event loop (issue 37: they were tokenized on the loop).
+        self._bad_words: OrderedDict[tuple[str, ...], BadWords | None] = OrderedDict()
         self.compile_timeout_s = compile_timeout_s or None
         # Validation (parsing the spec) and compiles: bounded, with the deadline, apart from the
         # tokenizer and the chat template's pools.
@@ -73,8 +77,28 @@ class StructuredOutputManager:
             raise GrammarError(str(hit))
         return hit
 
+    def bad_words(self, words: list[str]) -> BadWords | None:
+        """``words`` tokenized (as written and after a space) and indexed, once per distinct list
+        while it is among the last BAD_WORDS_CACHE: the first call, in check() off the loop, does
+        the work; the request's own sequences on the loop find it done."""
+        key = tuple(words)
+        with self._lock:
+            if key in self._bad_words:
+                self._bad_words.move_to_end(key)
+                return self._bad_words[key]
+        seqs = bad_word_token_seqs(self.tokenizer, words)
+        built = BadWords(seqs) if seqs else None
+        with self._lock:
+            self._bad_words[key] = built
+            if len(self._bad_words) > BAD_WORDS_CACHE:
+                self._bad_words.popitem(last=False)
+        return built
+
     def check(self, params: SamplingParams) -> None:
-        """Everything about a request's token constraint that can be refused (HTTP 400)."""
+        """Everything about a request's token constraint that can be refused (HTTP 400); its bad
+        words are tokenized here (AsyncEngine.check_constraint runs this off the loop)."""
+        if params.bad_words:
+            self.bad_words(params.bad_words)
         if params.allowed_token_ids:
             bad = [t for t in params.allowed_token_ids if t >= self.vocab_size]
             if bad:
@@ -121,7 +145,7 @@ class StructuredOutputManager:
 
     def new_constraint(self, params: SamplingParams) -> SeqConstraint:
         allowed = ids_to_row(params.allowed_token_ids, self.vocab_size) if params.allowed_token_ids else None
-        bad = bad_word_token_seqs(self.tokenizer, params.bad_words) if params.bad_words else None
+        bad = self.bad_words(params.bad_words) if params.bad_words else None
         spec = params.structured_outputs
         wait = None
         if spec is not None and spec.start_after:

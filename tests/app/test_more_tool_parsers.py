@@ -78,6 +78,8 @@ def test_replies_without_calls_are_content(name, text):
     ("pythonic", "[get_weather(city=open('/etc/passwd'))]"),
     ("pythonic", "[get_weather('Paris')]"),
     ("pythonic", '[get_weather(city="Paris"'),
+    ("pythonic", "[get_weather(city={'Paris', 'Lyon'})]"),  # a set has no JSON form (was a TypeError)
+    ("pythonic", "[get_weather(city=b'Paris', days=1j)]"),
     ("qwen3_coder", "<tool_call>\n<oops>\n</tool_call>"),
 ])
 def test_malformed_calls_come_back_as_content(name, text):

@@ -140,6 +140,40 @@ async def test_request_chat_template_needs_the_trust_flag():
     assert engine.template_kwargs[-1] == {"chat_template": "T"}
 
 
+async def test_a_request_template_is_parsed_for_tools_off_the_loop_and_never_evaluated():
+    """Whether a request's template reads ``tools`` was decided on the event loop by Jinja's
+    analysis, which folds constants: ``{{ 7**30000000 }}`` froze the server for 50 s (issue 37)."""
+    import threading
+    import time
+
+    from app.tools import prompt
+
+    threads = []
+    knows = prompt.template_knows_tools
+
+    def spy(source):
+        threads.append(threading.current_thread())
+        return knows(source)
+
+    engine = FakeAsyncEngine()
+    app = build_app(engine, served_model_name="fake-model", trust_request_chat_template=True)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    template = "{{ tools }}{{ (7**30000000) % 10 }}{{ 'a'|center(10**10) }}{% for m in messages %}{% endfor %}"
+    prompt.template_knows_tools = spy
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            t0 = time.monotonic()
+            r = await c.post("/v1/chat/completions", json={**CHAT, "chat_template": template, "tools": tools,
+                                                           "tool_choice": "none"})
+            took = time.monotonic() - t0
+    finally:
+        prompt.template_knows_tools = knows
+    assert r.status_code == 200, r.text
+    assert took < 2.0
+    assert threads and all(t is not threading.current_thread() for t in threads)
+    assert prompt.template_knows_tools(template)  # and it does read tools
+
+
 async def test_logprob_tokens_carry_real_bytes_and_token_ids_on_request(client):
     engine_reply = "€"  # three tokens of the fake byte tokenizer: E2 82 AC
     client_engine = FakeAsyncEngine(reply=engine_reply)

@@ -68,3 +68,29 @@ async def test_token_mask_fields_pass_through(client, engine):
 async def test_bad_shapes_400(client, engine, extra, param):
     assert_openai_error(await client.post("/v1/chat/completions", json={**CHAT, **extra}), 400, param)
     assert engine.calls == []
+
+
+@pytest.mark.parametrize("path, base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+async def test_an_unknown_key_in_structured_outputs_is_a_400_naming_it(client, engine, path, base):
+    """Issue 37 item 8: it was dropped silently (the output then was not what was asked)."""
+    r = await client.post(path, json={**base, "structured_outputs": {"regex": "[0-9]+", "regexp_flags": "i"}})
+    err = assert_openai_error(r, 400, "structured_outputs.regexp_flags")
+    assert "regexp_flags" in err["message"]
+    assert engine.calls == []
+
+
+async def test_vllms_own_structured_outputs_keys_at_their_defaults_still_pass(client, engine):
+    """vLLM's client sends its whole StructuredOutputsParams (dataclasses.asdict): every key is known."""
+    so = {"json": None, "regex": "[0-9]+", "choice": None, "grammar": None, "json_object": None,
+          "disable_fallback": False, "disable_any_whitespace": False, "disable_additional_properties": False,
+          "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False}
+    r = await client.post("/v1/chat/completions", json={**CHAT, "structured_outputs": so})
+    assert r.status_code == 200, r.text
+    assert engine.calls[0].params.structured_outputs.regex == "[0-9]+"
+
+
+async def test_vllms_output_changing_structured_outputs_keys_are_refused_unless_null(client, engine):
+    r = await client.post("/v1/chat/completions", json={
+        **CHAT, "structured_outputs": {"json": SCHEMA, "whitespace_pattern": "[ ]*"}})
+    assert_openai_error(r, 400, "structured_outputs.whitespace_pattern")
+    assert engine.calls == []

@@ -67,6 +67,7 @@ SEMANTIC_400_PARAMS = {
     # the grammar engine must accept the spec (a valid regex, a compilable grammar, a schema it enforces)
     "bad_words",  # each word must be non-empty
     "text_2",  # /score: one text on a side, or two lists of the same length
+    "text_1",  # /score: a text the tokenizer reads as no token at all (control characters)
     "structured_outputs", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }
 # constraints_unsatisfiable: allowed_token_ids / bad_words / min_tokens leave the structured output no token

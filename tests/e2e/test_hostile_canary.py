@@ -96,6 +96,7 @@ def watch(server):
 
 tool = {"role": "tool", "tool_call_id": "c", "content": "r" * 100}
 BIG_TEXT = "The quick brown fox. " * 200_000  # 4.2 MB
+MIB4 = 4 * 1024 * 1024
 HOSTILE = {
     "huge stop list": ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 4,
                                            "stop": [f"stop{i}" for i in range(50_000)]}, 400, "stop"),
@@ -123,6 +124,16 @@ HOSTILE = {
     "multi-MB chat message": ("/v1/chat/completions", {**SMALL_CHAT, "messages": [
         {"role": "user", "content": BIG_TEXT}]}, 400, "messages"),
     "multi-MB embedding input": ("/v1/embeddings", {"model": "tiny", "input": BIG_TEXT}, 400, "input"),
+    # Long strings (issue 37): bounded one by one and in all, before anything is built of them
+    "4 MiB stop string": ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 4,
+                                              "stop": "x" * MIB4}, 400, "stop"),
+    "200 x 64 KiB stops": ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 4,
+                                               "stop": ["x" * 65536] * 200}, 400, "stop"),
+    "4 MiB bad word": ("/v1/chat/completions", {**SMALL_CHAT, "bad_words": ["x" * MIB4]}, 400, "bad_words"),
+    "4 MiB tool description": ("/v1/chat/completions", {**SMALL_CHAT, "tool_choice": "none", "tools": [
+        {"type": "function", "function": {"name": "f", "description": "d" * MIB4}}]}, 400, "tools"),
+    "4 MiB request_id (it names every chunk)": ("/v1/chat/completions", {**SMALL_CHAT, "stream": True,
+                                                                        "request_id": "r" * MIB4}, 400, "request_id"),
 }
 
 

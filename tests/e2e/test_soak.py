@@ -97,7 +97,7 @@ def test_summary_compares_the_servers_failure_counters_with_the_clients():
 def test_hostile_plans_cover_every_kind_and_accept_only_200_400_413():
     from loadtest.soak_mix import HOSTILE_KINDS, HOSTILE_OK
 
-    hostile = [p for i in range(600)
+    hostile = [p for i in range(1500)
                if (p := plan(i, seed=1, model="m", max_model_len=64, max_tokens=8, hostile_scale=0.01)).kind
                == "hostile"]
     assert {p.note for p in hostile} == set(HOSTILE_KINDS)
@@ -121,7 +121,11 @@ def test_every_hostile_kind_comes_at_its_full_size():
                 "big_tokenize": lambda b: len(b["prompt"]) // len("hello world "),
                 "many_tool_messages": lambda b: sum(m["role"] == "tool" for m in b["messages"]),
                 "template_kwargs_self": lambda b: 0,
-                "huge_text_prompt": lambda b: len(b["prompt"]) // len("The quick brown fox. ")}
+                "huge_text_prompt": lambda b: len(b["prompt"]) // len("The quick brown fox. "),
+                "long_stop_string": lambda b: len(b["stop"]), "many_long_stops": lambda b: len(b["stop"]),
+                "long_bad_word": lambda b: len(b["bad_words"][0]),
+                "long_tool_description": lambda b: len(b["tools"][0]["function"]["description"]),
+                "request_template": lambda b: 0}
     for kind, p in full.items():
         assert p.size == HOSTILE_FULL_SIZE[kind] == measured[kind](p.body), kind
     assert len(full["huge_text_prompt"].body["prompt"]) > 4_000_000  # multi-MB

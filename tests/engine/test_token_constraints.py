@@ -162,3 +162,31 @@ def test_the_sequences_of_a_request_share_one_bad_word_index():
     assert seqs[0].constraint.bad_words is not None
     assert len({id(s.constraint.bad_words) for s in seqs}) == 1
     assert len({id(s.constraint) for s in seqs}) == 3
+
+
+def test_bad_words_are_tokenized_by_the_check_off_the_loop_not_again_for_the_sequences():
+    """Issue 37: a request's bad words were tokenized on the event loop when its sequences got
+    their constraints (twice per word: as written and after a space). check() runs in the grammar
+    pool (AsyncEngine.check_constraint); the sequences on the loop now find the work done."""
+    from engine.sampling_params import SamplingParams
+    from engine.structured_output.manager import StructuredOutputManager
+    from tests.engine.fakes import VOCAB, FakeTokenizer
+
+    class Counting(FakeTokenizer):
+        encoded: list[str] = []
+
+        def encode(self, text, add_special_tokens=True):
+            self.encoded.append(text)
+            return super().encode(text, add_special_tokens=add_special_tokens)
+
+    tok = Counting()
+    manager = StructuredOutputManager(tok, VOCAB, backend=object())
+    params = SamplingParams(bad_words=["hello", "world"])
+    manager.check(params)  # in the grammar pool
+    assert sorted(tok.encoded) == [" hello", " world", "hello", "world"]
+    on_loop = len(tok.encoded)
+    first = manager.new_constraint(params)  # on the event loop, as the request is added
+    again = manager.new_constraint(SamplingParams(bad_words=["hello", "world"]))  # an equal list
+    assert len(tok.encoded) == on_loop
+    assert first.bad_words is not None and again.bad_words is first.bad_words
+    manager.shutdown()
