@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # No CUDA here: pin the local CPU build of torch (a looser requirement pulls a multi-GB CUDA build).
 TORCH   ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test test-isa bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,12 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests $(ARGS)
+
+# The ISA-specific tests alone (tests/isa_tests.py): first which ISA levels this CPU has and which
+# of them the tests cover here. For whoever has an AVX-512 BF16 or AMX machine (README, "Tests").
+test-isa: $(STAMP)
+	$(PY) -m kernels.isa_report
+	$(PY) -m pytest -q -ra -m isa tests $(ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/pagedserve bench throughput

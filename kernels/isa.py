@@ -153,3 +153,13 @@ def levels_here(kernel: str) -> list[str]:
     """Every level of ``kernel`` this CPU runs, best first (each one a test may force)."""
     cpu = cpu_flags()
     return list(dict.fromkeys(b.level for b in KERNELS[kernel].builds if b.needs <= cpu))
+
+
+
+def level_missing(level: str, cpu: Set[str] | None = None) -> list[str]:
+    """The /proc/cpuinfo flags a CPU (default: this one) lacks for the builds at ``level``, every
+    kernel's together: empty where it runs them all."""
+    if cpu is None:
+        cpu = cpu_flags()
+    needs = frozenset().union(*(b.needs for k in KERNELS.values() for b in k.builds if b.level == level))
+    return sorted(needs - cpu)

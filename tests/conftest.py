@@ -35,7 +35,14 @@ def pytest_configure(config: pytest.Config) -> None:
                                 "build of torch, a driver older than its CUDA, or CUDA_VISIBLE_DEVICES)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: it must see the isa marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.isa_tests import ISA_TESTS
+
+    isa_files = {config.rootpath / f for f in ISA_TESTS}
+    for item in items:
+        if item.path in isa_files:
+            item.add_marker(pytest.mark.isa)
     if config.getoption("device") == "cuda":
         return
     skip = pytest.mark.skip(reason="a GPU test: run with --device cuda")

@@ -32,7 +32,7 @@ from contracts.errors import ModelLoadError
 from gpu.models.layers import _copy_checked, _new_param, default_weight_loader
 from gpu.models.quantization import QuantizedWeight
 from gpu.parallel_state import divide, get_tp_rank, get_tp_size, tp_all_reduce
-from kernels import moe_cpu
+from kernels import fused, moe_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,20 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(num_experts, hidden, intermediate)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(F.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        return route(self.router_logits(x), self.top_k, self.renormalize)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits; for the rows the C step takes (1 to moe_cpu.MAX_M fp32 rows) by the
+        GEMV it calls (fz_gemv_f32), so both paths route a row alike. Softmax turns a logit's absolute
+        error into the same relative error of its weight (one ulp of a logit near 20 is 1.9e-6), and
+        torch's GEMM sums in another order than the GEMV, one that also changes with the row count
+        (issue 36: the C step's weights were 3e-6 off the eager ones at every row count)."""
+        w = self.gate.weight
+        if (x.dtype is torch.float32 and w.dtype is torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+                and w.device.type == "cpu" and w.is_contiguous() and 1 <= x.shape[0] <= moe_cpu.MAX_M
+                and fused.library() is not None):
+            return fused.gemv_f32(x.contiguous(), w.detach())
+        return F.linear(x, w)
 
     _step_key: tuple | None = None  # the weights the cached C step was built on
     _step = None

@@ -15,7 +15,9 @@
  * rows of its call (design invariant), so grouping rows by expert changes no row's result.
  *
  * Same results as the eager block (gpu/models/moe.py), up to the order of float additions in the
- * router and softmax: probabilities in fp32, the k largest in descending order (ties to the lower
+ * softmax (the router's logits come from the same GEMV there: SparseMoeBlock.router_logits), the
+ * experts' SiLU (torch's there, silu.h here) and fp32 experts' GEMM (torch's there, fz_gemv_f32
+ * here): probabilities in fp32, the k largest in descending order (ties to the lower
  * expert id, where torch.topk's choice among equal values is unspecified), divided by their sum when
  * renormalising; experts visited in ascending id, tokens ascending within one, and each output row
  * accumulated as out += (y * w) in that order, as index_add_ does. Activations are fp32. */

@@ -45,12 +45,23 @@ def _lora(g, n_in: int, cols: list[int], dtype, R: int = R, slots: int = SLOTS) 
 
 
 def _delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows=ROWS) -> torch.Tensor:
-    """The reference delta in fp32 of the weights as stored (base rows: zero)."""
+    """The reference delta in fp32 of the weights as stored (base rows: zero), with t = x @ A^T rounded
+    to the activations' dtype as the eager layer's F.linear rounds it (gpu/models/lora_layers.py
+    delta_into; a no-op for fp32)."""
     out = torch.zeros(x.shape[0], b.shape[2])
     for m, s in enumerate(rows):
         if s >= 0:
-            out[m] = (x[m].float() @ a[s].float().t()) @ b[s].float()
+            out[m] = (x[m].float() @ a[s].float().t()).to(x.dtype).float() @ b[s].float()
     return out
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows=ROWS) -> torch.Tensor:
+    """The eager LoRA linear's arithmetic, in fp32 (the caller rounds): the base output in the
+    activations' dtype (F.linear), then y + t @ B summed in fp32 (addmm_). With bf16 activations the
+    base output and t are each rounded before the delta is added, and a layer's delta is often as
+    large as its base output: a reference that adds the delta before any rounding drifts from this
+    by more than bf16's tolerance after three chained linears (issue 36)."""
+    return (x.float() @ w.float().t()).to(x.dtype).float() + _delta(x, a, b, rows)
 
 
 def _tol(dtype):
@@ -92,12 +103,12 @@ def check_mlp_out(dtype, lora_dtype) -> None:
     base_out, base_res = run(False, None)
     rows = _rows()
     got_out, got_res = run(True, rows)
-    ref_y = (attn.float() @ w_o.float().t() + _delta(attn, *loras["o"])).to(dtype)
+    ref_y = _linear(attn, w_o, *loras["o"]).to(dtype)
     ref_res = (res0.float() + ref_y.float()).to(dtype)
     yn = F.rms_norm(ref_res.float(), (H,), norm_w, 1e-5).to(dtype)
-    hh = (yn.float() @ w_gu.float().t() + _delta(yn, *loras["gu"])).to(dtype)
-    act = (F.silu(hh[:, :I].float()) * hh[:, I:].float()).to(dtype)
-    ref_out = act.float() @ w_d.float().t() + _delta(act, *loras["d"])
+    hh = _linear(yn, w_gu, *loras["gu"]).to(dtype)
+    act = F.silu(hh[:, :I]) * hh[:, I:]  # the eager F.silu(gate).mul_(up): bf16 rounds after each op
+    ref_out = _linear(act, w_d, *loras["d"])
     torch.testing.assert_close(got_res.float(), ref_res.float(), **_tol(dtype))
     torch.testing.assert_close(got_out.float(), ref_out, **_tol(dtype))
     assert torch.equal(got_out[2], base_out[2]) and torch.equal(got_res[2], base_res[2])  # the base row
@@ -137,7 +148,7 @@ def check_attn_in(dtype, lora_dtype) -> None:
     assert rc == 0
     ref_res = (x0.float() + res0.float()).to(dtype)
     xn = F.rms_norm(ref_res.float(), (H,), norm_w, 1e-5).to(dtype)
-    ref = (xn.float() @ w_qkv.float().t() + _delta(xn, a, b)).to(dtype)
+    ref = _linear(xn, w_qkv, a, b).to(dtype)
     fused.rotary_neox_(ref, QH + KVH, D, ROT, rope.cos_sin_cache, positions)
     torch.testing.assert_close(qkv.float(), ref.float(), **_tol(dtype))
     flat_v = v_cache.view(-1, KVH * D)
@@ -164,7 +175,7 @@ def check_groups_and_tails(dtype, lora_dtype) -> None:
     for m_rows in (rows, rows[:3]):
         M = len(m_rows)
         x = torch.randn(M, K, generator=g).to(dtype)
-        ref = x.float() @ w.float().t() + _delta(x, a, b, m_rows)
+        ref = _linear(x, w, a, b, m_rows)
         def run(threads, rows_tensor):
             res = torch.zeros(M, N, dtype=dtype)
             y = torch.empty(M, N, dtype=dtype)

@@ -154,3 +154,40 @@ def test_every_build_in_the_table_compiles(tmp_path) -> None:
             if proc.returncode and "unrecognized command-line option" in proc.stderr:
                 continue
             assert proc.returncode == 0, f"{name} {build.level}: {proc.stderr[-2000:]}"
+
+
+def test_every_avx512_and_amx_build_names_its_tests_against_torch() -> None:
+    """Each AVX-512 / AMX build of the table names the tests that check it against a portable (torch)
+    reference wherever the CPU runs it (tests/isa_tests.py BUILD_TESTS): a new build without one
+    fails here. The named tests exist and are among the ISA tests (make test-isa)."""
+    import importlib
+
+    from tests.isa_tests import BUILD_TESTS, ISA_TESTS
+
+    first = isa.LEVELS.index("avx512")
+    builds = {(name, b.level) for name, k in isa.KERNELS.items() for b in k.builds
+              if isa.LEVELS.index(b.level) >= first}
+    assert set(BUILD_TESTS) == builds
+    for nodes in BUILD_TESTS.values():
+        for node in nodes:
+            path, func = node.split("::")
+            assert path in ISA_TESTS, node
+            assert callable(getattr(importlib.import_module(path[:-3].replace("/", ".")), func, None)), node
+
+
+@pytest.mark.parametrize("cpu,covered,not_covered", [
+    ("avx2", "scalar, avx2", "avx512"),
+    ("bf16", "scalar, avx2, avx512, vnni, avx512bf16", "amx"),
+    ("amx", "scalar, avx2, avx512, vnni, avx512bf16, amx", None),
+])
+def test_the_report_says_what_make_test_isa_covers(cpu: str, covered: str, not_covered: str | None) -> None:
+    from kernels.isa_report import report
+
+    text = report(CPUS[cpu], cap=None)
+    assert f"Covered here by make test-isa: {covered}\n" in text + "\n"
+    if not_covered is None:
+        assert "Not covered" not in text
+    else:
+        assert f"Not covered here (their tests skip): {not_covered} (" in text
+    line = next(x for x in text.splitlines() if x.startswith("  paged_attn "))
+    assert f" {TODAY[cpu][KERNELS.index('paged_attn')]}*" in line  # the build that runs there, starred

@@ -250,6 +250,56 @@ def test_every_path_is_right(tmp_path, path):
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
 
 
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
+def test_every_path_of_the_row_layout_is_right(tmp_path, path):
+    """The row layout's own q8_0 / q4_1 code in each build, in a fresh process with the n16 kernel
+    off. Where the n16 kernel builds (every AVX2 CPU with F16C) it takes q8_0 / q4_1 instead, so
+    nothing else reaches this code there: the AVX-512 build's (QG_AVX512 loops) on any CPU, the
+    AVX2 one on AVX2 CPUs. Against the reference (dequantize, then matmul), fp32 and bf16
+    activations, every row count up to the kernel's most and past it (the blocked path), the
+    row lookup and the dequantization."""
+    if path != "scalar" and isa.choose("qgemm", cap=path).level != path:
+        pytest.skip(f"this CPU cannot run the {path} path")
+    import subprocess
+    import sys
+
+    code = (
+        "import math, torch\n"
+        "from kernels import qgemm, qgemm_n16\n"
+        "qgemm_n16.library = lambda: None  # as where the n16 kernel cannot be built\n"
+        f"assert qgemm.isa() == {path!r}, qgemm.isa()\n"
+        "g = torch.Generator().manual_seed(2)\n"
+        "def close(y, ref, rel): return (y.float() - ref).abs().max() <= rel * max(1.0, ref.abs().max())\n"
+        "for m, k, n in ((1, 64, 7), (3, 96, 33), (16, 1536, 9), (5, 8192, 5), (33, 96, 130)):\n"
+        "    x = torch.randn(m, k, generator=g); w = torch.randn(n, k, generator=g) * 0.05\n"
+        "    b = torch.randn(n, generator=g)\n"
+        "    for lay in ('q8_0', 'q4_1'):\n"
+        "        p = qgemm.quantize(w, lay); full = qgemm.dequantize(lay, p)\n"
+        "        for bias in (b, None):\n"
+        "            lin = qgemm.PackedLinear(lay, p, bias)\n"
+        "            assert lin.n16 is None and lin.tensors is p\n"
+        "            ref = x @ full.t() + (0 if bias is None else bias)\n"
+        f"            assert close(lin(x), ref, {RTOL}), (m, k, n, lay)\n"
+        "            xb = x.bfloat16(); refb = xb.float() @ full.t() + (0 if bias is None else bias)\n"
+        "            yb = lin(xb)\n"
+        "            assert yb.dtype == torch.bfloat16 and close(yb, refb, 8e-3), (m, k, n, lay)\n"
+        "        ids = torch.tensor([n - 1, 0, -1, n])\n"
+        "        for dt in (torch.float32, torch.bfloat16):\n"
+        "            rows = lin.rows(ids, dt)\n"
+        "            assert torch.equal(rows[:2], full[[n - 1, 0]].to(dt)) and (rows[2:] == 0).all()\n"
+        "            out = torch.full((n, k), math.nan, dtype=dt)\n"
+        "            flags = qgemm.Y_BF16 if dt is torch.bfloat16 else 0\n"
+        "            lin._dequant(*lin._wargs, k, 0, n, out.data_ptr(), 2, flags)\n"
+        "            assert torch.equal(out, full.to(dt))\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PAGEDSERVE_ISA": path, "PAGEDSERVE_KERNEL_CACHE": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=root)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
 def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
