@@ -50,3 +50,50 @@ def test_finished_sequences_leave_the_worker_flat():
         assert grown < 8 * block_bytes, f"the worker grew {grown / 2**20:.1f} MiB over {finished} sequences"
     finally:
         llm.shutdown()
+
+
+def _every_kind_of_request(llm, rng_seed: int) -> None:
+    """n > 1, logprobs and prompt logprobs, stops, logit bias and min tokens, penalties, seeds, beams
+    and greedy rows: each keeps state in the worker while it runs (sampler preps, drafts, swap)."""
+    from engine.sampling_params import BeamSearchParams
+
+    texts = [f"{w} {i} " * (3 + i % 5) for i, w in enumerate(WORDS)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=1.0, max_tokens=10, n=3, seed=rng_seed),
+        SamplingParams(temperature=0.8, max_tokens=9, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=1.0, max_tokens=11, stop=["the", "7"], presence_penalty=0.5),
+        SamplingParams(temperature=1.0, max_tokens=8, logit_bias={11: 5.0}, min_tokens=4, top_k=20, top_p=0.9),
+    ]
+    llm.generate(texts, [params[i % len(params)] for i in range(len(texts))], use_tqdm=False)
+    if llm.config.speculative is None:  # (beam search and speculation do not mix)
+        llm.beam_search([{"prompt": texts[0]}], BeamSearchParams(beam_width=3, max_tokens=6))
+
+
+@pytest.mark.parametrize("options", [
+    {"preemption_mode": "swap", "swap_space": 0.01, "num_gpu_blocks_override": 24},
+    {"preemption_mode": "recompute", "num_gpu_blocks_override": 24,
+     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                            "prompt_lookup_min": 1}},
+])
+def test_the_worker_forgets_every_finished_sequence(options):
+    """Issue 35, item 2: whatever a sequence did (preempted by swap or recompute, speculated, beamed,
+    sampled with every option), once it finishes no per-sequence state stays in the worker."""
+    from tests.tiny import tiny_llm
+
+    llm = tiny_llm(executor="inproc", **options)
+    try:
+        runner = llm.parts.executor.runner
+        for seed in range(2):
+            _every_kind_of_request(llm, seed)
+        assert llm.core.stats().num_preemptions > 0  # the tiny cache made sequences wait their turn
+        llm.generate(["flush"], SamplingParams(max_tokens=1), use_tqdm=False)  # the step that forgets
+        # Only the flush itself may remain: the engine tells the worker at its next step.
+        pending = set(llm.core.scheduler._finished_ids)
+        assert len(pending) == 1 and set(runner.seqs) == pending
+        if runner.drafter is not None:
+            assert set(runner.drafter.computed) <= pending
+        if runner.swap_pool is not None:
+            assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_usable_blocks
+    finally:
+        llm.shutdown()
