@@ -72,6 +72,7 @@ class Outcome:
     error: str = ""
     latency_s: float = 0.0
     events: int = 0
+    sequences: int = 0  # sequences the server finished for it (n of a request it answered in full)
     extra: dict = field(default_factory=dict)
 
 

@@ -38,6 +38,8 @@ async def send(client: httpx.AsyncClient, p: Planned, timeout: float) -> Outcome
     except (httpx.HTTPError, StreamError, ValueError) as e:
         out.ok, out.error = False, f"{type(e).__name__}: {e}"[:300]
     out.latency_s = time.monotonic() - t0
+    if out.ok and out.status == 200:
+        out.sequences = p.n
     return out
 
 
