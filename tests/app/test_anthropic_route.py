@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 
 import anthropic
+import anthropic._base_client
 import httpx
-import httpx2  # what the anthropic SDK is built on
 import pytest
 
 from app.server import build_app
 from app.tools.plan import ToolConfig
 from tests.app.fake_engine import FakeAsyncEngine
+
+# The HTTP library the SDK is built on: httpx2 in its recent releases, httpx before.
+sdk_httpx = getattr(anthropic._base_client, "httpx2", None) or anthropic._base_client.httpx
 
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -24,7 +27,7 @@ def make(reply: str = "Paris is the capital.", parser: str | None = None, api_ke
     app = build_app(engine, served_model_name="fake-model", max_body_bytes=1 << 20, api_key=api_key,
                     tool_config=ToolConfig(enable_auto_tool_choice=True), reasoning_parser=parser)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-    sdk_http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://test")
+    sdk_http = sdk_httpx.AsyncClient(transport=sdk_httpx.ASGITransport(app=app), base_url="http://test")
     client = anthropic.AsyncAnthropic(base_url="http://test", api_key=api_key or "x", http_client=sdk_http,
                                       max_retries=0)
     client.sdk_http = sdk_http
