@@ -15,6 +15,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from app.admission import check_body
 from app.chat_route import ChatRoute
 from app.errors import APIError, to_api_error
 from app.fanout import ClientDisconnected, end_unfinished
@@ -75,8 +76,6 @@ class MessagesRoute:
         try:
             data = await read_body(self.chat, request)
             body = chat_body({**data, "max_tokens": 1} if isinstance(data, dict) else data)
-            from app.admission import check_body
-
             check_body("chat", body, self.chat.checks.limits, self.chat.engine.tokenizer.vocab_size,
                        self.chat.engine.max_model_len)
             req = parse(ChatCompletionRequest, body)
@@ -87,7 +86,8 @@ class MessagesRoute:
             plan = build_plan(req, self.chat.tool_config, template)
             messages, tools = await self.chat.prompts.template_messages(req.messages, plan.tools,
                                                                         options.get("chat_template"))
-            _, ids = await self.chat.prompts.chat_prompt(messages, True, False, False, options, tools, bounded=True)
+            _, ids = await self.chat.prompts.chat_prompt(messages, req.add_generation_prompt, req.continue_final_message,
+                                                         False, options, tools, bounded=True)
             return ORJSONResponse({"input_tokens": len(ids)})
         except (ClientDisconnected, ClientDisconnect):
             raise

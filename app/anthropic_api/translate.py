@@ -18,8 +18,10 @@ import orjson
 from app.errors import APIError
 
 _SAMPLING = ("temperature", "top_p", "top_k")
-# Fields Anthropic's API has that change nothing here (accepted, not used).
-_IGNORED = ("metadata", "service_tier", "container", "mcp_servers", "context_management")
+# Fields that would ask for what this server does not run: a 400 naming them when set.
+_REFUSED = ("container", "mcp_servers", "context_management")
+# metadata, service_tier, cache_control (the prefix cache is automatic), speed, inference_geo,
+# diagnostics change nothing here: accepted, not used.
 
 
 def bad(message: str, param: str | None = None) -> APIError:
@@ -54,7 +56,13 @@ def chat_body(data: Any) -> dict[str, Any]:
     max_tokens = data.get("max_tokens")
     if max_tokens is None:
         raise bad("max_tokens: Field required", "max_tokens")
+    for name in _REFUSED:
+        if data.get(name):
+            raise bad(f"{name} is not supported by this server", name)
     body: dict[str, Any] = {"messages": messages(data), "max_tokens": max_tokens}
+    if body["messages"][-1]["role"] == "assistant":  # Anthropic's prefill: the reply goes on from it
+        body["add_generation_prompt"] = False
+        body["continue_final_message"] = True
     if data.get("model") is not None:
         body["model"] = data["model"]
     for name in _SAMPLING:
@@ -90,6 +98,18 @@ def chat_body(data: Any) -> dict[str, Any]:
             raise bad(f"tool_choice.type must be one of auto, any, tool, none; got {kind!r}", "tool_choice.type")
         if choice.get("disable_parallel_tool_use") is True and kind != "none" and "tools" in body:
             body["parallel_tool_calls"] = False
+    output = data.get("output_config")
+    if output is not None:
+        output = _obj(output, "output_config")
+        fmt = output.get("format")
+        if fmt is not None:
+            fmt = _obj(fmt, "output_config.format")
+            if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+                raise bad("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                          "output_config.format")
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+        if output.get("effort") is not None:
+            body["reasoning_effort"] = output["effort"]
     thinking = data.get("thinking")
     if thinking is not None:
         kind = _obj(thinking, "thinking").get("type")

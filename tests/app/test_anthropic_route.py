@@ -37,8 +37,9 @@ def make(reply: str = "Paris is the capital.", parser: str | None = None, api_ke
 async def test_text_message_non_streamed():
     engine, _, client = make()
     m = await client.messages.create(model="fake-model", max_tokens=50, system="Be brief.",
-                                     # this SDK release has no temperature / top_k arguments: the API still takes them
-                                     extra_body={"temperature": 0.5, "top_k": 5}, messages=[{"role": "user", "content": "Capital of France?"}])
+                                     # recent SDK releases have no temperature / top_k arguments: the API takes them
+                                     extra_body={"temperature": 0.5, "top_k": 5},
+                                     messages=[{"role": "user", "content": "Capital of France?"}])
     assert m.type == "message" and m.role == "assistant" and m.model == "fake-model"
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == "Paris is the capital."
     assert m.stop_reason == "end_turn" and m.stop_sequence is None
@@ -207,3 +208,20 @@ async def test_x_api_key_accepted_and_401_in_anthropic_shape():
     assert e.value.body["error"]["type"] == "authentication_error"
     r = await http.get("/v1/models", headers={"x-api-key": "sekrit"})
     assert r.status_code == 200
+
+
+async def test_prefill_output_config_and_thinking_flag():
+    engine, http, client = make(reply='{"a": 1}')
+    m = await client.messages.create(model="fake-model", max_tokens=20, messages=[
+        {"role": "user", "content": "json please"}, {"role": "assistant", "content": "Here:"}])
+    assert m.content[0].text == '{"a": 1}'
+    assert engine.chat_calls[-1][0][-1] == {"role": "assistant", "content": "Here:"}
+    r = await http.post("/v1/messages", json={
+        "model": "fake-model", "max_tokens": 20, "messages": [{"role": "user", "content": "json"}],
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        "thinking": {"type": "disabled"}})
+    assert r.status_code == 200 and r.json()["content"][0]["text"] == '{"a": 1}'
+    assert engine.calls[-1].params.structured_outputs is not None
+    r = await http.post("/v1/messages", json={"model": "fake-model", "max_tokens": 5, "mcp_servers": [{"url": "x"}],
+                                              "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "mcp_servers" in r.json()["error"]["message"]
