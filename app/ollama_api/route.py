@@ -9,13 +9,14 @@ error: this server serves the model it was started with. Errors: ``{"error": "..
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
 
+import anyio
 import orjson
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
@@ -60,15 +61,28 @@ def _guard(handler):
     return endpoint
 
 
-def _ndjson(lines: AsyncIterator[dict[str, Any]], streams: list[Any], on_close: Any) -> StreamingResponse:
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for line in lines:
-                yield orjson.dumps(line) + b"\n"
-        except Exception as e:  # noqa: BLE001 - reported in the stream, as Ollama does
-            yield orjson.dumps({"error": to_api_error(e).message}) + b"\n"
+class NDJSONResponse(StreamingResponse):
+    """NDJSON lines; the engine streams are closed once the response ends however it ends (done, the
+    client gone, the handler cancelled): an unfinished request is aborted, and ``on_close`` runs."""
 
-    return StreamingResponse(body(), media_type=NDJSON, background=BackgroundTask(close_all, list(streams), on_close))
+    def __init__(self, lines: AsyncIterator[dict[str, Any]], streams: list[Any], on_close: Any) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for line in lines:
+                    yield orjson.dumps(line) + b"\n"
+            except Exception as e:  # noqa: BLE001 - reported in the stream, as Ollama does
+                yield orjson.dumps({"error": to_api_error(e).message}) + b"\n"
+
+        super().__init__(body(), media_type=NDJSON)
+        self._streams = list(streams)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await close_all(self._streams, self._on_close)
 
 
 class OllamaRoutes:
@@ -114,8 +128,8 @@ class OllamaRoutes:
         run = await start_chat(self.chat, request, body, "chatcmpl" if kind == "message" else "cmpl")
         pieces = ChatPieces(run, self.chat)
         if stream:
-            return _ndjson(self._lines(pieces, model, kind), run.streams,
-                           lambda: end_unfinished(run.choices, ClientDisconnected()))
+            return NDJSONResponse(self._lines(pieces, model, kind), run.streams,
+                                  lambda: end_unfinished(run.choices, ClientDisconnected()))
         whole = await self.chat.fanout.until_disconnect(request, self._whole(pieces, model, kind), run.streams,
                                                         run.choices)
         return ORJSONResponse(whole)
@@ -210,11 +224,24 @@ class OllamaRoutes:
                 "family": family, "families": [family] if family else None, "parameter_size": "",
                 "quantization_level": ""}
 
+    def _size(self) -> int:
+        """Bytes of the model's weights on disk (a file, or a directory's weight files); 0 when unknown."""
+        path = self.chat.engine.config.model.model
+        try:
+            if path and os.path.isfile(path):
+                return os.path.getsize(path)
+            if path and os.path.isdir(path):
+                return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                           if f.endswith((".safetensors", ".gguf", ".bin")))
+        except OSError:
+            pass
+        return 0
+
     def _names(self) -> list[str]:
         return list(self.chat.checks.model_names)
 
     def _card(self, name: str) -> dict[str, Any]:
-        return {"name": name, "model": name, "modified_at": self.modified_at, "size": 0,
+        return {"name": name, "model": name, "modified_at": self.modified_at, "size": self._size(),
                 "digest": hashlib.sha256(name.encode()).hexdigest(), "details": self._details()}
 
     async def tags(self, request: Request) -> Response:
@@ -241,7 +268,8 @@ class OllamaRoutes:
         if self.chat.reasoning_parser:
             capabilities.append("thinking")
         return ORJSONResponse({"modelfile": "", "parameters": "", "template": template, "details": self._details(),
-                               "model_info": {"general.context_length": self.chat.engine.max_model_len},
+                               "model_info": {"general.architecture": self._details()["family"],
+                                              "general.context_length": self.chat.engine.max_model_len},
                                "capabilities": capabilities, "modified_at": self.modified_at})
 
     async def version(self, request: Request) -> Response:

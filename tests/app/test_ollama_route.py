@@ -180,3 +180,24 @@ async def test_api_key_protects_api_routes():
     assert r.message.content == "Pa"
     r = await http.get("/api/tags")
     assert r.status_code == 401 and set(r.json()) == {"error"}
+
+
+async def test_client_gone_mid_stream_aborts_the_request():
+    import asyncio
+
+    from tests.app.asgi_stream import AsgiRun
+
+    engine, _, _ = make(reply="x" * 200)
+    engine.delay = 0.01
+    app = build_app(engine, served_model_name="fake-model", max_body_bytes=1 << 20)
+    run = AsgiRun(app, "POST", "/api/chat", {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}]})
+    for _ in range(500):
+        if len(run.chunks) >= 3:
+            break
+        await asyncio.sleep(0.01)
+    run._disconnect.set()  # the client hangs up
+    await run.finish()
+    assert run.status == 200 and run.headers["content-type"].startswith("application/x-ndjson")
+    await asyncio.sleep(0)
+    assert engine.aborted == [engine.calls[0].request_id]
+    assert all(not json.loads(c)["done"] for c in run.chunks)
