@@ -41,7 +41,8 @@ def error_body(err: APIError) -> dict[str, Any]:
     message = err.message
     for chat, ours in _PARAM_NAMES.items():
         message = message.replace(chat, ours)
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"), "message": message}}
+    kind = "api_error" if err.code == "engine_dead" else _ERROR_TYPES.get(err.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(err: APIError) -> Response:

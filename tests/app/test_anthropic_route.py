@@ -225,3 +225,21 @@ async def test_prefill_output_config_and_thinking_flag():
     r = await http.post("/v1/messages", json={"model": "fake-model", "max_tokens": 5, "mcp_servers": [{"url": "x"}],
                                               "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and "mcp_servers" in r.json()["error"]["message"]
+
+
+async def test_engine_errors_in_anthropic_shape_whole_and_mid_stream():
+    engine, http, client = make()
+    engine.overloaded = True
+    with pytest.raises(anthropic.APIStatusError) as e:
+        await client.messages.create(model="fake-model", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 503 and e.value.body["error"]["type"] == "overloaded_error"
+    engine.overloaded = False
+    engine.fail_after = 3
+    async with http.stream("POST", "/v1/messages", json={"model": "fake-model", "max_tokens": 50, "stream": True,
+                                                         "messages": [{"role": "user", "content": "Hi"}]}) as r:
+        body = (await r.aread()).decode()
+    last = [f for f in body.split("\n\n") if f.strip()][-1]
+    assert last.startswith("event: error\n")
+    payload = json.loads(last.split("data: ", 1)[1])
+    assert payload["type"] == "error" and payload["error"]["type"] == "api_error"  # the engine died
+    assert "worker died" in payload["error"]["message"]
