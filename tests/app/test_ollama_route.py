@@ -201,3 +201,15 @@ async def test_client_gone_mid_stream_aborts_the_request():
     await asyncio.sleep(0)
     assert engine.aborted == [engine.calls[0].request_id]
     assert all(not json.loads(c)["done"] for c in run.chunks)
+
+
+async def test_engine_failure_mid_stream_is_an_error_line():
+    engine, http, client = make()
+    engine.fail_after = 3
+    async with http.stream("POST", "/api/generate", json={"model": "fake-model", "prompt": "Hi"}) as r:
+        lines = [json.loads(line) async for line in r.aiter_lines() if line]
+    assert lines[-1] == {"error": "the engine stopped: worker died"} and len(lines) == 4
+    engine.fail_after, engine.overloaded = None, True
+    with pytest.raises(ollama.ResponseError) as e:
+        await client.chat(model="fake-model", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 503
