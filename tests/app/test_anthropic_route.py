@@ -243,3 +243,24 @@ async def test_engine_errors_in_anthropic_shape_whole_and_mid_stream():
     payload = json.loads(last.split("data: ", 1)[1])
     assert payload["type"] == "error" and payload["error"]["type"] == "api_error"  # the engine died
     assert "worker died" in payload["error"]["message"]
+
+
+async def test_client_gone_mid_stream_aborts_the_request():
+    import asyncio
+
+    from tests.app.asgi_stream import AsgiRun
+
+    engine = FakeAsyncEngine(reply="x" * 200, max_model_len=4096)
+    engine.delay = 0.01
+    app = build_app(engine, served_model_name="fake-model", max_body_bytes=1 << 20)
+    run = AsgiRun(app, "POST", "/v1/messages", {"model": "fake-model", "max_tokens": 200, "stream": True,
+                                                "messages": [{"role": "user", "content": "Hi"}]})
+    for _ in range(500):
+        if len(run.chunks) >= 5:
+            break
+        await asyncio.sleep(0.01)
+    run._disconnect.set()  # the client hangs up
+    await run.finish()
+    await asyncio.sleep(0)
+    assert engine.aborted == [engine.calls[0].request_id]
+    assert b"message_stop" not in b"".join(run.chunks)
