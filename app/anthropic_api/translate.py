@@ -19,9 +19,10 @@ from app.errors import APIError
 
 _SAMPLING = ("temperature", "top_p", "top_k")
 # Fields that would ask for what this server does not run: a 400 naming them when set.
-_REFUSED = ("container", "mcp_servers", "context_management")
+_REFUSED = ("container", "mcp_servers")
 # metadata, service_tier, cache_control (the prefix cache is automatic), speed, inference_geo,
-# diagnostics change nothing here: accepted, not used.
+# diagnostics change nothing here: accepted, not used; context_management (the API's clearing of old
+# tool results as the context fills) is not done: the conversation is rendered whole, as sent.
 
 
 def bad(message: str, param: str | None = None) -> APIError:
