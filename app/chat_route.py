@@ -183,7 +183,11 @@ class ChatRoute:
                           reasoning: ReasoningPlan = ReasoningPlan()) -> AsyncIterator[dict[str, Any]]:
         tool_deltas = {c.index: tool_output.ToolDeltas(plan) for c in choices} if plan.active else None
         thinking = {c.index: ReasoningDeltas(reasoning) for c in choices} if reasoning.active else None
-        usage_field = {"usage": None} if req.include_usage else {}
+        def usage_field() -> dict[str, Any]:  # continuous_usage_stats: the usage so far on every chunk
+            if req.continuous_usage:
+                return {"usage": self.fanout.usage(choices)}
+            return {"usage": None} if req.include_usage else {}
+
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model_name}
         # Each choice's role chunk goes out with its first output, not before the engine has
@@ -194,10 +198,10 @@ class ChatRoute:
             if c.index not in role_sent:
                 role_sent.add(c.index)
                 yield {**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}], **usage_field}
+                                            "logprobs": None, "finish_reason": None}], **usage_field()}
                 if echo:
                     yield {**head, "choices": [{"index": c.index, "delta": {"content": echo},
-                                                "logprobs": None, "finish_reason": None}], **usage_field}
+                                                "logprobs": None, "finish_reason": None}], **usage_field()}
             text = comp.text
             logprobs = None
             if req.logprobs:
@@ -218,6 +222,6 @@ class ChatRoute:
                                       "logprobs": logprobs, "finish_reason": finish}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
-            yield {**head, "choices": [choice], **usage_field}
+            yield {**head, "choices": [choice], **usage_field()}
         if req.include_usage:
             yield {**head, "choices": [], "usage": self.fanout.usage(choices)}

@@ -26,6 +26,16 @@ BENCH_COMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version (a checkout that is not installed: "0.1.0", as /version says)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version as dist_version
+
+        return dist_version("pagedserve")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
 def _add(sub, name: str, module: str, help_text: str) -> None:
     parser = sub.add_parser(name, help=help_text, description=help_text)
     parser.set_defaults(_module=module)
@@ -34,6 +44,7 @@ def _add(sub, name: str, module: str, help_text: str) -> None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM inference server")
+    parser.add_argument("--version", "-V", action="version", version=f"pagedserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     # Import only the chosen subcommand's module so startup stays quick.
     wanted = argv[0] if argv else None

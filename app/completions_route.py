@@ -176,7 +176,11 @@ class CompletionsRoute:
 
     async def completion_stream(self, req: CompletionRequest, choices: list[Choice],
                                 streams: list[Any], request_id: str, created: int) -> AsyncIterator[dict[str, Any]]:
-        usage_field = {"usage": None} if req.include_usage else {}
+        def usage_field() -> dict[str, Any]:  # continuous_usage_stats: the usage so far on every chunk
+            if req.continuous_usage:
+                return {"usage": self.fanout.usage(choices)}
+            return {"usage": None} if req.include_usage else {}
+
         echoed: set[int] = set()
         async for c, comp, new_ids in self.fanout.run(choices, streams):
             text = comp.text
@@ -195,7 +199,7 @@ class CompletionsRoute:
                    "model": self.model_name,
                    "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
-                   **usage_field}
+                   **usage_field()}
         if req.include_usage:
             yield {"id": request_id, "object": "text_completion", "created": created,
                    "model": self.model_name, "choices": [], "usage": self.fanout.usage(choices)}

@@ -28,6 +28,10 @@ from app.protocol import (
 )
 
 OPENAPI_VERSION = "3.1.0"
+# Routes of the other APIs this server speaks, which this (OpenAI-format) document leaves out:
+# Anthropic's Messages API (app/anthropic_api) and Ollama's API (app/ollama_api) have their own
+# documentation, request shapes and error bodies; README lists them.
+OTHER_API_PREFIXES = ("/v1/messages", "/api/")
 REF = "#/components/schemas/{model}"
 
 ERROR_SCHEMA: dict[str, Any] = {

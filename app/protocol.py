@@ -49,7 +49,6 @@ TopK = Annotated[int, Field(ge=-1, le=INT64_MAX), _AS_INT]  # -1 or 0 = off
 _EMPTY_LIST_OR_NULL = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
 _NONE_OR_NULL = {"anyOf": [{"const": "none"}, {"type": "null"}]}
 _EMPTY_STR_OR_NULL = {"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]}
-_FALSE_OR_NULL = {"anyOf": [{"const": False}, {"type": "null"}]}
 
 
 def _only_text_type(schema: dict[str, Any]) -> None:
@@ -68,7 +67,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
-    continuous_usage_stats: bool | None = Field(default=None, json_schema_extra=_FALSE_OR_NULL)
+    continuous_usage_stats: bool | None = None  # vLLM's: each chunk carries the usage so far (with include_usage)
 
 
 class SamplingFields(StructuredFields, OpenAIModel):
@@ -143,9 +142,6 @@ class SamplingFields(StructuredFields, OpenAIModel):
     def check_common(self, use_beam_search: bool | None) -> None:
         """``use_beam_search``: the request's own (an extra field, app/extra_fields.py)."""
         self.check_extra_fields(self.stream)  # app/extra_fields.py
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise APIError.unsupported("stream_options.continuous_usage_stats",
-                                       "continuous_usage_stats is not supported")
         if self.best_of is not None and self.best_of != self.n and not use_beam_search:
             raise APIError.unsupported("best_of", "best_of different from n is not supported")
         if self.stream_options is not None and not self.stream:
@@ -178,6 +174,11 @@ class SamplingFields(StructuredFields, OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: with ``include_usage``, every chunk carries the usage so far."""
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
 
 
 PromptType = Union[

@@ -26,6 +26,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from app.admission import AdmissionLimits
+from app.anthropic_api.route import routes as anthropic_routes
+from app.ollama_api.route import routes as ollama_routes
 from app.auth import APIKeyMiddleware
 from app.chat_prompt import ChatPrompts
 from app.chat_route import ChatRoute
@@ -176,6 +178,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
         Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
         Route("/v1/responses", _wrap(s.responses.responses), methods=["POST"]),
+        *anthropic_routes(s.chat, _wrap),  # /v1/messages (app/anthropic_api)
+        *ollama_routes(s.chat, s.embedding, _wrap),  # /api/... (app/ollama_api)
         Route("/v1/embeddings", _wrap(s.embedding.embeddings), methods=["POST"]),
         Route("/v1/score", _wrap(s.embedding.score), methods=["POST"]),
         Route("/score", _wrap(s.embedding.score), methods=["POST"]),  # vLLM serves both paths

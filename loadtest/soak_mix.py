@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"  # Anthropic's
+OLLAMA_CHAT = "/api/chat"
 
 _WORDS = ("the river bright cold winter paper engine garden quiet number seven blue market light "
           "stone window letter silver morning sound travel orange bridge forest simple answer "
@@ -32,14 +34,19 @@ HOSTILE_KINDS = ("huge_stop", "big_bad_words", "big_logit_bias", "fanout_n", "bi
                  # issue 37: long strings, and a request's own template (400 without
                  # --trust-request-chat-template, 400 from its bounds with it)
                  "long_stop_string", "many_long_stops", "long_bad_word", "long_tool_description",
-                 "request_template")
+                 "request_template",
+                 # issue 40: the other front doors (Anthropic's /v1/messages, Ollama's /api/chat)
+                 # pass the same admission guard
+                 "anthropic_huge_stop", "anthropic_many_tool_results", "ollama_many_messages")
 MIB = 1024 * 1024
 # Each hostile kind's size at hostile_scale 1.0 (list items, prompts, characters; 0: no size).
 HOSTILE_FULL_SIZE = {"huge_stop": 40_000, "big_bad_words": 20_000, "big_logit_bias": 50_000,
                      "fanout_n": 2000, "big_tokenize": 200_000, "many_tool_messages": 20_000,
                      "template_kwargs_self": 0, "huge_text_prompt": 200_000,
                      "long_stop_string": 4 * MIB, "many_long_stops": 200, "long_bad_word": 4 * MIB,
-                     "long_tool_description": 4 * MIB, "request_template": 0}
+                     "long_tool_description": 4 * MIB, "request_template": 0,
+                     "anthropic_huge_stop": 40_000, "anthropic_many_tool_results": 20_000,
+                     "ollama_many_messages": 20_000}
 # Request templates that froze (the first), killed (the second) or failed (the third) a server.
 HOSTILE_TEMPLATES = ("{{ (7**30000000) % 10 }}", "{{ 'a' * 10**10 }}", "{{ range(10**9)|list|length }}",
                      "{% set ns = namespace(x=[1]) %}{% for i in range(80) %}{% set ns.x = [ns.x, ns.x] %}"
@@ -162,6 +169,21 @@ def _hostile(rng: random.Random, index: int, model: str, scale: float) -> Planne
         # per MiB; it cannot fit the context and is refused before it is tokenized
         body = {**short, "prompt": "The quick brown fox. " * n}
         path = COMPLETIONS
+    elif what == "anthropic_huge_stop":
+        body = {"model": model, "max_tokens": 4, "temperature": 0.0, "messages": _messages(rng),
+                "stop_sequences": [f"s{i:07d}" for i in range(n)]}
+        path = MESSAGES
+    elif what == "anthropic_many_tool_results":
+        use = {"type": "tool_use", "id": "t0", "name": "f", "input": {}}
+        results = [{"type": "tool_result", "tool_use_id": "t0", "content": "ok " * 4} for _ in range(n)]
+        body = {"model": model, "max_tokens": 4, "temperature": 0.0, "messages": [
+            {"role": "user", "content": "call it"}, {"role": "assistant", "content": [use]},
+            {"role": "user", "content": results}]}
+        path = MESSAGES
+    elif what == "ollama_many_messages":
+        body = {"model": model, "stream": False, "options": {"num_predict": 4, "temperature": 0.0},
+                "messages": [{"role": "user", "content": "hi " * 2} for _ in range(n)]}
+        path = OLLAMA_CHAT
     else:  # template_kwargs_self: a keyword the renderer itself takes
         body = {**short, "messages": [{"role": "user", "content": "hi"}],
                 "chat_template_kwargs": {"self": 1}}

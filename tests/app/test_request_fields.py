@@ -28,8 +28,6 @@ COMPLETION = {"prompt": "Hello there", "max_tokens": 3}
     ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
     ("/v1/chat/completions", {**CHAT, "verbosity": "low"}, "verbosity"),
     ("/v1/chat/completions", {**CHAT, "mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs"),
-    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
     ("/v1/completions", {**COMPLETION, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
@@ -251,3 +249,20 @@ def test_unknown_field_logging_stores_nothing_past_its_cap(monkeypatch):
     monkeypatch.setattr(extra_fields, "_logged_ignored", full)
     extra_fields.log_ignored_fields(CompletionRequest, {**COMPLETION, "another": 1})
     assert "another" not in full and len(full) == extra_fields._MAX_LOGGED_NAMES
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+async def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(client, path, body):
+    r = await client.post(path, json={**body, "stream": True, "max_tokens": 5,
+                                      "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert r.status_code == 200, r.text
+    chunks = sse_payloads(r.text)[:-1]
+    usages = [c["usage"] for c in chunks]
+    assert all(u is not None for u in usages)
+    completion = [u["completion_tokens"] for u in usages]
+    assert completion == sorted(completion) and completion[-1] == 5 and len(set(completion)) > 2
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    # without include_usage it asks for nothing (as vLLM)
+    r = await client.post(path, json={**body, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in sse_payloads(r.text)[:-1])

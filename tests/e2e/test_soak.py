@@ -125,7 +125,10 @@ def test_every_hostile_kind_comes_at_its_full_size():
                 "long_stop_string": lambda b: len(b["stop"]), "many_long_stops": lambda b: len(b["stop"]),
                 "long_bad_word": lambda b: len(b["bad_words"][0]),
                 "long_tool_description": lambda b: len(b["tools"][0]["function"]["description"]),
-                "request_template": lambda b: 0}
+                "request_template": lambda b: 0,
+                "anthropic_huge_stop": lambda b: len(b["stop_sequences"]),
+                "anthropic_many_tool_results": lambda b: len(b["messages"][-1]["content"]),
+                "ollama_many_messages": lambda b: len(b["messages"])}
     for kind, p in full.items():
         assert p.size == HOSTILE_FULL_SIZE[kind] == measured[kind](p.body), kind
     assert len(full["huge_text_prompt"].body["prompt"]) > 4_000_000  # multi-MB
