@@ -220,3 +220,30 @@ def test_a_local_path_is_never_a_hub_id(tmp_path):
         resolve_config(EngineConfig.from_options(model="/no/such/file.gguf"))
     assert parse_model_ref(str(tmp_path)) is None
 
+
+
+def test_a_gguf_downloaded_by_tag_generates_as_the_local_file(hub, tmp_path):
+    """The whole chain: `LLM("org/name:Q8_0")` downloads the file, loads it and generates the same
+    greedy tokens as the same file given by path."""
+    from gguf.constants import GGMLQuantizationType as T
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from tests.gpu.test_model_families_gguf import GGUF_FAMILIES
+    from tests.gpu.test_models import save_hf_model
+    from tests.gpu.tiny_gguf import write_gguf
+
+    arch, cfg = GGUF_FAMILIES["gemma2"]
+    ref = save_hf_model(cfg, tmp_path / "hf")
+    local = tmp_path / "tiny-Q8_0.gguf"
+    write_gguf(ref, arch, local, T.Q8_0)
+    hub.add("org/tiny-GGUF", {"tiny-Q8_0.gguf": local.read_bytes(), "README.md": b"#"})
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompt = {"prompt_token_ids": [5, 17, 3, 42, 8]}
+    outputs = []
+    for model in ("org/tiny-GGUF:Q8_0", str(local)):
+        llm = LLM(model=model, kv_cache_memory=0.05)
+        outputs.append(list(llm.generate([prompt], params)[0].outputs[0].token_ids))
+        del llm
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+    assert hub.downloads() == ["tiny-Q8_0.gguf"]
