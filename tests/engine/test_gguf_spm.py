@@ -152,3 +152,22 @@ def test_an_unknown_bpe_pre_tokenizer_is_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(TokenizerError, match="pre-tokenizer 'made-up-pre' .*not known.*not guessed"):
         Tokenizer.from_model(str(path))
+
+
+def test_streamed_text_equals_the_full_decode(pair):
+    """The engine's incremental detokenizer over a SentencePiece vocabulary (byte pieces cut mid-character,
+    the dummy prefix's space) gives the text the full decode gives, after any prompt."""
+    from engine.detokenizer import IncrementalDetokenizer
+
+    _, ours = pair
+    strings = corpus()
+    rng = random.Random(3)
+    for s in strings[:120]:
+        prompt = ours.encode(rng.choice(strings))
+        ids = ours.encode(s, add_special_tokens=False)
+        detok = IncrementalDetokenizer(ours, prompt)
+        for i in ids:
+            detok.add_token(i)
+        detok.flush()
+        want = ours.decode(prompt + ids)[len(ours.decode(prompt)):]
+        assert detok.text == want, (s, detok.text, want)
