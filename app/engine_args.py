@@ -21,8 +21,13 @@ def flag(group, *names: str, dest: str | None = None, **kwargs) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    flag(g, "--model", help="GGUF file, HF directory, or a Hugging Face model id already in the local "
-                            "HF cache (never downloaded) (default: SmolLM2-135M-Instruct)")
+    flag(g, "--model", help="GGUF file, HF directory, or a Hugging Face model id: org/name (config, tokenizer "
+                            "and safetensors, or a GGUF repo's file), org/name:Q4_K_M (a GGUF repo's file of "
+                            "that quant tag) or org/name/FILE.gguf; downloaded into the HF cache unless there "
+                            "(HF_TOKEN, HF_HUB_OFFLINE=1 and HF_ENDPOINT apply) (default: SmolLM2-135M-Instruct)")
+    flag(g, "--revision", help="the Hub revision of a model id: a branch, tag or commit (default: main)")
+    flag(g, "--download-dir",
+         help="where a model id is downloaded (a huggingface_hub cache; default: $HF_HUB_CACHE or $HF_HOME/hub)")
     flag(g, "--load-format", choices=["auto", "gguf", "safetensors", "dummy"])
     flag(g, "--hf-config",
          help="HF config overrides as JSON or a JSON file; with --load-format dummy this is the "

@@ -53,7 +53,7 @@ def _lora_module_arg(text: str):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                         help="the model, as --model (vLLM's `serve MODEL`): a GGUF file, an HF directory, or "
-                             "a Hugging Face id already in the local HF cache")
+                             "a Hugging Face id (org/name, org/name:Q4_K_M, org/name/FILE.gguf), downloaded unless cached")
     add_engine_args(parser)
     parser.set_defaults(prompt_admit_tokens=SERVE_PROMPT_ADMIT_TOKENS)
     g = parser.add_argument_group("server")

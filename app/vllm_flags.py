@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import argparse
 
-_NO_HUB = "pagedserve reads models from local files only"
+_HUB = "the model id's --revision is the tokenizer's and the code's"
 REFUSED: dict[str, str] = {
     "--trust-remote-code": "pagedserve runs only its own model code (gpu/models), never code from a "
                            "model's repository; drop the flag",
     "--tokenizer": "the tokenizer is the model's own (its directory or GGUF file)",
     "--tokenizer-mode": "the tokenizer is the model's own (tokenizers' fast tokenizer)",
-    "--revision": f"{_NO_HUB}: a model id is served from the snapshot the local HF cache holds",
-    "--tokenizer-revision": _NO_HUB,
-    "--code-revision": _NO_HUB,
-    "--download-dir": f"{_NO_HUB} (a model id is looked up in $HF_HUB_CACHE / $HF_HOME)",
+    "--tokenizer-revision": _HUB,
+    "--code-revision": _HUB,
     "--seed": "there is no global sampling seed: give requests a `seed` (--model-seed seeds dummy weights)",
     "--hf-overrides": "use --hf-config (a JSON object or file of config.json overrides)",
     "--rope-scaling": "set rope_scaling through --hf-config",

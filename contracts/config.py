@@ -41,8 +41,13 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp1
 
 @dataclass(slots=True)
 class ModelConfig:
-    # Path to a .gguf file or a Hugging Face-style directory; None = the default model.
+    # Path to a .gguf file or a Hugging Face-style directory, or a Hub id (org/name, org/name:Q4_K_M,
+    # org/name/file.gguf: downloaded, contracts/hf_hub.py); None = the default model.
     model: str | None = None
+    # The Hub revision (branch, tag or commit) of a model id; None = main (vLLM's --revision)
+    revision: str | None = None
+    # Where a model id is downloaded (a huggingface_hub cache); None = $HF_HUB_CACHE (vLLM's --download-dir)
+    download_dir: str | None = None
     # auto (by path) | gguf | safetensors | dummy (random weights from hf_config or the model's config)
     load_format: str = "auto"
     # auto (bf16 where the CPU has avx512_bf16 or on CUDA, else fp32) | bfloat16 | float16 | float32

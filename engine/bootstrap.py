@@ -33,13 +33,14 @@ def resolve_config(config: EngineConfig) -> tuple[EngineConfig, dict]:
         m.model = default_model_path()
         m.served_model_name = m.served_model_name or DEFAULT_MODEL_NAME
     if m.model is not None and not os.path.exists(m.model):
-        from contracts.hf_cache import cached_model_dir, looks_like_model_id
+        from contracts.hf_hub import looks_like_model_id, resolve_model_ref
 
         if not looks_like_model_id(m.model):
-            raise ConfigError(f"model path {m.model!r} does not exist: pass a .gguf file or a model directory")
-        # a Hugging Face id: served under that name (as vLLM), from the local cache only
+            raise ConfigError(f"model path {m.model!r} does not exist: pass a .gguf file, a model directory "
+                              f"or a Hugging Face model id (org/name, org/name:Q4_K_M)")
+        # a Hugging Face id: served under that name (as vLLM), downloaded unless cached
         m.served_model_name = m.served_model_name or m.model
-        m.model = cached_model_dir(m.model)
+        m.model = resolve_model_ref(m.model, m.revision, m.download_dir)
     if m.chat_template is not None:
         m.chat_template = read_chat_template(m.chat_template)
     hf = dict(m.hf_config) if m.hf_config else load_hf_config(m.model)

@@ -54,10 +54,24 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Mistral Nemo's "tekken" and Phi-4's "gpt-4o" (llama.cpp's llama-vocab.cpp, the same text as
+# transformers' GGUF conversion: tests/engine/test_gguf_bpe_pre.py holds them to it).
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _SPLITS = {
     "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "falcon-h1": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    "gpt-4o": _GPT4O_SPLIT, "llama4": _GPT4O_SPLIT,
 }
 # Pre-tokenizers that put every digit in its own piece before GPT-2's byte-level split.
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact"}
@@ -213,9 +227,12 @@ class Tokenizer:
             return default if f is None else f.contents()
 
         model_type = get("tokenizer.ggml.model")
+        if model_type in ("llama", "t5"):
+            return cls._from_gguf_spm(path, model_type, get)
         if model_type != "gpt2":
-            raise TokenizerError(f"{path}: GGUF tokenizer type {model_type!r} is not supported (only byte-level "
-                                 "BPE, 'gpt2'); load the model from a directory with tokenizer.json instead")
+            raise TokenizerError(f"{path}: GGUF tokenizer type {model_type!r} is not supported (byte-level BPE "
+                                 "'gpt2', SentencePiece 'llama' and 't5'); load the model from a directory "
+                                 "with tokenizer.json instead")
         tokens: list[str] = get("tokenizer.ggml.tokens")
         merges: list[str] = get("tokenizer.ggml.merges") or []
         types: list[int] = get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -230,6 +247,11 @@ class Tokenizer:
         backend = HFTokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
                                   end_of_word_suffix="", fuse_unk=False))
         pre = get("tokenizer.ggml.pre", "default")
+        if pre not in _SPLITS and pre not in _DIGIT_SPLIT and pre not in ("default", "gpt-2", "gpt2"):
+            known = sorted(set(_SPLITS) | _DIGIT_SPLIT | {"default", "gpt-2"})
+            raise TokenizerError(f"{path}: GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not known to pagedserve "
+                                 f"(known: {', '.join(known)}); its split rule is not guessed: load the model "
+                                 f"from a directory with tokenizer.json instead")
         add_prefix_space = bool(get("tokenizer.ggml.add_space_prefix", False))
         if pre in _SPLITS:
             backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -239,9 +261,7 @@ class Tokenizer:
             backend.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Digits(individual_digits=True),
                 pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)])
-        else:
-            if pre not in ("default", "gpt-2", "gpt2"):
-                logger.warning("%s: unknown pre-tokenizer %r, using GPT-2's", path, pre)
+        elif pre in ("default", "gpt-2", "gpt2"):
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
         backend.decoder = decoders.ByteLevel()
         # Control tokens are special (kept whole, skipped when decoding); user-defined are kept whole.
@@ -265,6 +285,37 @@ class Tokenizer:
             if get(key) is not None:
                 specials.extra_eos_ids.append(int(get(key)))
         cls._set_post_processor(backend, specials, bool(get("tokenizer.ggml.add_bos_token", False)),
+                                bool(get("tokenizer.ggml.add_eos_token", False)))
+        return cls(backend, specials, get("tokenizer.chat_template"), path)
+
+    @classmethod
+    def _from_gguf_spm(cls, path: str, model_type: str, get) -> "Tokenizer":
+        """A SentencePiece vocabulary (engine/gguf_spm.py); BOS added unless the file says not
+        (llama.cpp's default for "llama"), EOS only where the file says so."""
+        from engine.gguf_spm import SpmError, build_spm
+
+        tokens: list[str] = get("tokenizer.ggml.tokens")
+        try:
+            backend = build_spm(path, model_type, tokens, get("tokenizer.ggml.scores"), get("tokenizer.ggml.token_type"),
+                                get("tokenizer.ggml.unknown_token_id"),
+                                bool(get("tokenizer.ggml.add_space_prefix", True)),
+                                bool(get("tokenizer.ggml.remove_extra_whitespaces", False)),
+                                get("tokenizer.ggml.precompiled_charsmap"))
+        except SpmError as e:
+            raise TokenizerError(str(e)) from None
+
+        def tok_of(key):
+            i = get(key)
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        specials = _Specials(bos_token=tok_of("tokenizer.ggml.bos_token_id"),
+                             eos_token=tok_of("tokenizer.ggml.eos_token_id"),
+                             unk_token=tok_of("tokenizer.ggml.unknown_token_id"),
+                             pad_token=tok_of("tokenizer.ggml.padding_token_id"))
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if get(key) is not None:
+                specials.extra_eos_ids.append(int(get(key)))
+        cls._set_post_processor(backend, specials, bool(get("tokenizer.ggml.add_bos_token", model_type == "llama")),
                                 bool(get("tokenizer.ggml.add_eos_token", False)))
         return cls(backend, specials, get("tokenizer.chat_template"), path)
 

@@ -1,5 +1,5 @@
 """Launching as with `vllm serve`: the positional MODEL, a Hugging Face id from the local cache
-(never downloaded), several served names, CORS, --chat-template, --dtype half, and vLLM flags that
+(HF_HUB_OFFLINE=1, as tests/conftest.py sets; downloads: tests/contracts/test_hf_hub.py), several served names, CORS, --chat-template, --dtype half, and vLLM flags that
 are not implemented refused by name."""
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from app.cli import build_parser
 from app.serve_cmd import _origins, take_model
 from app.server import build_app
 from contracts.config import ConfigError, EngineConfig
-from contracts.hf_cache import cached_model_dir
 from engine.bootstrap import read_chat_template, resolve_config
 from loadtest.tiny_model import TINY_CONFIG
 from tests.app.fake_engine import FakeAsyncEngine
@@ -37,7 +36,7 @@ def test_positional_model_and_several_served_names():
 
 @pytest.mark.parametrize("flag, words", [
     ("--trust-remote-code", "own model code"), ("--seed=3", "request"), ("--tokenizer", "model's own"),
-    ("--download-dir", "local files"),
+    ("--tokenizer-revision", "--revision"),
 ])
 def test_unimplemented_vllm_flags_are_refused_by_name(capsys, flag, words):
     with pytest.raises(SystemExit) as e:
@@ -63,6 +62,7 @@ def hub(tmp_path, monkeypatch, model_id="org/tiny-model"):
     snap = repo / "snapshots" / "abc123"
     snap.mkdir(parents=True)
     (snap / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (snap / "model.safetensors").write_bytes(b"")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123\n")
     return str(snap)
@@ -70,11 +70,10 @@ def hub(tmp_path, monkeypatch, model_id="org/tiny-model"):
 
 def test_a_model_id_is_served_from_the_local_cache(tmp_path, monkeypatch):
     snap = hub(tmp_path, monkeypatch)
-    assert cached_model_dir("org/tiny-model") == snap
     config, hf = resolve_config(EngineConfig.from_options(model="org/tiny-model", load_format="dummy"))
     assert config.model.model == snap and config.model.served_model_name == "org/tiny-model"
     assert hf["hidden_size"] == TINY_CONFIG["hidden_size"]
-    with pytest.raises(ConfigError, match="never downloads"):
+    with pytest.raises(ConfigError, match="not in the local cache .*HF_HUB_OFFLINE is set"):
         resolve_config(EngineConfig.from_options(model="org/not-here"))
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_config(EngineConfig.from_options(model="/no/such/file.gguf"))
