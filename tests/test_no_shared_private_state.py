@@ -10,24 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCOPE = ("engine",)
 
-# (module, class, attribute) reads that break the rule today; the restructuring of issue 38 removes
-# them, and this set only shrinks.
-KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
-    ('engine.engine_loop', 'EngineLoop', '_abort_now'),
-    ('engine.engine_loop', 'EngineLoop', '_accepting'),
-    ('engine.engine_loop', 'EngineLoop', '_die'),
-    ('engine.engine_loop', 'EngineLoop', '_fail_in_flight'),
-    ('engine.engine_loop', 'EngineLoop', '_next_restart_delay'),
-    ('engine.engine_loop', 'EngineLoop', '_pending_aborts'),
-    ('engine.engine_loop', 'EngineLoop', '_queues'),
-    ('engine.engine_loop', 'EngineLoop', '_restart_times'),
-    ('engine.engine_loop', 'EngineLoop', '_restart_workers'),
-    ('engine.engine_loop', 'EngineLoop', '_wake'),
-    ('engine.worker_restarts', 'WorkerRestarts', '_pending_aborts'),
-    ('engine.worker_restarts', 'WorkerRestarts', '_pool'),
-    ('engine.worker_restarts', 'WorkerRestarts', '_queues'),
-    ('engine.worker_restarts', 'WorkerRestarts', '_stop_restart'),
-}
+# (module, class, attribute) reads that break the rule, allowed for a while (empty: keep it so).
+KNOWN_VIOLATIONS: set[tuple[str, str, str]] = set()
 
 
 def _own_names(cls: ast.ClassDef) -> set[str]:
