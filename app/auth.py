@@ -46,12 +46,12 @@ def unauthorized_response(path: str):
 
     err = APIError.unauthorized()
     if path.startswith("/v1/messages"):
-        from app.anthropic_api.route import error_response as anthropic_error
+        from app.anthropic_api.errors import error_response as anthropic_error
 
         err.message = "Incorrect or missing API key. Send it as 'x-api-key: <key>' or 'Authorization: Bearer <key>'."
         return anthropic_error(err)
     if path.startswith("/api/"):
-        from app.ollama_api.route import error_response as ollama_error
+        from app.ollama_api.errors import error_response as ollama_error
 
         return ollama_error(err)
     return error_response(err)

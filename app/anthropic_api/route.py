@@ -24,29 +24,12 @@ from app.protocol import ChatCompletionRequest, parse
 from app.responses import ORJSONResponse
 from app.streaming import sse_response, typed_sse_event
 from app.tools.plan import build_plan
+from app.anthropic_api.errors import error_body, error_response  # noqa: F401  (the route's error shape)
 from app.anthropic_api.translate import chat_body
 from app.translated_chat import ChatPieces, read_body, start_chat
 
 Event = dict[str, Any]
-# APIError status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
-                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
-# Chat field names in an error message, as the Messages request names them.
-_PARAM_NAMES = {"'stop'": "'stop_sequences'", "max_completion_tokens": "max_tokens"}
-
-
-def error_body(err: APIError) -> dict[str, Any]:
-    message = err.message
-    for chat, ours in _PARAM_NAMES.items():
-        message = message.replace(chat, ours)
-    kind = "api_error" if err.code == "engine_dead" else _ERROR_TYPES.get(err.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def error_response(err: APIError) -> Response:
-    return ORJSONResponse(error_body(err), status_code=err.status, headers=err.headers)
 
 
 def _tool_use_id() -> str:

@@ -31,6 +31,7 @@ from app.protocol import parse
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
 from app.streaming import close_all
+from app.ollama_api.errors import error_response
 from app.ollama_api.translate import chat_body, embed_body, generate_body, model_name
 from app.translated_chat import ChatPieces, read_body, start_chat
 
@@ -39,10 +40,6 @@ from app.translated_chat import ChatPieces, read_body, start_chat
 OLLAMA_API_VERSION = "0.9.0"
 NDJSON = "application/x-ndjson"
 _MANAGEMENT = ("pull", "push", "create", "copy", "delete", "blobs/{digest}")
-
-
-def error_response(err: APIError) -> Response:
-    return ORJSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
 
 
 def _now() -> str:
