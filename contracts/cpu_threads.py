@@ -12,8 +12,8 @@ Two things made pagedserve lose far more than its share when other work shares t
   neighbours a spinning thread holds its core for the rest of its time slice while the thread it
   waits for sits in the run queue, so every region can cost a whole scheduler slice.
 
-``openmp_defaults`` gives the spin a short budget (long enough for the barriers inside one C
-kernel call, short enough that a waiter gives the core back within ~0.1 ms); it is applied to the
+``openmp_defaults`` gives the spin a short budget (long enough for most barriers inside one C
+kernel call, short enough that a waiter gives the core back within tens of microseconds); it is applied to the
 environment before libgomp loads (the CLI's entry, a spawned worker) and never overrides a
 variable the user set. Pure stdlib: every room may import it, torch is not needed.
 """
@@ -28,9 +28,11 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 # libgomp reads these once, when it is loaded (importing torch loads it). Unset by the user, a waiting
-# thread spins this many ``pause`` iterations and then sleeps on a futex: ~10-30 µs on current x86
-# cores, against libgomp's default 300,000 (milliseconds).
-GOMP_SPINCOUNT_DEFAULT = "10000"
+# thread spins this many iterations and then sleeps on a futex: ~30 µs by libgomp's own estimate
+# (100,000 per ms), against its default 300,000 (~3 ms). Measured on a shared 2-vCPU EPYC (PERF.md,
+# issue 36 item 5): 10,000 lost as badly as the default beside busy processes; 0 (OMP_WAIT_POLICY=
+# PASSIVE) lost least there but cost the most on quiet cores; 3,000 was the balance.
+GOMP_SPINCOUNT_DEFAULT = "3000"
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -47,6 +49,12 @@ def openmp_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str
     chosen = {"GOMP_SPINCOUNT": GOMP_SPINCOUNT_DEFAULT}
     environ.update(chosen)
     return chosen
+
+
+def openmp_settings(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """The OpenMP wait variables set in ``environ`` (a process started elsewhere, a Ray actor, gets them)."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in OPENMP_VARIABLES if environ.get(name, "").strip()}
 
 
 def openmp_loaded(maps: Path = Path("/proc/self/maps")) -> bool:

@@ -111,6 +111,14 @@ def test_openmp_defaults_keep_what_the_user_set(user):
     assert environ == user
 
 
+def test_openmp_settings_are_what_a_ray_actor_is_given():
+    from contracts.cpu_threads import openmp_settings
+
+    assert openmp_settings({"GOMP_SPINCOUNT": "1000", "OMP_NUM_THREADS": "2", "PATH": "/bin"}) == \
+        {"GOMP_SPINCOUNT": "1000"}
+    assert openmp_settings({"OMP_WAIT_POLICY": " "}) == {}
+
+
 def test_openmp_loaded_reads_the_maps(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text("7f00 r-xp 0 0:0 0 /usr/lib/libc.so.6\n")
