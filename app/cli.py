@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from contracts.cpu_threads import openmp_defaults
+
 # subcommand -> module implementing it
 COMMANDS = {
     "serve": ("app.serve_cmd", "Serve a model over an OpenAI-compatible HTTP API"),
@@ -65,6 +67,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    openmp_defaults()  # before any subcommand imports torch (libgomp reads it once, at load)
     args = build_parser(argv).parse_args(argv)
     if not hasattr(args, "_module"):  # optional: argparse sets it only when a subcommand was given
         build_parser(argv).parse_args(argv + ["--help"])

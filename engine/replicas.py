@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import fields
@@ -32,6 +31,7 @@ from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestarti
 from engine.sampling_params import SamplingParams
 from contracts import env
 from contracts.config import ConfigError, EngineConfig
+from contracts.cpu_threads import usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +90,7 @@ class ReplicatedEngine:
     async def start(self) -> None:
         if (self.num_replicas > 1 and self.config.parallel.worker_threads is None
                 and not env.WORKER_THREADS.is_set() and self.config.parallel.resolved_executor() != "inproc"):
-            try:
-                cpus = len(os.sched_getaffinity(0))
-            except AttributeError:
-                cpus = os.cpu_count() or 1
+            cpus = usable_cpus()  # affinity mask capped by the cgroup CPU quota
             threads = max(1, cpus // (self.num_replicas * ranks_per_replica(self.config)))
             for replica in self.replicas:  # each builds its workers from its own config
                 replica.config.parallel.worker_threads = threads

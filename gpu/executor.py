@@ -77,6 +77,7 @@ class InprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         from gpu.model_runner import ModelRunner
 
+        set_inproc_threads(config.parallel.worker_threads)
         self.runner = ModelRunner(config)
         self.num_blocks = self.runner.initialize()
         self.num_swap_blocks = self.runner.num_swap_blocks
@@ -91,3 +92,22 @@ class InprocExecutor(Executor):
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self.runner = None
+
+
+def set_inproc_threads(requested: int | None) -> int:
+    """This process's torch threads for an in-process model. A count the user chose
+    (--worker-threads, $PAGEDSERVE_WORKER_THREADS) is set as given; else torch's current count is
+    only capped at the CPUs this process may use (affinity mask and cgroup quota): torch's default
+    counts the affinity mask alone, so under a CPU quota it runs more threads than can run at once,
+    and a caller that lowered the count itself keeps its choice."""
+    import torch
+
+    from contracts import env
+    from gpu.worker import _threads_for_rank
+
+    threads = _threads_for_rank(1, requested)
+    if not (requested or env.WORKER_THREADS.is_set()):
+        threads = min(threads, torch.get_num_threads())
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads

@@ -10,6 +10,7 @@ import threading
 
 from contracts import env
 from contracts.config import EngineConfig
+from contracts.cpu_threads import openmp_defaults, openmp_loaded
 from contracts.errors import ExecutorError
 from gpu.executor import Executor, InprocExecutor
 
@@ -20,6 +21,10 @@ def create_executor(config: EngineConfig, cancel: threading.Event | None = None)
     """``cancel`` set while the model loads (a shutdown during a restart) stops the start with
     ExecutorError: worker processes are killed mid-load; an in-process load is undone after it."""
     kind = config.parallel.resolved_executor()
+    loaded = openmp_loaded()
+    if openmp_defaults() and loaded and kind == "inproc":  # workers started from here still get them
+        logger.debug("OpenMP was loaded before its wait settings were set: in-process threads spin "
+                     "libgomp's default time (start through the CLI, or import pagedserve before torch)")
     if kind == "inproc":
         if config.parallel.tensor_parallel_size != 1:
             raise ExecutorError("tensor_parallel_size > 1 needs executor='mp' (or 'ray')")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from contracts import env
 from contracts.config import RAY_PLACEMENT_STRATEGIES, EngineConfig
+from contracts.cpu_threads import openmp_settings
 from contracts.errors import ExecutorError
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,8 @@ def place_workers(config: EngineConfig, world_size: int) -> PlacedWorkers:
                 f"{placement_timeout:g} s; the cluster has {ray.available_resources()} free "
                 f"({env.RAY_PLACEMENT_TIMEOUT.name} sets the wait)")
         actor_cls = ray.remote(RayWorker)
-        switches = env.forwarded()  # the actors see the switches set here
+        # the actors see the switches set here, and the OpenMP wait settings (contracts/cpu_threads.py)
+        switches = {**env.forwarded(), **openmp_settings()}
         for rank in range(world_size):
             placed.actors.append(actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,

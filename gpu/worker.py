@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing
-import os
 import signal
 import sys
 import traceback
@@ -28,6 +27,7 @@ import msgspec
 
 from contracts import env
 from contracts.config import EngineConfig
+from contracts.cpu_threads import openmp_defaults, usable_cpus
 from contracts.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepEncodeError, StepInput, StepOutput
 from gpu.pipeline_tokens import TAG_SAMPLED, decode_sampled_tokens
 from gpu.shm_ring import RingClosed, RingPeerDied, RingSpec, ShmRing
@@ -102,17 +102,14 @@ def load_factory(spec: str):
 
 
 def _threads_for_rank(world_size: int, requested: int | None) -> int:
-    """The caller's count (--worker-threads), else $PAGEDSERVE_WORKER_THREADS, else a share of the CPUs."""
+    """The caller's count (--worker-threads), else $PAGEDSERVE_WORKER_THREADS, else a share of the
+    CPUs this process may use: its affinity mask capped by its cgroup CPU quota (contracts/cpu_threads.py)."""
     if requested:
         return requested
     override = env.WORKER_THREADS.get()
     if override:
         return override
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // world_size)
+    return max(1, usable_cpus() // world_size)
 
 
 def setup_torch(args: WorkerArgs) -> None:
@@ -176,6 +173,7 @@ def teardown_torch(args: WorkerArgs) -> None:
 def worker_main(args: WorkerArgs) -> None:
     """Entry point of a spawned worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    openmp_defaults()  # inherited from the parent as a rule; before this process loads torch's libgomp
     logging.basicConfig(level=args.log_level,
                         format=f"%(asctime)s %(levelname)s [worker {args.rank}] %(name)s: %(message)s")
     parent = multiprocessing.parent_process()

@@ -43,9 +43,11 @@ def test_bench_throughput_and_latency_json(tmp_path):
                              for n, m in [(5, 4), (17, 6), (40, 3), (9, 5)]]}
     path = tmp_path / "w.json"
     path.write_text(json.dumps(workload))
-    r = run_cli("bench", "throughput", "--workload", str(path), "--json")
+    r = run_cli("bench", "throughput", "--workload", str(path), "--json", "--busy-neighbours", "1")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["busy_neighbours"] == 1 and result["threads"] >= 1
+    assert result["omp_wait"] != "libgomp default"  # the CLI set a short spin (or the user chose one)
     assert result["requests"] == 4
     assert result["input_tokens"] == 5 + 17 + 40 + 9
     assert result["output_tokens"] == 4 + 6 + 3 + 5  # ignore_eos: exactly max_tokens each
