@@ -134,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "localhost and these are served (any IP literal too when bound to 0.0.0.0 / ::), "
                         "others get 400: a web page cannot reach this server by DNS rebinding. With "
                         "--api-key every host is served unless this flag is given")
+    g.add_argument("--disable-chat-page", action="store_true",
+                   help="GET / does not serve the chat page (a page in the browser that streams from "
+                        "/v1/chat/completions; with --api-key the key is typed into it); GET / is a 404")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     g.add_argument("--log-level", default="info",
@@ -308,7 +311,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
                         lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         trusted_hosts=args.trusted_hosts, lora_roots=args.lora_root,
-                        max_runtime_loras=args.max_runtime_loras, show_model_paths=args.show_model_paths)
+                        max_runtime_loras=args.max_runtime_loras, show_model_paths=args.show_model_paths,
+                        chat_page=not args.disable_chat_page)
         uv_config.app = app
         app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks

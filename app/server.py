@@ -29,6 +29,7 @@ from app.admission import AdmissionLimits
 from app.anthropic_api.route import routes as anthropic_routes
 from app.ollama_api.route import routes as ollama_routes
 from app.auth import APIKeyMiddleware
+from app.chat_page import chat_page_routes
 from app.chat_prompt import ChatPrompts
 from app.chat_route import ChatRoute
 from app.completions_route import CompletionsRoute
@@ -137,7 +138,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
               allowed_origins: list[str] | None = None, lora_modules: list[LoRAModule] | None = None,
               allow_runtime_lora_updating: bool = False, enable_prompt_tokens_details: bool = False,
               lora_roots: list[str] | None = None, max_runtime_loras: int = DEFAULT_MAX_RUNTIME_LORAS,
-              show_model_paths: bool = False, trusted_hosts: TrustedHosts | None = None) -> Starlette:
+              show_model_paths: bool = False, trusted_hosts: TrustedHosts | None = None,
+              chat_page: bool = True) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
     ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
     ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
@@ -155,7 +157,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
     caller how many prompt tokens the prefix cache served (--enable-prompt-tokens-details; without
     it only /v1/responses tells, and only a salted request). ``trusted_hosts``: the Host headers
     answered (app/trusted_host.py, what `serve` passes from --host, --api-key and --allowed-hosts);
-    None = any."""
+    None = any. ``chat_page``: GET / serves the chat page (app/chat_page.py; off with
+    --disable-chat-page: a 404)."""
     name = served_model_name or engine.model_name
     if allow_runtime_lora_updating and not lora_roots:
         raise ConfigError("--allow-runtime-lora-updating needs --lora-root DIR: the directories under which "
@@ -200,6 +203,8 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
                          methods=["POST"]),
                    Route("/v1/unload_lora_adapter", _wrap(partial(adapters.unload_route, checks=s.checks)),
                          methods=["POST"])]
+    if chat_page:
+        routes += chat_page_routes()
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if api_key:
