@@ -6,6 +6,8 @@ stops a long answer with its Stop button, and shows reasoning apart from the ans
 (--reasoning-parser). `make install` installs chromium and chromium-driver (apt) and selenium (the
 test extra); without them this test skips here, and fails under CI=true, where it must run.
 
+The same server answers `pagedserve chat --url` (app/chat_remote.py), the terminal's chat client.
+
 `python -m tests.e2e.test_chat_page_e2e docs/chat-page.png` takes the README's screenshot with the
 default model (SmolLM2-135M-Instruct)."""
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -191,6 +194,21 @@ def test_stop_ends_a_long_answer(browser, server):
     # the server aborted the request: it serves the next one at once
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
     assert r.status_code == 200
+
+
+def test_cli_chat_attaches_to_the_server(server):
+    """`pagedserve chat --url`: no model loaded, the served one answers, key and all."""
+    expected = api_answer(server.url, 12)["choices"][0]["message"]["content"]
+    env = {**os.environ, "PAGEDSERVE_API_KEY": "", "OPENAI_API_KEY": ""}
+    cmd = [sys.executable, "-m", "app.cli", "chat", "--url", server.url + "/v1", "--system", SYSTEM,
+           "--max-tokens", "12"]
+    r = subprocess.run([*cmd, "--api-key", KEY], input=PROMPT + "\n\n", capture_output=True, text=True,
+                       timeout=120, env=env, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"> {expected}\n> " and "tiny at " in r.stderr  # greedy: the API's answer
+    r = subprocess.run(cmd, input=PROMPT + "\n\n", capture_output=True, text=True, timeout=120, env=env,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 1 and "401" in r.stderr, r.stderr
 
 
 @pytest.fixture(scope="module")
