@@ -65,7 +65,7 @@ def start_browser():
     return webdriver.Chrome(options=options, service=Service(executable_path=driver))
 
 
-def wait_for(condition, timeout: float = 60.0, what: str = "the page"):
+def wait_for(condition, timeout: float = 120.0, what: str = "the page"):  # a busy CI box is slow
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
@@ -209,6 +209,16 @@ def test_cli_chat_attaches_to_the_server(server):
     r = subprocess.run(cmd, input=PROMPT + "\n\n", capture_output=True, text=True, timeout=120, env=env,
                        cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 1 and "401" in r.stderr, r.stderr
+
+
+def test_a_refused_request_shows_the_servers_message(browser, server):
+    page = ChatPage(browser, server.url)
+    wait_for(lambda: page.models() == ["tiny"], what="the model list")
+    page.ask(PROMPT, 100_000)  # past the context: a 400 that says so
+    wait_for(lambda: page.last_state() == "error", what="the error")
+    assert "maximum context length" in page.text("#status")
+    assert "maximum context length" in page.text(".msg.assistant .error")
+    assert page.el("#send").is_enabled()
 
 
 @pytest.fixture(scope="module")
