@@ -23,7 +23,7 @@ from app.reasoning.output import ReasoningDeltas, ReasoningPlan
 from app.request_checks import RequestChecks
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
-from app.streaming import sse_response
+from app.streaming import DEFAULT_SSE_PING_INTERVAL, sse_response
 from app.tools import output as tool_output
 from app.tools.plan import ToolConfig, ToolPlan, build_plan, keeps_special_tokens, structured_outputs_for
 from app.structured_args import check_constraint
@@ -49,7 +49,7 @@ class ChatRoute:
 
     def __init__(self, engine: EngineClient, served_model_name: str, checks: RequestChecks,
                  prompts: ChatPrompts, fanout: ChoiceFanOut, logprob_format: LogprobFormat,
-                 tool_config: ToolConfig = ToolConfig(), sse_ping_interval: float = 0.0,
+                 tool_config: ToolConfig = ToolConfig(), sse_ping_interval: float = DEFAULT_SSE_PING_INTERVAL,
                  trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = served_model_name

@@ -20,7 +20,7 @@ from app.protocol import CompletionRequest, parse
 from app.request_checks import RequestChecks
 from app.request_id import response_and_engine_ids
 from app.responses import ORJSONResponse
-from app.streaming import sse_response
+from app.streaming import DEFAULT_SSE_PING_INTERVAL, sse_response
 from app.structured_args import check_constraint
 from engine.client import EngineClient
 
@@ -37,7 +37,7 @@ class CompletionsRoute:
     and the logprob format."""
 
     def __init__(self, engine: EngineClient, served_model_name: str, checks: RequestChecks,
-                 fanout: ChoiceFanOut, logprob_format: LogprobFormat, sse_ping_interval: float = 0.0) -> None:
+                 fanout: ChoiceFanOut, logprob_format: LogprobFormat, sse_ping_interval: float = DEFAULT_SSE_PING_INTERVAL) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.checks = checks

@@ -22,7 +22,7 @@ import socket
 from app.admission import AdmissionLimits
 from app.engine_args import add_engine_args, engine_config_from_args, flag
 from app.listen import ListenError, bind_socket
-from app.lora_adapters import DEFAULT_MAX_RUNTIME_LORAS
+from app.server_config import ServerConfig, server_option_default
 from app.vllm_flags import add_refused_vllm_flags
 from app.reasoning.parser import REASONING_PARSERS
 from app.tools.parsers import AUTO_PARSERS
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
               "worker pool (503 + Retry-After meanwhile) instead of staying dead")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
-    g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+    g.add_argument("--max-body-bytes", type=int, default=server_option_default("max_body_bytes"),
                    help="larger request bodies get 413")
     g.add_argument("--header-timeout", type=float, default=30.0,
                    help="seconds a connection may take to send a complete request line and headers; "
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "give a comma-separated list): a lora_path whose real path lies under none, or whose "
                         "files are symbolic links, is refused, every refusal with the same message (the "
                         "reason goes to the log). --lora-modules may name any path")
-    g.add_argument("--max-runtime-loras", type=int, default=DEFAULT_MAX_RUNTIME_LORAS,
+    g.add_argument("--max-runtime-loras", type=int, default=server_option_default("max_runtime_loras"),
                    help="adapters /v1/load_lora_adapter may load (besides --lora-modules); past it a load gets "
                         "400 until one is unloaded (default: %(default)s)")
     g.add_argument("--show-model-paths", action="store_true",
@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "reasoning), streamed as delta.reasoning_content; tool calls and content come "
                         "from the answer after it. deepseek_r1: the reply starts inside the thinking; "
                         "qwen3: only a reply that opens with <think> and closes it has reasoning")
-    g.add_argument("--sse-ping-interval", type=float, default=0.0,
+    g.add_argument("--sse-ping-interval", type=float, default=server_option_default("sse_ping_interval"),
                    help="seconds between ': ping' comments on streams, for proxies that cut idle "
                         "connections; 0 (default) = none, as OpenAI and vLLM (`vllm bench serve` "
                         "loses events after a comment)")
@@ -134,7 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "localhost and these are served (any IP literal too when bound to 0.0.0.0 / ::), "
                         "others get 400: a web page cannot reach this server by DNS rebinding. With "
                         "--api-key every host is served unless this flag is given")
-    g.add_argument("--disable-chat-page", action="store_true",
+    g.add_argument("--disable-chat-page", dest="chat_page", action="store_false",
+                   default=server_option_default("chat_page"),
                    help="GET / does not serve the chat page (a page in the browser that streams from "
                         "/v1/chat/completions; with --api-key the key is typed into it); GET / is a 404")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
@@ -300,19 +301,8 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
         raise
     await starting
     try:
-        from app.tools.plan import ToolConfig
-
-        app = build_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes, sse_ping_interval=args.sse_ping_interval,
-                        trust_request_chat_template=args.trust_request_chat_template,
-                        tool_config=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
-                        limits=limits, reasoning_parser=args.reasoning_parser,
-                        other_names=args.other_served_names, allowed_origins=args.allowed_origins,
-                        lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                        trusted_hosts=args.trusted_hosts, lora_roots=args.lora_root,
-                        max_runtime_loras=args.max_runtime_loras, show_model_paths=args.show_model_paths,
-                        chat_page=not args.disable_chat_page)
+        app = build_app(engine, ServerConfig.from_args(args, served_model_name=engine.model_name, limits=limits,
+                                                     trusted_hosts=args.trusted_hosts))
         uv_config.app = app
         app.state.metrics.loop_lag.start()  # pagedserve:event_loop_lag_seconds from the start
         num_blocks = engine.num_blocks

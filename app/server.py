@@ -25,7 +25,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.admission import AdmissionLimits
 from app.anthropic_api.route import routes as anthropic_routes
 from app.ollama_api.route import routes as ollama_routes
 from app.auth import APIKeyMiddleware
@@ -38,23 +37,21 @@ from app.errors import APIError, to_api_error
 from app.fanout import ChoiceFanOut, ClientDisconnected, shutdown_error
 from app.info_routes import InfoRoutes, openapi_route
 from app.logprob_format import LogprobFormat
-from app.lora_adapters import DEFAULT_MAX_RUNTIME_LORAS, LoRAAdapters, LoRAModule, check_roots, request_scope
+from app.lora_adapters import LoRAAdapters, check_roots, request_scope
 from app.metrics import HTTPErrorCounter, ServerMetrics
 from app.replica_metrics import ReplicaStatsCollector
 from app.request_id import RequestIdMiddleware
 from app.responses import error_response
 from app.request_checks import RequestChecks
-from app.trusted_host import HostCheckMiddleware, TrustedHosts
+from app.server_config import ServerConfig
+from app.trusted_host import HostCheckMiddleware
 from app.responses_api.route import ResponsesRoute
 from app.reasoning.output import check_parser_name
-from app.tools.plan import ToolConfig
 from contracts.config import ConfigError
 from engine.client import EngineClient
 from engine.replicas import ReplicatedEngine
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -72,29 +69,24 @@ class OpenAIServer:
     responses: ResponsesRoute
 
 
-def build_server(engine: EngineClient, name: str, max_body_bytes: int, metrics: ServerMetrics, *,
-                 sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-                 tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
-                 reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
-                 adapters: LoRAAdapters | None = None, enable_prompt_tokens_details: bool = False,
-                 show_model_paths: bool = False) -> OpenAIServer:
-    """Each route family with its collaborators (``other_names``: the model's further served names;
-    ``adapters``: the LoRA adapters served by name)."""
-    check_parser_name(reasoning_parser)
-    checks = RequestChecks(engine, name, max_body_bytes, limits if limits is not None else AdmissionLimits(),
-                           other_names, adapters)
-    fanout = ChoiceFanOut(engine, metrics, enable_prompt_tokens_details)
+def build_server(engine: EngineClient, name: str, config: ServerConfig, metrics: ServerMetrics,
+                 adapters: LoRAAdapters | None = None) -> OpenAIServer:
+    """Each route family with its collaborators (``name``: the model's served name; ``adapters``:
+    the LoRA adapters served by name)."""
+    c = config
+    check_parser_name(c.reasoning_parser)
+    checks = RequestChecks(engine, name, c.max_body_bytes, c.limits, c.other_names, adapters)
+    fanout = ChoiceFanOut(engine, metrics, c.enable_prompt_tokens_details)
     logprob_format = LogprobFormat(engine)
     prompts = ChatPrompts(engine, checks)
-    chat = ChatRoute(engine, name, checks, prompts, fanout, logprob_format,
-                     tool_config if tool_config is not None else ToolConfig(), sse_ping_interval,
-                     trust_request_chat_template, reasoning_parser)
+    chat = ChatRoute(engine, name, checks, prompts, fanout, logprob_format, c.tool_config, c.sse_ping_interval,
+                     c.trust_request_chat_template, c.reasoning_parser)
     return OpenAIServer(
         checks=checks, fanout=fanout, logprob_format=logprob_format, prompts=prompts,
-        completion=CompletionsRoute(engine, name, checks, fanout, logprob_format, sse_ping_interval),
-        chat=chat, responses=ResponsesRoute(chat, sse_ping_interval),
+        completion=CompletionsRoute(engine, name, checks, fanout, logprob_format, c.sse_ping_interval),
+        chat=chat, responses=ResponsesRoute(chat, c.sse_ping_interval),
         embedding=EmbeddingsRoute(engine, name, checks, fanout, metrics),
-        info=InfoRoutes(engine, name, checks, prompts, metrics, trust_request_chat_template, show_model_paths))
+        info=InfoRoutes(engine, name, checks, prompts, metrics, c.trust_request_chat_template, c.show_model_paths))
 
 
 def _wrap(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
@@ -130,53 +122,32 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return error_response(to_api_error(exc))
 
 
-def build_app(engine: EngineClient, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lifespan: Any = None,
-              sse_ping_interval: float = 0.0, trust_request_chat_template: bool = False,
-              tool_config: ToolConfig | None = None, limits: AdmissionLimits | None = None,
-              reasoning_parser: str | None = None, other_names: tuple[str, ...] = (),
-              allowed_origins: list[str] | None = None, lora_modules: list[LoRAModule] | None = None,
-              allow_runtime_lora_updating: bool = False, enable_prompt_tokens_details: bool = False,
-              lora_roots: list[str] | None = None, max_runtime_loras: int = DEFAULT_MAX_RUNTIME_LORAS,
-              show_model_paths: bool = False, trusted_hosts: TrustedHosts | None = None,
-              chat_page: bool = True) -> Starlette:
+def build_app(engine: EngineClient, config: ServerConfig | None = None, *, lifespan: Any = None,
+              **options: Any) -> Starlette:
     """The ASGI app for one engine. Metrics live in a registry of their own (``app.state.metrics``).
-    ``sse_ping_interval``: seconds between SSE comment pings on streams (0 = none, as vLLM).
-    ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400).
-    ``tool_config``: app.tools.plan.ToolConfig (--enable-auto-tool-choice, --tool-call-parser).
-    ``limits``: app.admission.AdmissionLimits, what one request may ask for (default: the flags'
-    defaults). ``reasoning_parser``: --reasoning-parser (app/reasoning), None = off.
-    ``other_names``: --served-model-name's names after the first (requests may use any; responses
-    carry the first). ``allowed_origins``: --allowed-origins (CORS), None = no CORS headers.
-    ``lora_modules``: the adapters served by name from the start (--lora-modules; each checked
-    now: a bad one raises APIError); ``allow_runtime_lora_updating``: the load / unload routes
-    answer (--allow-runtime-lora-updating), reading only under ``lora_roots`` (--lora-root, required
-    then: ConfigError without) and loading at most ``max_runtime_loras`` adapters
-    (--max-runtime-loras). ``show_model_paths``: /v1/models shows the model's and adapters' paths
-    as ``root`` (--show-model-paths; else their names). ``enable_prompt_tokens_details``: usage tells every
-    caller how many prompt tokens the prefix cache served (--enable-prompt-tokens-details; without
-    it only /v1/responses tells, and only a salted request). ``trusted_hosts``: the Host headers
-    answered (app/trusted_host.py, what `serve` passes from --host, --api-key and --allowed-hosts);
-    None = any. ``chat_page``: GET / serves the chat page (app/chat_page.py; off with
-    --disable-chat-page: a 404)."""
-    name = served_model_name or engine.model_name
-    if allow_runtime_lora_updating and not lora_roots:
+    ``config``: the server's options (app/server_config.py says what each does); ``options``: the
+    same as keywords, for a config built here (``build_app(engine, api_key="k")``); not both.
+    ``lifespan``: Starlette's. ``config.lora_modules`` are checked now (a bad one raises ConfigError),
+    and ``allow_runtime_lora_updating`` needs ``lora_roots`` (ConfigError without)."""
+    if config is None:
+        config = ServerConfig(**options)
+    elif options:
+        raise TypeError(f"build_app takes a ServerConfig or its options as keywords, not both: {sorted(options)}")
+    c = config
+    name = c.served_model_name or engine.model_name
+    if c.allow_runtime_lora_updating and not c.lora_roots:
         raise ConfigError("--allow-runtime-lora-updating needs --lora-root DIR: the directories under which "
                           "/v1/load_lora_adapter may read adapters")
-    adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora), check_roots(lora_roots or ()),
-                            max_runtime_loras)
-    for module in lora_modules or ():
+    adapters = LoRAAdapters(engine, name, bool(engine.config.lora.enable_lora), check_roots(c.lora_roots or ()),
+                            c.max_runtime_loras)
+    for module in c.lora_modules or ():
         try:
             adapters.add(module.name, module.path, module.base_model_name)
         except APIError as e:  # at start-up: a config error (serve prints it and exits)
             raise ConfigError(f"--lora-modules {module.name}: {e.message}") from None
     per_replica = ReplicaStatsCollector(engine, name) if isinstance(engine, ReplicatedEngine) else None
     metrics = ServerMetrics(engine, name, per_replica)
-    s = build_server(engine, name, max_body_bytes, metrics, sse_ping_interval=sse_ping_interval,
-                     trust_request_chat_template=trust_request_chat_template, tool_config=tool_config,
-                     limits=limits, reasoning_parser=reasoning_parser, other_names=other_names,
-                     adapters=adapters, enable_prompt_tokens_details=enable_prompt_tokens_details,
-                     show_model_paths=show_model_paths)
+    s = build_server(engine, name, c, metrics, adapters)
     routes = [
         Route("/v1/completions", _wrap(s.completion.completions), methods=["POST"]),
         Route("/v1/chat/completions", _wrap(s.chat.chat_completions), methods=["POST"]),
@@ -193,27 +164,27 @@ def build_app(engine: EngineClient, *, served_model_name: str | None = None, api
         Route("/ping", _wrap(s.info.health), methods=["GET", "POST"]),  # vLLM's (SageMaker) liveness
         Route("/version", _wrap(s.info.version), methods=["GET"]),
         Route("/metrics", _wrap(s.info.metrics_route), methods=["GET"]),
-        Route("/openapi.json", openapi_route(engine, name, api_key, max_body_bytes,
-                                             trust_request_chat_template, s.checks.limits,
-                                             allow_runtime_lora_updating, trusted_hosts is not None),
+        Route("/openapi.json", openapi_route(engine, name, c.api_key, c.max_body_bytes,
+                                             c.trust_request_chat_template, s.checks.limits,
+                                             c.allow_runtime_lora_updating, c.trusted_hosts is not None),
               methods=["GET"]),
     ]
-    if allow_runtime_lora_updating:  # else absent, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    if c.allow_runtime_lora_updating:  # else absent, as vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING
         routes += [Route("/v1/load_lora_adapter", _wrap(partial(adapters.load_route, checks=s.checks)),
                          methods=["POST"]),
                    Route("/v1/unload_lora_adapter", _wrap(partial(adapters.unload_route, checks=s.checks)),
                          methods=["POST"])]
-    if chat_page:
+    if c.chat_page:  # GET /: the chat page (app/chat_page.py)
         routes += chat_page_routes()
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    if trusted_hosts is not None:  # before the API key is asked; its 400s are counted
-        app.add_middleware(HostCheckMiddleware, hosts=trusted_hosts)
+    if c.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=c.api_key)
+    if c.trusted_hosts is not None:  # before the API key is asked; its 400s are counted
+        app.add_middleware(HostCheckMiddleware, hosts=c.trusted_hosts)
     app.add_middleware(HTTPErrorCounter, metrics=metrics)  # sees 401s too
-    if allowed_origins:  # browsers' preflight (OPTIONS) is answered before the API key is asked
-        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+    if c.allowed_origins:  # browsers' preflight (OPTIONS) is answered before the API key is asked
+        app.add_middleware(CORSMiddleware, allow_origins=c.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_middleware(RequestIdMiddleware)  # outermost: every response carries X-Request-Id
     app.state.metrics = metrics

@@ -18,6 +18,7 @@ from app.errors import to_api_error
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+DEFAULT_SSE_PING_INTERVAL = 0.0  # --sse-ping-interval's default (app/server_config.py): none
 # No SSE comment pings unless asked (--sse-ping-interval): OpenAI and vLLM send none, and
 # `vllm bench serve` strips each network read, so after a `: ping` comment it never sees the
 # blank line that ends an event and loses every later one. "Off" is an interval no stream
@@ -127,7 +128,7 @@ async def close_all(streams: Sequence[Any], on_close: Callable[[], None] | None 
 
 def sse_response(events: AsyncIterator[Any], streams: Sequence[Any] = (),
                  on_close: Callable[[], None] | None = None,
-                 ping_interval: float = 0.0, frame: Callable[[Any], bytes] = sse_event,
+                 ping_interval: float = DEFAULT_SSE_PING_INTERVAL, frame: Callable[[Any], bytes] = sse_event,
                  done: bytes | None = DONE) -> EventSourceResponse:
     """The engine streams are closed again once the response ends: a client gone before the
     body started would otherwise leave its requests running unobserved. ``on_close`` then runs

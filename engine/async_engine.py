@@ -26,32 +26,35 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 import time
 
 from engine.bounded_render import MAX_TEMPLATE_LINES, _RenderInterrupted, _render_bounded
 from engine.core import INTERNAL_REQUEST_ERROR
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import StepLoop
 from engine.errors import (SHUTDOWN_ABORT_MESSAGE, EngineDeadError, EngineError, EngineOverloadedError,
                            EngineRestartingError)
+from engine.outputs import RequestOutput
 from engine.output_collector import OutputCollector
 from engine.prep_pools import DeadlinePool
 from engine.request_stream import RequestStream, StreamEnd
 from engine.lora_request import LoRARequest
 from engine.restart_policy import RestartPolicy
 from engine.sampling_params import SamplingParams
-from engine.worker_restarts import WorkerRestarts
+from engine.worker_restarts import WorkerSupervisor
 from contracts.config import EngineConfig
+from contracts.error_text import error_summary
+from contracts.errors import ExecutorError
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine(EngineLoop, WorkerRestarts):
+class AsyncEngine:
+    """Composed of a step loop (engine/engine_loop.StepLoop, given this engine as its output sink)
+    and a supervisor owning worker restarts (engine/worker_restarts.WorkerSupervisor)."""
+
     def __init__(self, config: EngineConfig, restart_policy: RestartPolicy | None = None):
         self.config = config
         self.restart_policy = restart_policy or RestartPolicy()
-        self._restart_times: list[float] = []  # monotonic times of restarts within the window
-        self._stop_restart = threading.Event()  # set by shutdown: ends a restart's back-off
         self.parts = None
         self.tokenizer = None
         self._queues: dict[str, OutputCollector] = {}
@@ -62,19 +65,15 @@ class AsyncEngine(EngineLoop, WorkerRestarts):
         self._accepting = False
         # Start-up, shutdown and worker restarts only; requests' work has the pools below.
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pagedserve-cpu")
+        self.supervisor = WorkerSupervisor(config, self.restart_policy, self._pool)
+        self._steps: StepLoop | None = None  # built at start, kept across worker restarts
         self._tokenizer_pool = DeadlinePool(
             "tokenizer", 2, config.prep.tokenize_timeout, what="tokenizing the prompt",
             flag="--tokenize-timeout")
         self._template_pool = DeadlinePool(
             "chat-template", 2, config.prep.chat_template_timeout,
             what="rendering the chat template", flag="--chat-template-timeout")
-        self._unattributed_faults = 0  # steps in a row that failed in the core for no known request
-        self.last_step_gap_s = 0.0  # time between a step's reply and the next step's send
         self.num_deaths = 0  # times the engine loop stopped on a failure (for /metrics)
-        self.num_worker_restarts = 0  # worker pools rebuilt after a failure (--restart-workers)
-        self._restarting = False
-        self._rebuild: concurrent.futures.Future | None = None  # the pool being rebuilt
-        self._retired_counters = (0, 0, 0)  # cumulative stats of cores replaced by restarts
 
     # ---- life cycle -----------------------------------------------------------------------
 
@@ -93,12 +92,23 @@ class AsyncEngine(EngineLoop, WorkerRestarts):
         # The text-length bound of prompts (app/prompt_options.fit_text): once, off the loop.
         await loop.run_in_executor(self._pool, getattr, self.tokenizer, "max_token_chars", None)
         self._wake = asyncio.Event()
+        self._steps = StepLoop(self, self._wake)
         self._accepting = True
         self._task = asyncio.create_task(self._run(), name="pagedserve-engine-loop")
 
     @property
     def core(self):
         return self.parts.core
+
+    @property
+    def last_step_gap_s(self) -> float:
+        """Time between a step's reply and the next step's send (0 before the first)."""
+        return self._steps.last_step_gap_s if self._steps is not None else 0.0
+
+    @property
+    def num_worker_restarts(self) -> int:
+        """Worker pools rebuilt after a failure (--restart-workers)."""
+        return self.supervisor.num_worker_restarts
 
     @property
     def model_name(self) -> str:
@@ -129,7 +139,7 @@ class AsyncEngine(EngineLoop, WorkerRestarts):
         """"ok", "restarting" (a new worker pool is being built) or "dead"."""
         if self._error is not None or self._task is None or self._task.done():
             return "dead"
-        return "restarting" if self._restarting else "ok"
+        return "restarting" if self.supervisor.restarting else "ok"
 
     def replica_states(self) -> None:
         """One engine, no data-parallel replicas (engine.client.EngineClient)."""
@@ -137,7 +147,7 @@ class AsyncEngine(EngineLoop, WorkerRestarts):
 
     def stats(self):
         s = self.core.stats()
-        queries, hits, preemptions = self._retired_counters  # counters stay monotonic
+        queries, hits, preemptions = self.supervisor.retired_counters  # counters stay monotonic
         s.prefix_cache_queries += queries
         s.prefix_cache_hits += hits
         s.num_preemptions += preemptions
@@ -154,7 +164,7 @@ class AsyncEngine(EngineLoop, WorkerRestarts):
     async def shutdown(self, timeout_s: float = 0.0) -> None:
         """Stop accepting; let in-flight requests finish for up to timeout_s; abort the rest."""
         self._accepting = False
-        self._stop_restart.set()
+        self.supervisor.stop.set()
         deadline = time.monotonic() + timeout_s
         while self._queues and self.is_healthy() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -170,9 +180,10 @@ class AsyncEngine(EngineLoop, WorkerRestarts):
         loop = asyncio.get_running_loop()
         # A restart was under way: stop the pool it builds too. (Cancelling the loop before the
         # rebuild started cancels it: awaiting it then would raise CancelledError here.)
-        if self._rebuild is not None and not self._rebuild.cancelled():
+        rebuilding = self.supervisor.rebuilding
+        if rebuilding is not None and not rebuilding.cancelled():
             try:
-                parts = await asyncio.wrap_future(self._rebuild)
+                parts = await asyncio.wrap_future(rebuilding)
                 if parts is not self.parts:
                     await loop.run_in_executor(self._pool, parts.executor.shutdown)
             except Exception:  # noqa: BLE001 - the failed restart was logged
@@ -356,8 +367,94 @@ class AsyncEngine(EngineLoop, WorkerRestarts):
     def _check_alive(self) -> None:
         if self._error is not None:
             raise EngineDeadError(self._death_message())
-        if self._restarting:
+        if self.supervisor.restarting:
             raise EngineRestartingError("the engine is restarting its workers after a failure; "
                                         "retry in a few seconds")
         if not self._accepting or self._task is None or self._task.done():
             raise EngineDeadError("the engine is not running (starting up or shutting down)")
+
+    # ---- the loop, its output sink, and death -----------------------------------------------
+
+    async def _run(self) -> None:
+        """Step until the executor fails; then restart the workers (--restart-workers, within the
+        policy) or die, failing every in-flight request either way."""
+        supervisor = self.supervisor
+        while True:
+            try:
+                await self._steps.run(self.parts.core, self.parts.executor)
+            except asyncio.CancelledError:
+                raise
+            except ExecutorError as e:
+                if not self.config.parallel.restart_workers or not self._accepting:
+                    self._die(e)
+                    return
+                delay = supervisor.next_restart_delay()
+                if delay is None:
+                    self._die(supervisor.limit_reached(e))
+                    return
+                self._fail_in_flight(EngineDeadError(
+                    f"the workers failed and the request was aborted: {error_summary(str(e))} (the server is "
+                    "restarting its workers; retry shortly)"))
+                try:
+                    parts = await supervisor.restart(self.parts, self.tokenizer, e, delay)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as restart_error:  # noqa: BLE001
+                    self._die(ExecutorError(f"{e}; restarting the workers failed: {restart_error}"))
+                    return
+                self.parts = parts  # a fresh scheduler and block manager sized for the new pool
+                self._pending_aborts.clear()  # ids of the old core's requests
+            except BaseException as e:  # noqa: BLE001 - any failure must reach every request
+                self._die(e)
+                return
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's deltas to their requests, stamped with the time they were produced (so
+        TTFT / inter-token latency measure the engine, not how fast a client reads)."""
+        now = time.monotonic()
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is None:
+                continue
+            try:
+                for comp in out.outputs if isinstance(out, RequestOutput) else ():  # not pooling's
+                    if comp.token_ids and comp.token_times is None:
+                        comp.token_times = [now] * len(comp.token_ids)
+                queue.put_nowait(out)
+            except Exception as e:  # noqa: BLE001 - this request's stream fails, not the loop
+                logger.error("request %s: delivering its output failed", out.request_id, exc_info=e)
+                self._queues.pop(out.request_id, None)
+                queue.put_nowait(EngineError(INTERNAL_REQUEST_ERROR))
+                self._abort_now(out.request_id)
+
+    def fail_stream(self, request_id: str, error: BaseException) -> None:
+        """End the request's stream with ``error`` (its request is already gone from the core)."""
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def apply_pending_aborts(self, core) -> None:
+        """Abort, in the core, the requests whose streams ended since the last step."""
+        while self._pending_aborts:
+            request_id, queue = self._pending_aborts.pop()
+            if self._queues.get(request_id) is queue:  # else already ended (or the id reused)
+                del self._queues[request_id]
+                core.abort_request(request_id)
+
+    def _die(self, e: BaseException) -> None:
+        logger.error("engine loop died", exc_info=e)
+        self._error = e
+        self.supervisor.restarting = False
+        self.num_deaths += 1
+        self._fail_in_flight(EngineDeadError(self._death_message()))
+
+    def _death_message(self) -> str:
+        hint = ""
+        if isinstance(self._error, ExecutorError) and not self.config.parallel.restart_workers:
+            hint = "; restart the server (or serve with --restart-workers)"
+        return f"the engine stopped: {error_summary(str(self._error))}{hint}"  # full text: the log
+
+    def _fail_in_flight(self, error: EngineDeadError) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()

@@ -25,7 +25,7 @@ import time
 
 from engine import beam_engine
 from engine.sampling_params import BeamSearchParams
-from engine.core_stats import CoreStats, EngineStats  # EngineStats: re-exported
+from engine.core_stats import EngineStats, core_stats  # EngineStats: re-exported
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineError, RequestRejectedError, SamplingParamsError
 from engine.kv_blocks import BlockManager, model_hash_seed
@@ -33,7 +33,7 @@ from engine.lora_request import LoRARequest
 from engine.lora_slots import LoRASlots
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.pooling_params import PoolingParams
-from engine.pooling_requests import PoolingRequests
+from engine.pooling_requests import PoolingRequests, hidden_size
 from engine.request import Request, Sequence, SeqStatus
 from engine.request_checks import RequestChecks
 from engine.request_outputs import RequestOutputs
@@ -41,8 +41,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledStep, Scheduler
 from engine.spec_decode import SpecDecode, check_supported, new_proposer
 from engine.stop_matcher import StopMatcher
-from engine.structured_output.core_hooks import ConstrainedRequests
 from engine.structured_output.tracker import ConstraintTracker
+from engine.structured_output.xgrammar_backend import GrammarError
 from contracts.config import EngineConfig
 from contracts.error_text import error_summary
 from contracts.messages import SampledLogprobs, StepEncodeError, StepOutput
@@ -62,7 +62,11 @@ def _swap_blocks(config: EngineConfig, executor) -> int:
     return int(executor.num_swap_blocks or 0)
 
 
-class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOutputs, CoreStats):
+class EngineCore:
+    """Composed of collaborators, each given what it uses: the admission checks (``checks``),
+    the pooling requests (``pooling``), the sampling outputs (``output_builder``), the token constraints
+    (``constraints``), the scheduler and block manager."""
+
     def __init__(self, config: EngineConfig, executor, tokenizer):
         if config.model.max_model_len is None:
             raise EngineError("config.model.max_model_len must be set before building the engine core")
@@ -90,7 +94,11 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
         self.requests: dict[str, Request] = {}
         self._seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count(1)
-        self._token_text: dict[int, str] = {}  # decoded_token cache for logprobs
+        self.checks = RequestChecks(self.max_model_len, self.vocab_size, self.block_manager, self.lora_slots)
+        self.output_builder = RequestOutputs(tokenizer)
+        self.pooling = PoolingRequests(self.max_model_len, self.vocab_size, hidden_size(config.model.hf_config),
+                                       self.block_manager, self.scheduler, self.requests, self._seqs,
+                                       self.new_seq_id, self._finish_seq)
         # Token constraints (structured outputs, allowed_token_ids, bad_words); grammars compile
         # in a thread and their requests wait there, outside the scheduler.
         self.constraints = ConstraintTracker(tokenizer, self.vocab_size or tokenizer.vocab_size,
@@ -109,7 +117,7 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
         ``params`` may be BeamSearchParams (engine/beam_engine.py). ``lora_request``: the
         adapter to run with (--enable-lora), checked here so a bad one is this request's error."""
         if lora_request is not None:
-            self.check_lora(lora_request, params)
+            self.checks.check_lora(lora_request, params)
         if isinstance(params, BeamSearchParams):
             if self.spec is not None:
                 raise RequestRejectedError("beam search is not supported with speculative decoding "
@@ -127,9 +135,9 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         if isinstance(params, PoolingParams):  # embeddings: engine/pooling_requests.py
-            return self.add_pooling_request(request_id, prompt, prompt_token_ids, params,
-                                            arrival_time, priority, cache_salt)
-        self._check_fits(prompt_token_ids, params)
+            return self.pooling.add(request_id, prompt, prompt_token_ids, params, arrival_time, priority,
+                                    cache_salt)
+        self.checks.check_fits(prompt_token_ids, params)
         try:
             params.check_max_logprobs(self.max_logprobs)
         except SamplingParamsError as e:
@@ -179,6 +187,28 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
             for seq in req.seqs:
                 self.scheduler.add(seq)
 
+    def check_lora(self, lora_request: LoRARequest, params=None) -> None:
+        """RequestRejectedError unless the adapter can serve this request (engine/request_checks.py)."""
+        self.checks.check_lora(lora_request, params)
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """Refuse a structured-output spec (or allowed_token_ids) the grammar engine cannot
+        honour, with its reason (RequestRejectedError: HTTP 400). Cached per spec; the first
+        check of a spec may take milliseconds, so servers call it off the loop first."""
+        try:
+            self.constraints.check(params)
+        except GrammarError as e:
+            raise RequestRejectedError(str(e)) from None
+
+    @property
+    def pooling_hidden_size(self) -> int | None:
+        """Length of an embedding before ``dimensions`` (the model's hidden size)."""
+        return self.pooling.hidden_size
+
+    def stats(self) -> EngineStats:
+        return core_stats(self.requests, self.scheduler, self.block_manager, self.lora_slots, self.spec,
+                          self.config.lora.max_loras)
+
     def lora_requests_in_use(self, lora_int_id: int) -> int:
         """Unfinished requests running with (or waiting for) adapter ``lora_int_id``."""
         return sum(1 for r in self.requests.values()
@@ -204,6 +234,31 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
         return bool(self.requests)
 
     # ---- steps ------------------------------------------------------------------------------
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs made outside ``process()`` (a request whose grammar failed to compile)."""
+        out, self._ready_outputs = self._ready_outputs, []
+        return out
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled go to the scheduler; those whose compile failed finish."""
+        ready, failed = self.constraints.take_ready()
+        for req in ready:
+            if req.request_id in self.requests:
+                for seq in req.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.add(seq)
+        for req, reason, code in failed:
+            if req.request_id not in self.requests:
+                continue
+            req.error = reason
+            req.error_from_request = True  # a grammar that does not compile (in time) is the request's
+            req.error_code = code  # grammar_compile_timeout past --grammar-compile-timeout
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self._finish_seq(seq, "error")
+            if (out := self._make_output(req)) is not None:
+                self._ready_outputs.append(out)
 
     def schedule(self) -> ScheduledStep | None:
         if self.constraints.compiling:
@@ -241,7 +296,7 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
             self._fail_lora_loads(scheduled, step_output.lora_failed, touched)
         self.scheduler.step_done(scheduled)
         if step_output.pooled:
-            self.take_pooled(step_output.pooled, touched)
+            self.pooling.take_pooled(step_output.pooled, touched)
         if step_output.prompt_logprobs:
             for pl in step_output.prompt_logprobs:
                 seq = self._seqs.get(pl.seq_id)
@@ -251,7 +306,7 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
                 for j, entry in enumerate(pl.entries):
                     pos = pl.first_position + j
                     if 0 < pos < len(req.prompt_token_ids):
-                        req.prompt_logprobs[pos] = self._logprob_entry(req.prompt_token_ids[pos], entry)
+                        req.prompt_logprobs[pos] = self.output_builder.logprob_entry(req.prompt_token_ids[pos], entry)
         now = time.monotonic()
         logprobs = step_output.logprobs
         beam_reqs: dict[str, Request] = {}
@@ -439,7 +494,7 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
             self._finish_seq(seq, "error")
             return
         if seq.logprobs is not None and lp is not None:
-            seq.logprobs.append(self._logprob_entry(token_id, lp))
+            seq.logprobs.append(self.output_builder.logprob_entry(token_id, lp))
             seq.cumulative_logprob += lp.logprob
         params = seq.request.params
         n_out = seq.num_output_tokens
@@ -460,6 +515,14 @@ class EngineCore(RequestChecks, ConstrainedRequests, PoolingRequests, RequestOut
             finish = "length"
         if finish is not None:
             self._finish_seq(seq, finish, stop_reason)
+
+    def _make_output(self, req: Request) -> RequestOutput | None:
+        """The request's delta since its last one (None: none), made by its kind's collaborator."""
+        if req.seqs and req.seqs[0].pooling is not None:
+            return self.pooling.make_output(req)
+        if req.beam is not None:
+            return beam_engine.make_output(self, req)
+        return self.output_builder.make_output(req)
 
     # ---- what beam search reshapes (engine/beam_engine.BeamHost) ---------------------------
 

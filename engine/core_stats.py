@@ -1,13 +1,22 @@
-"""EngineCore's counters (a mixin, to keep core.py about one job): ``EngineStats`` and
-``stats()``, which reads them off the requests, scheduler, block manager, LoRA slots and
-speculative decoding (app/metrics.py exports them)."""
+"""EngineCore's counters (kept apart so core.py is about one job): ``EngineStats`` and
+``core_stats()``, which reads them off the requests, scheduler, block manager, LoRA slots and
+speculative decoding it is given (app/metrics.py exports them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import SeqStatus
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-__all__ = ["EngineStats", "CoreStats"]
+from engine.request import Request, SeqStatus
+
+if TYPE_CHECKING:
+    from engine.kv_blocks import BlockManager
+    from engine.lora_slots import LoRASlots
+    from engine.scheduler import Scheduler
+    from engine.spec_decode import SpecDecode
+
+__all__ = ["EngineStats", "core_stats"]
 
 
 @dataclass(slots=True)
@@ -35,40 +44,39 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
-class CoreStats:
-    """Needs EngineCore's ``requests``, ``block_manager``, ``scheduler``, ``lora_slots``,
-    ``spec`` and ``config``."""
+def core_stats(requests: Mapping[str, Request], scheduler: "Scheduler", block_manager: "BlockManager",
+               lora_slots: "LoRASlots | None", spec: "SpecDecode | None", max_loras: int) -> EngineStats:
+    """The counters of one engine core (``max_loras``: --max-loras, reported when LoRA is on)."""
+    running = sum(1 for r in requests.values() if any(s.status is SeqStatus.RUNNING for s in r.seqs))
+    bm = block_manager
+    stats = EngineStats(
+        num_running=running,
+        num_waiting=len(requests) - running,
+        kv_cache_usage=bm.usage,
+        prefix_cache_queries=bm.prefix_cache_queries,
+        prefix_cache_hits=bm.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions,
+        num_running_seqs=len(scheduler.running),
+        num_waiting_seqs=len(scheduler.waiting),
+        num_free_blocks=bm.num_free_blocks,
+        num_blocks=bm.num_usable_blocks,
+        **(_lora_stats(requests, max_loras) if lora_slots is not None else {}),
+    )
+    if spec is not None:
+        sp = spec.stats
+        stats.spec_decode_num_drafts = sp.num_drafts
+        stats.spec_decode_num_draft_tokens = sp.num_draft_tokens
+        stats.spec_decode_num_accepted_tokens = sp.num_accepted_tokens
+        stats.spec_decode_num_accepted_tokens_per_pos = list(sp.accepted_per_pos)
+    return stats
 
-    def stats(self) -> EngineStats:
-        running = sum(1 for r in self.requests.values() if any(s.status is SeqStatus.RUNNING for s in r.seqs))
-        bm = self.block_manager
-        stats = EngineStats(
-            num_running=running,
-            num_waiting=len(self.requests) - running,
-            kv_cache_usage=bm.usage,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_running_seqs=len(self.scheduler.running),
-            num_waiting_seqs=len(self.scheduler.waiting),
-            num_free_blocks=bm.num_free_blocks,
-            num_blocks=bm.num_usable_blocks,
-            **(self._lora_stats() if self.lora_slots is not None else {}),
-        )
-        if self.spec is not None:
-            sp = self.spec.stats
-            stats.spec_decode_num_drafts = sp.num_drafts
-            stats.spec_decode_num_draft_tokens = sp.num_draft_tokens
-            stats.spec_decode_num_accepted_tokens = sp.num_accepted_tokens
-            stats.spec_decode_num_accepted_tokens_per_pos = list(sp.accepted_per_pos)
-        return stats
 
-    def _lora_stats(self) -> dict:
-        running: set[str] = set()
-        waiting: set[str] = set()
-        for r in self.requests.values():
-            if r.lora_request is not None and not r.finished:
-                on = any(s.status is SeqStatus.RUNNING for s in r.seqs)
-                (running if on else waiting).add(r.lora_request.lora_name)
-        return {"lora_running": tuple(sorted(running)), "lora_waiting": tuple(sorted(waiting)),
-                "max_lora": self.config.lora.max_loras}
+def _lora_stats(requests: Mapping[str, Request], max_loras: int) -> dict:
+    running: set[str] = set()
+    waiting: set[str] = set()
+    for r in requests.values():
+        if r.lora_request is not None and not r.finished:
+            on = any(s.status is SeqStatus.RUNNING for s in r.seqs)
+            (running if on else waiting).add(r.lora_request.lora_name)
+    return {"lora_running": tuple(sorted(running)), "lora_waiting": tuple(sorted(waiting)),
+            "max_lora": max_loras}

@@ -12,12 +12,15 @@ for later prompts with the same start). "last" pooling may start from a prefix-c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from engine.errors import RequestRejectedError
 from engine.outputs import RequestMetrics
 from engine.pooling_outputs import PoolingOutput, PoolingRequestOutput
 from engine.pooling_params import PoolingParams
+from engine.kv_blocks import BlockManager
 from engine.request import Request, Sequence, SeqStatus
+from engine.scheduler import Scheduler
 from contracts.messages import PooledOutput, SamplingOptions
 
 _NO_SAMPLING = SamplingOptions()
@@ -39,13 +42,30 @@ _NO_TEXT = _NoText()
 
 
 class PoolingRequests:
-    """Mixin of EngineCore (uses its scheduler, block manager, request and sequence maps)."""
+    """EngineCore's pooling requests, given what they share with generation: the scheduler and block
+    manager, the core's request and sequence maps (``requests``, ``seqs``: the same dicts, which
+    this object adds to), its sequence ids (``new_seq_id``) and the way it finishes a sequence
+    (``finish_seq``); ``hidden_size`` (None: unknown) bounds ``dimensions``."""
 
-    def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                            params: PoolingParams, arrival_time: float | None = None,
-                            priority: int = 0, cache_salt: str | None = None) -> None:
-        """Called by ``add_request`` when its params are PoolingParams (ids already tokenized)."""
-        self._check_pooling_fits(prompt_token_ids, params)
+    def __init__(self, max_model_len: int, vocab_size: int | None, hidden_size: int | None,
+                 block_manager: BlockManager, scheduler: Scheduler, requests: dict[str, Request],
+                 seqs: dict[int, Sequence], new_seq_id: Callable[[], int],
+                 finish_seq: Callable[[Sequence, str], None]) -> None:
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.requests = requests
+        self.seqs = seqs
+        self.new_seq_id = new_seq_id
+        self.finish_seq = finish_seq
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: PoolingParams, arrival_time: float | None = None,
+            priority: int = 0, cache_salt: str | None = None) -> None:
+        """Called by ``EngineCore.add_request`` when its params are PoolingParams (ids already tokenized)."""
+        self.check_fits(prompt_token_ids, params)
         num_prompt = len(prompt_token_ids)
         req = Request(
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
@@ -53,16 +73,16 @@ class PoolingRequests:
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
             cache_salt=cache_salt,
         )
-        seq = Sequence(seq_id=next(self._seq_ids), request=req, index=0, token_ids=list(prompt_token_ids),
+        seq = Sequence(seq_id=self.new_seq_id(), request=req, index=0, token_ids=list(prompt_token_ids),
                        num_prompt_tokens=num_prompt, options=_NO_SAMPLING, detok=_NO_TEXT, max_tokens=0)
         seq.use_prefix_cache = params.uses_prefix_cache
         seq.pooling = params.to_pooling_options()
         req.seqs.append(seq)
         self.requests[request_id] = req
-        self._seqs[seq.seq_id] = seq
+        self.seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
 
-    def _check_pooling_fits(self, ids: list[int], params: PoolingParams) -> None:
+    def check_fits(self, ids: list[int], params: PoolingParams) -> None:
         n = len(ids)
         if n == 0:
             raise RequestRejectedError("the input is empty: give at least one token")
@@ -76,7 +96,7 @@ class PoolingRequests:
             raise RequestRejectedError(
                 f"the input has {n} tokens but the model's context (max_model_len) is "
                 f"{self.max_model_len}; shorten the input")
-        hidden = self.pooling_hidden_size
+        hidden = self.hidden_size
         if params.dimensions is not None and hidden is not None and params.dimensions > hidden:
             err = RequestRejectedError(f"dimensions is {params.dimensions} but the model's embeddings "
                                        f"have {hidden} values; ask for at most {hidden}")
@@ -90,27 +110,20 @@ class PoolingRequests:
                 f"whole cache has {bm.num_usable_blocks}; shorten the input or give the KV cache "
                 "more memory")
 
-    @property
-    def pooling_hidden_size(self) -> int | None:
-        """Length of an embedding before ``dimensions`` (the model's hidden size)."""
-        hf = self.config.model.hf_config or {}
-        size = hf.get("hidden_size") or hf.get("n_embd")
-        return int(size) if size else None
-
     def take_pooled(self, pooled: list[PooledOutput], touched: dict[str, Request]) -> None:
         """Finish each pooling sequence whose vector came back (freeing its blocks now)."""
         now = time.monotonic()
         for p in pooled:
-            seq = self._seqs.get(p.seq_id)
+            seq = self.seqs.get(p.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING or seq.pooling is None:
                 continue  # aborted while the step ran
             req = seq.request
             req.pooled = bytes(p.data_buf)
             req.metrics.first_token_time = req.metrics.last_token_time = now
-            self._finish_seq(seq, "stop")
+            self.finish_seq(seq, "stop")
             touched[req.request_id] = req
 
-    def make_pooling_output(self, req: Request) -> PoolingRequestOutput | None:
+    def make_output(self, req: Request) -> PoolingRequestOutput | None:
         """The one output of a pooling request, once it has finished (pooled, aborted, failed)."""
         seq = req.seqs[0]
         if not seq.is_finished or seq.finish_sent:
@@ -127,3 +140,10 @@ class PoolingRequests:
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
         )
+
+
+def hidden_size(hf_config: dict | None) -> int | None:
+    """Length of an embedding before ``dimensions`` (the model's hidden size), None when unknown."""
+    hf = hf_config or {}
+    size = hf.get("hidden_size") or hf.get("n_embd")
+    return int(size) if size else None

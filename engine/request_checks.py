@@ -1,18 +1,27 @@
-"""EngineCore's admission checks (a mixin, to keep core.py about one job): refuse, with a
+"""EngineCore's admission checks (a collaborator, to keep core.py about one job): refuse, with a
 RequestRejectedError (HTTP 400) that says why, a request the engine cannot serve: a prompt that
 does not fit the context or the KV cache, or a LoRA adapter it cannot run."""
 from __future__ import annotations
 
 from contracts.lora import LoRAAdapterError
 from engine.errors import RequestRejectedError
+from engine.kv_blocks import BlockManager
 from engine.lora_request import LoRARequest
+from engine.lora_slots import LoRASlots
 from engine.pooling_params import PoolingParams
 from engine.sampling_params import BeamSearchParams, SamplingParams
 
 
 class RequestChecks:
-    """Needs EngineCore's ``lora_slots``, ``max_model_len``, ``vocab_size`` and
-    ``block_manager``."""
+    """Checks against the model's context (``max_model_len``), its vocabulary (``vocab_size``, None:
+    unknown), the KV cache (``block_manager``) and the LoRA slots (None: LoRA off)."""
+
+    def __init__(self, max_model_len: int, vocab_size: int | None, block_manager: BlockManager,
+                 lora_slots: LoRASlots | None) -> None:
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.block_manager = block_manager
+        self.lora_slots = lora_slots
 
     def check_lora(self, lora_request: LoRARequest, params=None) -> None:
         """RequestRejectedError unless the adapter can serve this request."""
@@ -28,7 +37,7 @@ class RequestChecks:
         except LoRAAdapterError as e:
             raise RequestRejectedError(str(e)) from None
 
-    def _check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_fits(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise RequestRejectedError("the prompt is empty: give at least one token")

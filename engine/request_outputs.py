@@ -1,16 +1,21 @@
-"""EngineCore's outputs (a mixin, to keep core.py about one job): the RequestOutput delta of a
-request after a step, and the logprob entries (with their decoded token text) it carries."""
+"""EngineCore's outputs (a collaborator, to keep core.py about one job): the RequestOutput delta of
+a sampling request after a step, and the logprob entries (with their decoded token text) it
+carries. Pooling and beam-search requests make theirs elsewhere (EngineCore picks)."""
 from __future__ import annotations
 
-from engine import beam_engine
+from typing import Any
+
 from engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from engine.request import Request
 from contracts.messages import SampledLogprobs
 
 
 class RequestOutputs:
-    """Needs EngineCore's ``tokenizer``, ``_token_text`` and ``make_pooling_output``
-    (engine/pooling_requests.PoolingRequests)."""
+    """Given the tokenizer that decodes logprob tokens; keeps their text (up to a million ids)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._token_text: dict[int, str] = {}  # decoded_token cache for logprobs
 
     def _decoded(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -20,7 +25,7 @@ class RequestOutputs:
                 self._token_text[token_id] = text
         return text
 
-    def _logprob_entry(self, token_id: int, lp: SampledLogprobs) -> TokenLogprobs:
+    def logprob_entry(self, token_id: int, lp: SampledLogprobs) -> TokenLogprobs:
         entry: TokenLogprobs = {}
         rank = None
         for r, (tid, logprob) in enumerate(lp.top, start=1):
@@ -30,11 +35,8 @@ class RequestOutputs:
         entry[token_id] = Logprob(lp.logprob, rank, self._decoded(token_id))
         return entry
 
-    def _make_output(self, req: Request) -> RequestOutput | None:
-        if req.seqs and req.seqs[0].pooling is not None:
-            return self.make_pooling_output(req)
-        if req.beam is not None:
-            return beam_engine.make_output(self, req)
+    def make_output(self, req: Request) -> RequestOutput | None:
+        """The delta of a sampling request since its last one; None when it has none."""
         outs: list[CompletionOutput] = []
         for seq in req.seqs:
             n_out = seq.num_output_tokens

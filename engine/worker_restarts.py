@@ -1,61 +1,66 @@
-"""AsyncEngine's worker restarts and death (a mixin, to keep async_engine.py about one job):
-the back-off of --restart-workers (``RestartPolicy``), rebuilding the worker pool and engine core
-off the loop, and, when the loop dies, failing every in-flight request with EngineDeadError.
-
-Needs AsyncEngine's ``config``, ``restart_policy``, ``_restart_times``, ``_stop_restart``,
-``parts``, ``tokenizer``, ``_queues``, ``_pending_aborts``, ``_pool``, ``_rebuild``,
-``_restarting``, ``_error``, ``_retired_counters``, ``num_deaths`` and ``num_worker_restarts``."""
+"""Worker restarts (--restart-workers): a supervisor that owns the restart state, the back-off of
+``RestartPolicy`` and the rebuilding of the worker pool and engine core off the loop. AsyncEngine
+asks it for the next delay and for a rebuilt pool; failing the in-flight requests, and dying when
+no restart is allowed, stay with AsyncEngine (it owns the requests' streams)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 
 from engine.errors import EngineDeadError
+from engine.restart_policy import RestartPolicy
+from contracts.config import EngineConfig
 from contracts.error_text import error_summary
 from contracts.errors import ExecutorError
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerRestarts:
-    def _next_restart_delay(self) -> float | None:
+class WorkerSupervisor:
+    """Given the engine's config, its restart policy and the thread pool that builds engines."""
+
+    def __init__(self, config: EngineConfig, policy: RestartPolicy,
+                 pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        self.config = config
+        self.policy = policy
+        self.pool = pool
+        self.restart_times: list[float] = []  # monotonic times of restarts within the window
+        self.stop = threading.Event()  # set by shutdown: ends a restart's back-off
+        self.restarting = False
+        self.rebuilding: concurrent.futures.Future | None = None  # the pool being rebuilt
+        self.num_worker_restarts = 0  # worker pools rebuilt after a failure
+        self.retired_counters = (0, 0, 0)  # cumulative stats of cores replaced by restarts
+
+    def next_restart_delay(self) -> float | None:
         """Back-off before the next restart, or None when the policy allows no more now."""
         now = time.monotonic()
-        window = self.restart_policy.window_s
-        self._restart_times = [t for t in self._restart_times if now - t < window]
-        if len(self._restart_times) >= self.restart_policy.max_restarts:
+        window = self.policy.window_s
+        self.restart_times = [t for t in self.restart_times if now - t < window]
+        if len(self.restart_times) >= self.policy.max_restarts:
             return None
-        delay = self.restart_policy.delay(len(self._restart_times))
-        self._restart_times.append(now)
+        delay = self.policy.delay(len(self.restart_times))
+        self.restart_times.append(now)
         return delay
 
-    def _die(self, e: BaseException) -> None:
-        logger.error("engine loop died", exc_info=e)
-        self._error = e
-        self._restarting = False
-        self.num_deaths += 1
-        self._fail_in_flight(EngineDeadError(self._death_message()))
+    def limit_reached(self, cause: ExecutorError) -> ExecutorError:
+        """The error the engine dies with when the policy allows no more restarts."""
+        p = self.policy
+        return ExecutorError(
+            f"{error_summary(str(cause))}; the workers failed {len(self.restart_times) + 1} "
+            f"times within {p.window_s:g} s and --restart-workers allows at most "
+            f"{p.max_restarts} restarts in that time: not restarting them again; fix the "
+            "cause (see the log) and restart the server")
 
-    def _death_message(self) -> str:
-        hint = ""
-        if isinstance(self._error, ExecutorError) and not self.config.parallel.restart_workers:
-            hint = "; restart the server (or serve with --restart-workers)"
-        return f"the engine stopped: {error_summary(str(self._error))}{hint}"  # full text: the log
-
-    def _fail_in_flight(self, error: EngineDeadError) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(error)
-        self._queues.clear()
-
-    async def _restart_workers(self, cause: ExecutorError, delay: float = 0.0) -> None:
-        """Build a new worker pool and core off the loop; the old pool is reaped first (its
-        memory, on a GPU, must be free before the new workers load the model), then the
-        back-off ``delay`` passes (shutdown cuts it short)."""
-        self._restarting = True
+    async def restart(self, parts, tokenizer, cause: ExecutorError, delay: float = 0.0):
+        """Build and return a new worker pool and core (``parts``) off the loop; the old pool is reaped
+        first (its memory, on a GPU, must be free before the new workers load the model), then the
+        back-off ``delay`` passes (``stop`` cuts it short)."""
+        self.restarting = True
         logger.warning("restarting the worker pool (--restart-workers) in %.1f s after: %s", delay, cause)
-        old, config, tokenizer = self.parts.executor, self.config, self.tokenizer
-        stop = self._stop_restart
+        old, config, stop = parts.executor, self.config, self.stop
 
         def rebuild():
             from engine.bootstrap import build_engine
@@ -64,18 +69,17 @@ class WorkerRestarts:
             old.shutdown()
             if stop.wait(max(0.0, delay - (time.monotonic() - t0))):
                 raise EngineDeadError("the server is shutting down; the workers were not restarted")
-            parts = build_engine(config, tokenizer=tokenizer, cancel=stop)  # shutdown kills the load
+            new = build_engine(config, tokenizer=tokenizer, cancel=stop)  # shutdown kills the load
             logger.info("worker pool restarted in %.1f s", time.monotonic() - t0)
-            return parts
+            return new
 
-        self._rebuild = self._pool.submit(rebuild)
-        parts = await asyncio.wrap_future(self._rebuild)
-        self._rebuild = None
-        old_stats = self.parts.core.stats()
-        q, h, p = self._retired_counters
-        self._retired_counters = (q + old_stats.prefix_cache_queries, h + old_stats.prefix_cache_hits,
-                                  p + old_stats.num_preemptions)
-        self.parts = parts  # a fresh scheduler and block manager sized for the new pool
-        self._pending_aborts.clear()  # ids of the old core's requests
+        self.rebuilding = self.pool.submit(rebuild)
+        new_parts = await asyncio.wrap_future(self.rebuilding)
+        self.rebuilding = None
+        old_stats = parts.core.stats()
+        q, h, p = self.retired_counters
+        self.retired_counters = (q + old_stats.prefix_cache_queries, h + old_stats.prefix_cache_hits,
+                                 p + old_stats.num_preemptions)
         self.num_worker_restarts += 1
-        self._restarting = False
+        self.restarting = False
+        return new_parts

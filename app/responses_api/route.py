@@ -20,13 +20,13 @@ from app.responses import ORJSONResponse
 from app.responses_api.items import PARAM_NAMES, chat_body
 from app.responses_api.output import Event, OutputItems
 from app.responses_api.protocol import ResponsesRequest
-from app.streaming import sse_response, typed_sse_event
+from app.streaming import DEFAULT_SSE_PING_INTERVAL, sse_response, typed_sse_event
 from app.tools.calls import CallDelta, ParsedDelta
 from app.tools.parsers import parse_whole
 
 
 class ResponsesRoute:
-    def __init__(self, chat: ChatRoute, sse_ping_interval: float = 0.0) -> None:
+    def __init__(self, chat: ChatRoute, sse_ping_interval: float = DEFAULT_SSE_PING_INTERVAL) -> None:
         self.chat = chat
         self.sse_ping_interval = sse_ping_interval
 

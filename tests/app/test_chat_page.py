@@ -14,6 +14,7 @@ import pytest
 from app.chat_page import PAGE_FILES
 from app.cli import build_parser
 from app.server import build_app
+from app.server_config import ServerConfig
 from app.trusted_host import TrustedHosts
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
@@ -85,9 +86,9 @@ async def test_disable_chat_page_turns_it_off():
 
 def test_serve_flag():
     args = build_parser(["serve"]).parse_args(["serve"])
-    assert args.disable_chat_page is False
+    assert args.chat_page is True and ServerConfig.from_args(args).chat_page is True
     args = build_parser(["serve"]).parse_args(["serve", "--disable-chat-page"])
-    assert args.disable_chat_page is True
+    assert args.chat_page is False and ServerConfig.from_args(args).chat_page is False
 
 
 def test_the_static_files_are_package_data():

@@ -23,12 +23,6 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TWO_CALLS = (CALL_TEXT + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>')
 
-try:
-    from engine.sampling_params import StructuredOutputsParams  # noqa: F401
-    HAVE_SO = True
-except ImportError:
-    HAVE_SO = False
-needs_so = pytest.mark.skipif(not HAVE_SO, reason="needs structured outputs")
 
 
 def make(reply: str, auto: bool = True, template: str | None = None):
@@ -177,7 +171,6 @@ async def test_round_trip_messages_are_written_out_for_a_template_without_tools(
     assert r.status_code == 200, r.text
 
 
-@needs_so
 async def test_required_is_constrained_to_calls_of_the_given_functions():
     reply = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"tz": "CET"}}]'
     engine, _, client = make(reply, auto=False)
@@ -197,7 +190,6 @@ async def test_required_is_constrained_to_calls_of_the_given_functions():
     assert engine.calls[-1].params.structured_outputs.json["maxItems"] == 1
 
 
-@needs_so
 async def test_named_function_is_constrained_to_its_parameters():
     engine, _, client = make('{"city": "Paris"}', auto=False)
     choice = {"type": "function", "function": {"name": "get_weather"}}
@@ -214,7 +206,6 @@ async def test_named_function_is_constrained_to_its_parameters():
     assert "".join(d.function.arguments or "" for d in deltas) == '{"city": "Paris"}'
 
 
-@needs_so
 async def test_required_cannot_be_combined_with_another_constraint():
     _, http, _ = make("[]", auto=False)
     r = await http.post("/v1/chat/completions", json={

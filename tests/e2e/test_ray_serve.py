@@ -10,7 +10,9 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("ray")
+from tests.needs import require
+
+require("ray")
 
 from tests.e2e.test_server_e2e import ServerProcess  # noqa: E402
 from tests.e2e.test_worker_death import children, cmdline, gone  # noqa: E402

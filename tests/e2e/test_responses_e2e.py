@@ -10,7 +10,7 @@ import openai
 import pytest
 
 # the tool tests' server (--enable-auto-tool-choice) and client, one of each for this module too
-from tests.e2e.test_tools_e2e import client, needs_so, server  # noqa: F401
+from tests.e2e.test_tools_e2e import client, server  # noqa: F401
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {
@@ -30,7 +30,6 @@ def test_text_streamed_and_not_agree(client):
     assert text == r.output_text == events[-1].response.output_text  # greedy: the same tokens
 
 
-@needs_so
 def test_function_tool_round_trip(client):
     tools = [WEATHER]
     r = client.responses.create(model="tiny", input="Weather in Paris?", tools=tools, max_output_tokens=64,
@@ -48,7 +47,6 @@ def test_function_tool_round_trip(client):
     assert r2.output and r2.output[0].type == "message"
 
 
-@needs_so
 def test_text_format_json_schema(client):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
               "required": ["answer"], "additionalProperties": False}

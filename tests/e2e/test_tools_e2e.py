@@ -8,7 +8,6 @@ a vLLM ``structured_outputs`` regex that forces a Hermes-style call the auto par
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import httpx
@@ -18,8 +17,6 @@ import pytest
 
 from tests.e2e.test_server_e2e import ServerProcess
 
-HAVE_SO = importlib.util.find_spec("engine.structured_output") is not None
-needs_so = pytest.mark.skipif(not HAVE_SO, reason="needs structured outputs")
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -99,7 +96,6 @@ def test_multi_turn_with_tool_calls_and_results(server, client):
     assert prompt.startswith("<|im_start|>system\n# Tools") and prompt.endswith("<|im_start|>assistant\n")
 
 
-@needs_so
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_always_gives_valid_calls(client, parallel):
     r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
@@ -112,7 +108,6 @@ def test_required_always_gives_valid_calls(client, parallel):
             assert len(choice.message.tool_calls) == 1
 
 
-@needs_so
 def test_named_function_gives_a_valid_call_of_it(client):
     r = client.chat.completions.create(
         model="tiny", messages=USER, tools=TOOLS, temperature=1.0, n=3, seed=3, max_tokens=300,
@@ -124,7 +119,6 @@ def test_named_function_gives_a_valid_call_of_it(client):
         check_calls(choice.message, ["get_time"])
 
 
-@needs_so
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, tool_choice):
     # seeded sampling: the same tokens streamed or not (greedy may repeat array items up to max_tokens)
@@ -136,7 +130,6 @@ def test_streamed_calls_reassemble_to_the_non_streamed_ones(client, tool_choice)
     assert calls == [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
 
 
-@needs_so
 def test_auto_parses_a_hermes_call_the_output_was_constrained_to(client):
     # scripted by constraint: the regex forces text + a call; the auto parser must find it
     body = dict(model="tiny", messages=USER, tools=TOOLS, temperature=0, max_tokens=200,
@@ -150,7 +143,6 @@ def test_auto_parses_a_hermes_call_the_output_was_constrained_to(client):
     assert (content, calls, finish) == ("Sure.\n", [(call.function.name, call.function.arguments)], "tool_calls")
 
 
-@needs_so
 def test_round_trip_call_then_tool_result(client):
     first = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
                                            temperature=0, max_tokens=300, parallel_tool_calls=False)
@@ -176,7 +168,6 @@ def _regex_escape(s: str) -> str:
     return "".join(out)
 
 
-@needs_so
 def test_a_tool_schema_the_grammar_engine_refuses_is_a_400_on_tools(server, client):
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "strng"}}}}}

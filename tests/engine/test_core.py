@@ -405,7 +405,7 @@ def test_prompt_logprobs_collected_across_chunks_and_sent_once():
 def test_out_of_vocabulary_prompt_ids_are_rejected_before_they_reach_the_model():
     core, _ = make_core()
     vocab = BYTE0 + 100
-    core.vocab_size = vocab
+    core.checks.vocab_size = vocab  # the admission checks (engine/request_checks.py) hold the bound
     with pytest.raises(RequestRejectedError, match=rf"token id {vocab} is out of range: the vocabulary has {vocab}"):
         core.add_request("oov", None, [BYTE0 + 40, vocab], SamplingParams())
     assert not core.has_unfinished()

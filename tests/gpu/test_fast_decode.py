@@ -10,6 +10,7 @@ from engine.sampling_params import SamplingParams
 from gpu.forward_context import get_forward_context
 from gpu.models import fast_decode
 from kernels import fused, qgemm_n16
+from tests.needs import require_library
 from tests.tiny import tiny_llm
 
 needs_bf16 = pytest.mark.skipif(not fused.has_bf16_gemv(), reason="no AVX512-BF16 GEMV on this CPU")
@@ -229,12 +230,17 @@ def test_fp32_default_model_gguf_q4_1_stack_greedy_tokens_match_eager(monkeypatc
 def test_decode_stack_over_an_fp8_kv_cache_matches_eager(monkeypatch):
     """--kv-cache-dtype fp8: the stack's fz_attn_in encodes the new K/V rows and its attention
     call widens them, exactly as the eager layers' writer and kernel do (same greedy tokens), for
-    one row and, with int4 weights, for 16 (the AMX kernel where the CPU has it)."""
+    one row (16 rows: the next test)."""
     make = lambda: tiny_llm(dtype="bfloat16", kv_cache_dtype="fp8")  # noqa: E731
     calls = _compare(make, PROMPTS[:1], monkeypatch, mode="1", counted=fast_decode.FastDecodeStack)
     assert 1 in _stack_calls(calls)
-    if qgemm_n16.library() is None:
-        return  # 16 rows: the stack takes them with quantized weights only
+
+
+@needs_bf16
+def test_decode_stack_of_16_rows_over_an_fp8_kv_cache_matches_eager(monkeypatch):
+    """As above for 16 rows, which the stack takes with quantized (int4) weights only (the AMX
+    kernel where the CPU has it): skipped, not passed, where that kernel is missing."""
+    require_library(qgemm_n16.library(), "qgemm_n16", "no 16-row quantized GEMM on this CPU")
     make = lambda: tiny_llm(dtype="bfloat16", quantization="int4", kv_cache_dtype="fp8")  # noqa: E731
     prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
     calls = _compare(make, prompts, monkeypatch, max_tokens=12, mode="1", counted=fast_decode.FastDecodeStack)

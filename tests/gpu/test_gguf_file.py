@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
+from tests.needs import require
+
+gguf = require("gguf")
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize as library_dequantize  # noqa: E402
 from gguf.quants import quantize as library_quantize  # noqa: E402

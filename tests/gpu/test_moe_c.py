@@ -14,9 +14,10 @@ from torch import nn
 
 from gpu.models.moe import SparseMoeBlock, quantize_experts
 from kernels import isa, moe_cpu
+from tests.needs import needs_library
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-needs_c = pytest.mark.skipif(moe_cpu.library() is None, reason="the C MoE block is not built here")
+needs_c = needs_library(moe_cpu.library(), "moe_cpu", "the C MoE block is not built here")
 
 
 def make_block(mode="fp32", renorm=True, experts=8, hidden=64, inter=64, top_k=3, seed=0) -> SparseMoeBlock:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
+from tests.needs import require
 import torch
 
-gguf = pytest.importorskip("gguf")
+gguf = require("gguf")
 
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402

@@ -14,7 +14,9 @@ import threading
 
 import pytest
 
-ray = pytest.importorskip("ray")
+from tests.needs import require
+
+ray = require("ray")
 
 from contracts.config import EngineConfig  # noqa: E402
 from contracts.errors import ExecutorError  # noqa: E402

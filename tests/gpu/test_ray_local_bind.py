@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.needs import require
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
@@ -49,8 +51,8 @@ def _loopback(ip: str) -> bool:
 
 
 def test_a_local_ray_started_here_listens_on_loopback_only():
-    pytest.importorskip("ray")
-    pytest.importorskip("psutil")
+    require("ray")
+    require("psutil", in_test_extra=False)  # not in the test extra
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -14,7 +14,9 @@ import time
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray")
+from tests.needs import require
+
+ray = require("ray")
 
 from tests.gpu.test_ray_executor import assert_released, placement_states, tiny_checkpoint  # noqa: E402,F401
 

@@ -18,7 +18,9 @@ import signal
 
 import pytest
 
-ray = pytest.importorskip("ray")
+from tests.needs import require
+
+ray = require("ray")
 
 from engine.errors import EngineDeadError  # noqa: E402
 from contracts.config import EngineConfig  # noqa: E402

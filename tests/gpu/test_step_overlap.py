@@ -30,7 +30,7 @@ def test_next_step_is_sent_before_the_last_outputs_are_delivered(tiny_checkpoint
         await engine.start()
         events: list[str] = []
         ex = engine.parts.executor
-        submit, collect, deliver = ex.submit_async, ex.collect_async, engine._deliver
+        submit, collect, deliver = ex.submit_async, ex.collect_async, engine.deliver  # the step loop's sink
 
         async def logged_submit(step):
             events.append("send")
@@ -45,7 +45,7 @@ def test_next_step_is_sent_before_the_last_outputs_are_delivered(tiny_checkpoint
             if outputs:
                 events.append("deliver")
             return deliver(outputs)
-        ex.submit_async, ex.collect_async, engine._deliver = logged_submit, logged_collect, logged_deliver
+        ex.submit_async, ex.collect_async, engine.deliver = logged_submit, logged_collect, logged_deliver
         try:
             outs = await stream_token_ids(engine, prompts(), GREEDY)
         finally:

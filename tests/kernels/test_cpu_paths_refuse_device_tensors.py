@@ -12,6 +12,7 @@ import torch
 from kernels import cpu_attention, fused
 from kernels.attention import paged_attention
 from kernels.metadata import AttentionMetadata
+from tests.needs import require_library
 
 H, HKV, D, BLOCK = 4, 2, 64, 16
 
@@ -26,8 +27,7 @@ def decode_meta() -> AttentionMetadata:
 @pytest.fixture
 def tripwires(monkeypatch):
     """The C decode raises; the torch path answers with a marker."""
-    if cpu_attention.library() is None:
-        pytest.skip("the C attention kernel is not built here")
+    require_library(cpu_attention.library(), "paged_attn", "the C attention kernel is not built here")
 
     def c_reached(*args, **kwargs):
         raise AssertionError("the C CPU attention kernel was called with non-CPU tensors")
@@ -56,8 +56,7 @@ def test_cpu_tensors_still_take_the_c_kernel(tripwires):
 
 
 def test_the_c_kv_write_refuses_a_cache_on_another_device():
-    if not fused.available():
-        pytest.skip("the fused C ops are not built here")
+    require_library(fused.available(), "fused_cpu", "the fused C ops are not built here")
     k = torch.zeros(3, HKV, D)
     slots = torch.arange(3)
     assert fused.can_write_kv(k, k.clone(), torch.zeros(4, BLOCK, HKV, D), slots)
@@ -68,8 +67,7 @@ def test_a_model_off_the_cpu_binds_no_c_decode_layer():
     from gpu.models.fast_decode import bind_fast_decode
     from gpu.models.loader import build_model
 
-    if not fused.available():
-        pytest.skip("the fused C ops are not built here")
+    require_library(fused.available(), "fused_cpu", "the fused C ops are not built here")
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "head_dim": 16, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
@@ -82,8 +80,7 @@ def test_a_model_off_the_cpu_binds_no_c_decode_layer():
 def test_the_fused_rotary_refuses_a_table_on_another_device():
     from gpu.models.rotary import RotaryEmbedding
 
-    if not fused.available():
-        pytest.skip("the fused C ops are not built here")
+    require_library(fused.available(), "fused_cpu", "the fused C ops are not built here")
     rotary = RotaryEmbedding(16, 16, 64, 10000.0, None)
     positions = torch.arange(3)
     assert rotary.prepare(positions, torch.float32)[2] is not None  # host table: the C op

@@ -9,8 +9,9 @@ import torch
 
 from gpu.sampling_draws import draw_full_vocab
 from kernels import sample_cpu
+from tests.needs import needs_library
 
-pytestmark = pytest.mark.skipif(sample_cpu.library() is None, reason="no AVX-512 or AVX2 build on this CPU")
+pytestmark = needs_library(sample_cpu.library(), "sample_cpu", "no AVX-512 or AVX2 build on this CPU")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

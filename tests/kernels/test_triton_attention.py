@@ -9,7 +9,6 @@ test module) the in-process tests are skipped and one test reruns this file in a
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import random
 import subprocess
@@ -17,13 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.needs import on_x86_64, require_installed
 import torch
 
 from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+require_installed("triton", in_test_extra=on_x86_64())
 
 _PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 

@@ -6,7 +6,6 @@ without TRITON_INTERPRET, which the interpreter tests set.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+from tests.needs import on_x86_64, require_installed
+
+require_installed("triton", in_test_extra=on_x86_64())
 
 _ATTENTION_CASES = [
     # (num_heads, num_kv_heads, head_dim, block_size, dtype)

@@ -5,7 +5,6 @@ be switched on before triton is first imported, so the cases (tests/kernels/
 triton_elementwise_cases.py) run in a process of their own."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
+from tests.needs import on_x86_64, require_installed
+
+require_installed("triton", in_test_extra=on_x86_64())
 
 ROOT = Path(__file__).resolve().parents[2]
 

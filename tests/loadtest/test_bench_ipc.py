@@ -31,9 +31,9 @@ def test_bench_ipc_reports_all_transports_and_sizes():
 
 def test_bench_ipc_ray_rows():
     """`--ray` adds the Ray executor's transports, measured on a local instance it stops again."""
-    import pytest
+    from tests.needs import require
 
-    pytest.importorskip("ray")
+    require("ray")
     cmd = [sys.executable, "-m", "app.cli", "bench", "ipc", "--iters", "20", "--warmup", "5",
            "--batch-sizes", "64", "--no-executor", "--no-raw", "--ray", "--json"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
