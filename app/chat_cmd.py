@@ -1,4 +1,5 @@
-"""`pagedserve chat`: a small interactive loop over the model's chat template."""
+"""`pagedserve chat`: a small interactive loop over the model's chat template; with --url, over a
+running OpenAI-compatible server instead (app/chat_remote.py: no model is loaded here)."""
 from __future__ import annotations
 
 import argparse
@@ -7,15 +8,28 @@ import sys
 from app.engine_args import add_engine_args, engine_config_from_args
 from app.offline_cmd import _flat
 from app.sampling_args import add_sampling_args, sampling_params_from_args
+from contracts import env
+from contracts.config import option_default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument("--url", default=None,
+                        help="chat with a running OpenAI-compatible server at this URL (http://host:8000 or "
+                             "http://host:8000/v1) instead of loading a model; --model then names the served "
+                             "model (default: the first /v1/models lists) and the engine flags do not apply")
+    parser.add_argument("--api-key", default=env.API_KEY.get(),
+                        help="with --url: the bearer token the server asks for (default: $PAGEDSERVE_API_KEY, "
+                             "else $OPENAI_API_KEY)")
     add_engine_args(parser)
     add_sampling_args(parser, max_tokens=256)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.url:
+        from app.chat_remote import run_remote
+
+        return run_remote(args, args.model if args.model != option_default("model") else None)
     from engine.llm import LLM
 
     llm = LLM(**_flat(engine_config_from_args(args)))

@@ -134,6 +134,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "localhost and these are served (any IP literal too when bound to 0.0.0.0 / ::), "
                         "others get 400: a web page cannot reach this server by DNS rebinding. With "
                         "--api-key every host is served unless this flag is given")
+    g.add_argument("--disable-chat-page", dest="chat_page", action="store_false",
+                   default=server_option_default("chat_page"),
+                   help="GET / does not serve the chat page (a page in the browser that streams from "
+                        "/v1/chat/completions; with --api-key the key is typed into it); GET / is a 404")
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     g.add_argument("--log-level", default="info",

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from app.anthropic_api.route import routes as anthropic_routes
 from app.ollama_api.route import routes as ollama_routes
 from app.auth import APIKeyMiddleware
+from app.chat_page import chat_page_routes
 from app.chat_prompt import ChatPrompts
 from app.chat_route import ChatRoute
 from app.completions_route import CompletionsRoute
@@ -173,6 +174,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, lifes
                          methods=["POST"]),
                    Route("/v1/unload_lora_adapter", _wrap(partial(adapters.unload_route, checks=s.checks)),
                          methods=["POST"])]
+    if c.chat_page:  # GET /: the chat page (app/chat_page.py)
+        routes += chat_page_routes()
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
     if c.api_key:

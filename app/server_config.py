@@ -42,6 +42,7 @@ class ServerConfig:
     max_runtime_loras: int = DEFAULT_MAX_RUNTIME_LORAS  # adapters the load route may load
     show_model_paths: bool = False  # /v1/models shows paths as `root`
     trusted_hosts: TrustedHosts | None = None  # the Host headers answered; None = any
+    chat_page: bool = True  # GET / serves the chat page (app/chat_page.py); --disable-chat-page: a 404
 
     def __post_init__(self) -> None:  # None means "the default" for the objects built from flags
         if self.tool_config is None:
@@ -76,6 +77,7 @@ SERVER_OPTION_FLAGS = {
     "lora_roots": "lora_root",
     "max_runtime_loras": "max_runtime_loras",
     "show_model_paths": "show_model_paths",
+    "chat_page": "chat_page",  # --disable-chat-page
 }
 
 

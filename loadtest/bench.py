@@ -26,6 +26,7 @@ from loadtest.bench_report import format_compare, format_table, load_result  # n
 from loadtest.bench_request import build_payload, send_request  # noqa: F401
 from loadtest.bench_run import (  # noqa: F401
     async_run_benchmark,
+    check_plot,
     default_result_filename,
     discover_model,
     run_benchmark,
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         cfg = config_from_args(args)
+        if cfg.plot:
+            check_plot(cfg.plot)  # before the run: not an ImportError after it
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import time
 from dataclasses import asdict
@@ -131,10 +132,31 @@ async def async_run_benchmark(cfg: BenchConfig) -> dict:
     return result
 
 
+class PlotUnavailable(ValueError):
+    """--plot cannot be drawn here; said before the run, not after it."""
+
+
+def check_plot(path: str) -> None:
+    """Whether a plot can be written to ``path``: matplotlib imports (the bench extra) and the
+    folder exists. Checked before the run: otherwise the whole run is lost to an ImportError at
+    its end (issue 40)."""
+    try:
+        import loadtest.plot  # noqa: F401 - imports matplotlib as the plot will
+    except ImportError as e:
+        raise PlotUnavailable(f"--plot needs matplotlib ({e}): pip install 'pagedserve[bench]' "
+                              "(or pip install matplotlib), or leave out --plot") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise PlotUnavailable(f"--plot {path}: the folder {folder} does not exist")
+
+
 def run_benchmark(config: BenchConfig | dict) -> dict:
     """Run a benchmark and return the full result (config, metrics, per-request figures).
-    Also writes the JSON / plot when the config asks. Callable from tests."""
+    Also writes the JSON / plot when the config asks (a plot that cannot be drawn is a
+    PlotUnavailable before the run). Callable from tests."""
     cfg = config if isinstance(config, BenchConfig) else BenchConfig(**config)
+    if cfg.plot:
+        check_plot(cfg.plot)
     result = asyncio.run(async_run_benchmark(cfg))
     if cfg.save_result or cfg.result_filename:
         path = cfg.result_filename or default_result_filename(result)

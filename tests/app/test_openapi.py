@@ -37,7 +37,8 @@ def app_operations(app) -> set[tuple[str, str]]:
     out = set()
     for route in app.routes:
         for method in route.methods or ():
-            if method != "HEAD" and route.path != "/openapi.json" and not route.path.startswith(OTHER_API_PREFIXES):
+            if (method != "HEAD" and route.path != "/openapi.json" and route.include_in_schema
+                    and not route.path.startswith(OTHER_API_PREFIXES)):
                 out.add((method.lower(), route.path))
     return out
 
