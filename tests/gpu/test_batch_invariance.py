@@ -8,10 +8,14 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParams
+from gpu.device import cpu_has_bf16
 from kernels import qgemm
 
 
 @pytest.mark.skipif(qgemm.isa() != "avx2", reason="the all-M row kernel is the AVX2 build's")
+@pytest.mark.xfail(cpu_has_bf16(), strict=False,
+                   reason="issue 36 (open): on AVX-512 BF16 / AMX CPUs the default model runs in bf16 through "
+                          "the n16 / oneDNN paths, which are not batch-invariant yet")
 def test_default_model_greedy_tokens_alone_equal_batched():
     from engine.llm import LLM
 
