@@ -273,17 +273,7 @@ class Tokenizer:
         if user:
             backend.add_tokens(user)
 
-        def tok_of(key):
-            i = get(key)
-            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-        specials = _Specials(bos_token=tok_of("tokenizer.ggml.bos_token_id"),
-                             eos_token=tok_of("tokenizer.ggml.eos_token_id"),
-                             unk_token=tok_of("tokenizer.ggml.unknown_token_id"),
-                             pad_token=tok_of("tokenizer.ggml.padding_token_id"))
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            if get(key) is not None:
-                specials.extra_eos_ids.append(int(get(key)))
+        specials = _gguf_specials(tokens, get)
         cls._set_post_processor(backend, specials, bool(get("tokenizer.ggml.add_bos_token", False)),
                                 bool(get("tokenizer.ggml.add_eos_token", False)))
         return cls(backend, specials, get("tokenizer.chat_template"), path)
@@ -304,17 +294,7 @@ class Tokenizer:
         except SpmError as e:
             raise TokenizerError(str(e)) from None
 
-        def tok_of(key):
-            i = get(key)
-            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-        specials = _Specials(bos_token=tok_of("tokenizer.ggml.bos_token_id"),
-                             eos_token=tok_of("tokenizer.ggml.eos_token_id"),
-                             unk_token=tok_of("tokenizer.ggml.unknown_token_id"),
-                             pad_token=tok_of("tokenizer.ggml.padding_token_id"))
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            if get(key) is not None:
-                specials.extra_eos_ids.append(int(get(key)))
+        specials = _gguf_specials(tokens, get)
         cls._set_post_processor(backend, specials, bool(get("tokenizer.ggml.add_bos_token", model_type == "llama")),
                                 bool(get("tokenizer.ggml.add_eos_token", False)))
         return cls(backend, specials, get("tokenizer.chat_template"), path)
@@ -554,3 +534,19 @@ def _read_json(path: str) -> dict | None:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise TokenizerError(f"{path}: cannot read: {e}") from None
+
+
+def _gguf_specials(tokens: list[str], get) -> "_Specials":
+    """BOS / EOS / UNK / PAD by the GGUF file's ids, EOT and EOM as extra EOS ids (every vocabulary type)."""
+    def tok_of(key):
+        i = get(key)
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    specials = _Specials(bos_token=tok_of("tokenizer.ggml.bos_token_id"),
+                         eos_token=tok_of("tokenizer.ggml.eos_token_id"),
+                         unk_token=tok_of("tokenizer.ggml.unknown_token_id"),
+                         pad_token=tok_of("tokenizer.ggml.padding_token_id"))
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if get(key) is not None:
+            specials.extra_eos_ids.append(int(get(key)))
+    return specials
