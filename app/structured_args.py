@@ -18,7 +18,8 @@ from engine.client import EngineClient
 from app.json_types import AS_INT, BOUND_KEY, LIMIT_KEY, in_all, limited
 
 BadWord = Annotated[str, Field(json_schema_extra={LIMIT_KEY: "max_bad_words_chars"})]
-_TokenId = Annotated[int, Field(ge=0, le=2**63 - 1), AS_INT]  # 1.0 is an integer in JSON, as elsewhere
+# 1.0 is an integer in JSON, as elsewhere; the schema bounds each id by the vocabulary, as the server does
+_TokenId = Annotated[int, Field(ge=0, le=2**63 - 1, json_schema_extra={BOUND_KEY: "vocab"}), AS_INT]
 
 
 class _Model(BaseModel):

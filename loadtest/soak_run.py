@@ -89,7 +89,10 @@ async def _send(client: httpx.AsyncClient, p: Planned, out: Outcome) -> None:
                 if c.get("finish_reason"):
                     finishes[c["index"]] = c["finish_reason"]
             if p.drop_after_events is not None and out.events >= p.drop_after_events:
-                out.ok = out.aborted = True  # leaving the block closes the connection mid-stream
+                # Leaving the block closes the connection mid-stream: an abort, unless the events
+                # already held the end (a lagging client gets merged deltas, so a few events can
+                # carry the whole stream; the server then counted it finished, not aborted).
+                out.ok, out.aborted = True, not finishes
                 return
         if p.drop_after_events is not None:
             out.error = f"a 400-token stream ended after {out.events} events"

@@ -102,6 +102,10 @@ async def test_run_time_bounds_are_written_in():
     assert (max_tokens["minimum"], max_tokens["maximum"]) == (1, ctx - 1)
     dimensions = schemas["EmbeddingRequest"]["properties"]["dimensions"]["anyOf"][0]
     assert (dimensions["minimum"], dimensions["maximum"]) == (1, FakeAsyncEngine.embedding_size)
+    # each allowed token id is bounded by the vocabulary, as the server checks (CI's fuzz found a
+    # body the schema allowed that the server refused)
+    allowed = schemas["ChatCompletionRequest"]["properties"]["allowed_token_ids"]["anyOf"][0]["items"]
+    assert (allowed["minimum"], allowed["maximum"]) == (0, vocab - 1)
 
 
 def body_validator(doc: dict, name: str) -> Draft202012Validator:

@@ -310,7 +310,9 @@ def test_sigterm_lets_the_running_request_finish():
 def test_sigterm_timeout_aborts_and_still_exits_0():
     s = ServerProcess(shutdown_timeout=1)
     try:
-        body = {"model": "tiny", "prompt": "Go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        # n=8 x 2000 tokens: ~5 s on a quiet 2-core box, well past the 1 s grace (one choice of
+        # 2000 tokens took 0.9 s there and finished before it ran out)
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 2000, "ignore_eos": True, "stream": True, "n": 8}
         events: list[str] = []
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
@@ -342,7 +344,7 @@ def test_sigterm_timeout_answers_a_running_non_streaming_request_503():
     """A non-streaming request cut by the shutdown gets what a cut stream gets: 503, engine_dead."""
     s = ServerProcess(shutdown_timeout=1)
     try:
-        body = {"model": "tiny", "prompt": "Go", "max_tokens": 2000, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "Go", "max_tokens": 2000, "ignore_eos": True, "n": 8}  # ~5 s
         with httpx.Client(base_url=s.url, timeout=60) as client:
             pending = client.build_request("POST", "/v1/completions", json=body)
             answer: list[httpx.Response] = []

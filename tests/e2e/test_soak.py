@@ -41,7 +41,8 @@ def test_bounded_soak_leaves_nothing_behind():
     assert abs(server["fd_delta"]) <= 4, report
     assert server["rss_growth_pct"] < SHORT_RUN_RSS_GROWTH_PCT, report
     assert summary["checks"]["metrics_count_the_same_errors"], report
-    assert summary["checks"]["metrics_count_every_abort"], report
+    assert summary["checks"]["metrics_count_every_abort"], (
+        summary["aborted_mid_stream"], summary["server_counted"])
     assert summary["passed"], report
     assert code == 0, s.output()[-3000:]
     assert s.leftover_segments() == []
@@ -150,3 +151,35 @@ def test_summary_fails_on_a_hostile_5xx_or_a_loop_stall():
     assert not stalled["passed"] and not stalled["checks"]["loop_lag_under_limit"]
     five = run([*ok, Outcome(2, "hostile", 500, ok=False, extra={"hostile": "fanout_n"})], 0.05)
     assert not five["passed"] and not five["checks"]["hostile_no_5xx"] and five["hostile"]["five_xx"] == 1
+
+
+def test_a_stream_that_ended_before_the_client_hung_up_is_not_an_abort():
+    """A lagging client reads merged deltas: a few events can hold the whole stream. Hanging up
+    after the final event is no abort (the server counted the request finished), so the soak
+    must not count it as one (CI saw the abort check fail this way)."""
+    import asyncio
+
+    import httpx
+
+    from loadtest.soak_mix import Planned
+    from loadtest.soak_run import _send
+
+    def sse(events: list[dict]) -> bytes:
+        return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+    def chunk(text: str, finish: str | None) -> dict:
+        return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+    async def outcome(events: list[dict]) -> Outcome:
+        transport = httpx.MockTransport(lambda request: httpx.Response(
+            200, content=sse(events), headers={"content-type": "text/event-stream"}))
+        p = Planned(0, "abort_stream", "/v1/completions", {"prompt": "x"}, stream=True, drop_after_events=2)
+        out = Outcome(index=0, kind=p.kind)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await _send(client, p, out)
+        return out
+
+    merged = asyncio.run(outcome([chunk("a", None), chunk("b" * 400, "length")]))
+    assert merged.ok and not merged.aborted
+    cut = asyncio.run(outcome([chunk("a", None), chunk("b", None), chunk("c", "length")]))
+    assert cut.ok and cut.aborted
