@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 from contracts.config import EngineConfig
 from contracts.messages import StepInput, StepOutput
+from gpu.heap_trim import HeapTrimmer
 
 
 class Executor(abc.ABC):
@@ -82,12 +83,15 @@ class InprocExecutor(Executor):
         self.num_blocks = self.runner.initialize()
         self.num_swap_blocks = self.runner.num_swap_blocks
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step")
+        self._heap = HeapTrimmer()  # this process's C heap: free pages back now and then (issue 35)
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self.runner.execute(step)
+        out = self.runner.execute(step)
+        self._heap.after_step()
+        return out
 
     async def execute_async(self, step: StepInput) -> StepOutput:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.runner.execute, step)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.execute, step)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

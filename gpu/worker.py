@@ -29,7 +29,9 @@ from contracts import env
 from contracts.config import EngineConfig
 from contracts.cpu_threads import openmp_defaults, usable_cpus
 from contracts.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepEncodeError, StepInput, StepOutput
+from gpu.heap_trim import HeapTrimmer
 from gpu.pipeline_tokens import TAG_SAMPLED, decode_sampled_tokens
+from gpu.ring_errors import RingTimeout
 from gpu.shm_ring import RingClosed, RingPeerDied, RingSpec, ShmRing
 from gpu.transport import attach_channel
 
@@ -218,17 +220,27 @@ def worker_main(args: WorkerArgs) -> None:
     sys.exit(code)
 
 
+# No step for this long after some ran: the worker is idle, its heap is trimmed once.
+IDLE_TRIM_S = 0.5
+
+
 def serve_steps(args: WorkerArgs, runner, step_ring: ShmRing, reply_ring: ShmRing | None, conn) -> None:
     """Run the steps arriving on ``step_ring`` until the shutdown message; the answering rank
     (``reply_ring`` given) sends each reply back."""
+    heap = HeapTrimmer()  # this process's C heap: free pages back after steps, and when idle
     while True:
-        msg = step_ring.recv()
+        try:
+            msg = step_ring.recv(timeout=IDLE_TRIM_S if heap.dirty else None)
+        except RingTimeout:
+            heap.trim_if_dirty()
+            continue
         if msg[0] == TAG_SHUTDOWN:
             logger.debug("rank %d: shutdown message", args.rank)
             return
         payload = handle_message(runner, msg, answers=reply_ring is not None)
         if payload is not None:
             reply_ring.send(payload)
+        heap.after_step()
 
 
 def handle_message(runner, msg, answers: bool) -> bytes | None:

@@ -25,6 +25,7 @@ import logging
 import torch
 
 from kernels import abi, cbuild, qgemm_n16
+from kernels.row_buckets import buckets_upto, row_bucket
 from kernels.isa import choose
 
 logger = logging.getLogger(__name__)
@@ -259,12 +260,20 @@ class PackedLinear:
 
     def _blocked(self, x2: torch.Tensor) -> torch.Tensor:
         """Large M (prefill): widen W a block of rows at a time, in x's dtype (bf16 matmuls run on
-        AMX / AVX-512 bf16 where the CPU has them), and let torch's matmul do the FLOPs."""
+        AMX / AVX-512 bf16 where the CPU has them), and let torch's matmul do the FLOPs. The rows
+        are padded to their bucket (kernels/row_buckets.py): one oneDNN primitive per row count
+        would grow the worker with every new prompt length (issue 35)."""
+        m = x2.shape[0]
+        rows = row_bucket(m)
+        if rows != m:
+            padded = x2.new_zeros((rows, x2.shape[1]))
+            padded[:m].copy_(x2)
+            x2 = padded
         n, k = self.n, self.k
         nt = torch.get_num_threads()
         dt = x2.dtype
         flags = Y_BF16 if dt is torch.bfloat16 else 0
-        y = torch.empty(x2.shape[0], n, dtype=dt)
+        y = torch.empty(rows, n, dtype=dt)
         block = min(n, max(_DEQUANT_ROWS, _DEQUANT_BYTES // (k * x2.element_size())) // 16 * 16)
         # The n16 widening writes W^T, rows ``ld`` apart: not a multiple of 1 KB (csrc/qgemm_n16.c dequant_t).
         ld = block + 16 if (block * x2.element_size()) % 1024 == 0 else block
@@ -281,9 +290,20 @@ class PackedLinear:
                 torch.matmul(x2, wt, out=y)
             else:
                 y[:, n0:n1] = x2 @ wt
+        if rows != m:
+            y = y[:m]
         if self.bias is not None:
             y += self.bias
         return y
+
+    def warm(self, max_rows: int, dtype: torch.dtype) -> int:
+        """Run every row bucket of the large-M path up to ``max_rows`` once, so its matmul
+        primitives are built at start-up and serving adds none. Returns how many ran."""
+        buckets = [b for b in buckets_upto(max_rows) if b > self._fused_max]
+        with torch.no_grad():
+            for rows in buckets:
+                self._blocked(torch.zeros(rows, self.k, dtype=dtype))
+        return len(buckets)
 
     def row_tensors(self) -> tuple[torch.Tensor, ...]:
         """The weight in its LAYOUTS form (rebuilt from the 16-channel copy where that is what is kept)."""

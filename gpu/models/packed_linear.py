@@ -36,6 +36,7 @@ from torch import nn
 
 from contracts import env
 from kernels import fused
+from kernels.row_buckets import buckets_upto, row_bucket  # noqa: F401  (tests read them here)
 
 logger = logging.getLogger(__name__)
 
@@ -56,27 +57,6 @@ def enabled() -> bool:
     grows with every new step size (the bounded soak caught +25 %), so rows are padded to a few
     buckets (``row_bucket``) and every bucket is built at start-up (``warm_row_buckets``)."""
     return env.PACKED_LINEAR.get()
-
-
-def row_bucket(rows: int) -> int:
-    """The batch rows a packed matmul runs with: ``rows`` rounded up to 4, then to steps of 8 up
-    to 32, 16 up to 128, 32 up to 256, 128 up to 1024 and 256 above, so 25 buckets cover 2048
-    rows. The padding costs little where it is large (few rows: the weight read dominates) and
-    at most ~14 % of the FLOPs from 32 rows up (loadtest/PERF.md)."""
-    for limit, step in ((4, 4), (32, 8), (128, 16), (256, 32), (1024, 128)):
-        if rows <= limit:
-            return -(-rows // step) * step
-    return -(-rows // 256) * 256
-
-
-def buckets_upto(rows: int) -> list[int]:
-    """Every bucket a batch of at most ``rows`` rows may run with."""
-    out, m = [], 1
-    while m <= rows:
-        b = row_bucket(m)
-        out.append(b)
-        m = b + 1
-    return out
 
 
 def small_rows(dtype: torch.dtype) -> int:
@@ -235,6 +215,16 @@ def warm_row_buckets(model: nn.Module, max_tokens: int, max_seqs: int) -> int:
             bias = getattr(module, "bias", None)  # optional: layer kinds differ
             key = (pw.out_features, pw.in_features, pw.dtype, bias is None)
             shapes[key] = (pw, bias, max(limit, shapes.get(key, (pw, bias, 0))[2]))
+    # Quantized weights widen W for torch's matmul on their many-row path (kernels/qgemm.py):
+    # the same primitives per row count, so the same buckets, one weight per shape.
+    quantized: dict[tuple, tuple[object, torch.dtype, int]] = {}
+    for module in model.modules():
+        qw = getattr(module, "qweight", None)  # optional: only quantized layers have one
+        if qw is not None and hasattr(qw, "kernel"):
+            limit = max_seqs if isinstance(module, ParallelLMHead) else max_tokens
+            dtype = qw.dtype if qw.dtype in (torch.bfloat16, torch.float32) else torch.float32
+            key = (qw.out_features, qw.in_features, dtype, qw.mode)
+            quantized[key] = (qw.kernel, dtype, max(limit, quantized.get(key, (None, dtype, 0))[2]))
     t0, built = time.perf_counter(), 0
     with torch.no_grad():
         for pw, bias, limit in shapes.values():
@@ -242,7 +232,9 @@ def warm_row_buckets(model: nn.Module, max_tokens: int, max_seqs: int) -> int:
                 if rows > pw.small_rows:
                     pw.linear(torch.zeros(rows, pw.in_features, dtype=pw.dtype), bias)
                     built += 1
+        for kernel, dtype, limit in quantized.values():
+            built += kernel.warm(limit, dtype)
     if built:
-        logger.info("built %d packed-matmul primitives (%d weight shapes, rows up to %d) in %.2f s",
-                    built, len(shapes), max_tokens, time.perf_counter() - t0)
+        logger.info("built %d matmul primitives (%d weight shapes, rows up to %d) in %.2f s",
+                    built, len(shapes) + len(quantized), max_tokens, time.perf_counter() - t0)
     return built
