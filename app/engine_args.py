@@ -37,11 +37,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
               "a GPU the checkpoint's fp16/bf16 (fp32 ones in bf16), on the CPU bf16 where native else fp32")
     flag(g, "--chat-template",
          help="a Jinja chat template (a file, or the template text) in place of the model's")
-    flag(g, "--quantization", "-q", choices=["auto", "none", "int8", "int4"],
-         help="weight-only quantization of the linear layers (CPU): auto keeps a GGUF file's "
-              "quantization (Q4_0/Q4_1/Q4_K as int4, Q8_0 and others as int8; full precision "
-              "for other checkpoints), none dequantizes to --dtype, int8 in groups of 32 with a "
-              "scale (GGUF Q8_0), int4 in groups of 32 with scale and minimum (GGUF Q4_1)")
+    flag(g, "--quantization", "-q", choices=["auto", "none", "int8", "int4", "fp8"],
+         help="quantization of the linear layers: auto keeps a GGUF file's quantization on the CPU "
+              "(Q4_0/Q4_1/Q4_K as int4, Q8_0 and others as int8) and an FP8 checkpoint's on an FP8 GPU "
+              "(full precision for other checkpoints), none dequantizes to --dtype, int8 in groups of "
+              "32 with a scale (GGUF Q8_0, CPU), int4 in groups of 32 with scale and minimum (GGUF "
+              "Q4_1, CPU), fp8 e4m3 weights per output channel and activations per token (vLLM's "
+              "fp8; GPUs of compute capability >= 8.9: Ada, Hopper, Blackwell)")
     flag(g, "--generation-config",
          help="where requests' default temperature / top_p / top_k / min_p / repetition_penalty come "
               "from: auto = the model's generation_config.json or GGUF general.sampling.* keys; vllm = "

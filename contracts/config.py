@@ -53,9 +53,10 @@ class ModelConfig:
     # auto (bf16 where the CPU has avx512_bf16 or on CUDA, else fp32) | bfloat16 | float16 | float32
     # (vLLM's aliases half and float are taken: DTYPE_ALIASES)
     dtype: str = "auto"
-    # auto | none | int8 | int4: weight-only quantization of the linear layers (CPU kernel). auto keeps
-    # a GGUF file's quantization (packed as stored; vLLM's behaviour) and is none for
-    # full-precision checkpoints and on GPUs; int8 / int4 quantize everything (gpu/models/quantization.py)
+    # auto | none | int8 | int4 | fp8: quantization of the linear layers. auto keeps a GGUF file's
+    # quantization on CPU (packed as stored; vLLM's behaviour), an FP8 checkpoint's on an FP8 GPU, and
+    # is none otherwise; int8 / int4 quantize everything (CPU kernel, gpu/models/quantization.py);
+    # fp8 is W8A8 on CUDA with compute capability >= 8.9 (gpu/models/fp8.py)
     quantization: str = "auto"
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # seed of dummy weights

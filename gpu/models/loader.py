@@ -92,22 +92,32 @@ def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Modu
         else:
             hf_config = load_hf_config(path)
     quantization = resolve_quantization(model_config.quantization, device)
+    from gpu.models import fp8
+
+    fp8_file = fmt == "safetensors" and fp8.checkpoint_is_fp8(hf_config)
+    if fp8_file and (model_config.quantization or "auto") == "auto":
+        quantization = _fp8_or_none(device)  # the checkpoint's own format where the device computes it
     model = build_model(hf_config, device, dtype)
     packed = {}
     if fmt == "dummy":
         _fill_dummy(model, model_config.seed)
     else:
+        if fp8_file:
+            fp8.add_checkpoint_scales(model)
         tracker = WeightTracker(model)
+        tracker.ignored = (".input_scale",) if fp8_file else ()  # activations are scaled per token
         with torch.no_grad():
-            if fmt == "gguf":
-                packed = _load_gguf(model, reader, path, tracker, quantization)
+            if fmt == "gguf":  # fp8 quantizes the dequantized tensors below
+                packed = _load_gguf(model, reader, path, tracker, "none" if quantization == "fp8" else quantization)
                 tracker.check_complete(path)
             else:
                 _load_safetensors(tracker, path)
+        if fp8_file and quantization != "fp8":
+            fp8.dequantize_checkpoint(model)  # the scales folded into the weights
     from gpu.models.moe import quantize_experts
     from gpu.models.quantization import quantize_model
 
-    quantize_model(model, quantization, device)  # full-precision layers under int8/int4 (none, auto: no-op)
+    quantize_model(model, quantization, device)  # full-precision layers under int8/int4/fp8 (none, auto: no-op)
     quantize_experts(model, quantization)  # and a mixture of experts' expert stacks
     from gpu.models.packed_linear import pack_model
 
@@ -122,7 +132,8 @@ def load_model(model_config, device="cpu", dtype=torch.float32) -> torch.nn.Modu
 
 def resolve_quantization(mode: str | None, device) -> str:
     """``auto`` keeps a GGUF file's quantization on CPU (vLLM's behaviour; nothing to keep in a
-    full-precision checkpoint) and is ``none`` on other devices; int8 / int4 need a CPU."""
+    full-precision checkpoint) and is ``none`` on other devices; int8 / int4 need a CPU, fp8 a GPU
+    of compute capability >= 8.9 (an FP8 checkpoint under ``auto``: fp8 there, see load_model)."""
     from gpu.models.quantization import check_mode
 
     mode = mode or "auto"
@@ -130,6 +141,18 @@ def resolve_quantization(mode: str | None, device) -> str:
         return "none"
     check_mode(mode, device)
     return mode
+
+
+def _fp8_or_none(device) -> str:
+    from contracts.config import ConfigError
+    from gpu.models.quantization import check_mode
+
+    try:
+        check_mode("fp8", device)
+    except ConfigError as e:
+        logger.info("an FP8 checkpoint: its weights dequantized to the model's dtype (%s)", e)
+        return resolve_quantization("auto", device)
+    return "fp8"
 
 
 def _load_gguf(model, reader, path: str, tracker: WeightTracker, quantization: str) -> dict[str, int]:

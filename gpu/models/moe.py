@@ -236,8 +236,9 @@ class SparseMoeBlock(nn.Module):
 
 def quantize_experts(model: nn.Module, mode: str) -> None:
     """--quantization int8|int4: each expert's gate/up and down packed like a linear layer's
-    weight (gpu/models/quantization.py packs the linear layers), the full-precision stacks freed."""
-    if mode in (None, "none", "auto"):
+    weight (gpu/models/quantization.py packs the linear layers), the full-precision stacks freed.
+    fp8 leaves the experts in the model's dtype (its attention and shared linears are fp8)."""
+    if mode in (None, "none", "auto", "fp8"):
         return
     before = after = 0
     for module in model.modules():

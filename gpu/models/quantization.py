@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers on CPU: ``--quantization auto|none|int8|int4``.
+"""Weight-only quantized linear layers on CPU: ``--quantization auto|none|int8|int4`` (and the
+switch to ``fp8``, W8A8 on CUDA: gpu/models/fp8.py).
 
 A quantized layer (q/k/v, o, gate/up, down, the LM head; a tied or quantized-in-the-file token
 embedding too) holds a packed low-bit copy of its weight (``module.qweight``) instead of a
@@ -25,7 +26,7 @@ from contracts.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "none", "int8", "int4")
+MODES = ("auto", "none", "int8", "int4", "fp8")  # fp8: CUDA only, gpu/models/fp8.py
 
 
 class QuantizedWeight:
@@ -95,11 +96,23 @@ def layout_for(mode: str, in_features: int, head: bool = False) -> str:
     return "q8_0"  # int8; and int4's LM head (measured: an int4 head cut greedy agreement to 0.32)
 
 
-def check_mode(mode: str | None, device) -> None:
+def check_mode(mode: str | None, device, capability: tuple[int, int] | None = None) -> None:
+    """Raise unless ``--quantization mode`` runs on ``device``: int8 / int4 on the CPU, fp8 on a
+    GPU of compute capability >= 8.9 (ConfigError naming the option and what is supported;
+    ``capability`` stands in for the device's own, for a check about a card not present)."""
     if mode in (None, "none", "auto"):
         return
     if mode not in MODES:
         raise ModelLoadError(f"unknown quantization {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "fp8":
+        from contracts.config import ConfigError
+        from kernels import fp8_linear
+
+        try:
+            fp8_linear.check_device(device, capability)
+        except fp8_linear.Fp8UnsupportedError as e:
+            raise ConfigError(str(e)) from None
+        return
     if torch.device(device).type != "cpu":
         raise ModelLoadError(f"--quantization {mode} runs on CPU only; use --quantization none on {device}")
 
@@ -143,6 +156,10 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device | str = "cp
     check_mode(mode, device)
     if mode in (None, "none", "auto"):
         return model
+    if mode == "fp8":
+        from gpu.models.fp8 import quantize_model_fp8
+
+        return quantize_model_fp8(model)
     from gpu.models.packed_linear import dense_weight
     from kernels import qgemm
 

@@ -36,7 +36,12 @@ class WeightTracker:
         self.params = dict(model.named_parameters())
         self.loaded: dict[str, set] = defaultdict(set)
 
+    # checkpoint tensors read by nothing here (an FP8 checkpoint's static activation scales)
+    ignored: tuple[str, ...] = ()
+
     def load(self, name: str, tensor: torch.Tensor, source: str = "checkpoint") -> None:
+        if self.ignored and name.endswith(self.ignored):
+            return
         mapped = self.model.map_weight_name(name)
         if mapped is None:
             return
@@ -60,6 +65,8 @@ class WeightTracker:
     def missing(self) -> list[str]:
         out = []
         for name, param in self.params.items():
+            if getattr(param, "optional", False):  # optional: an FP8 checkpoint's weight_scale (gpu/models/fp8.py)
+                continue
             # optional: only fused parameters (qkv, gate_up) are loaded shard by shard
             want = set(param.shard_ids) if getattr(param, "shard_ids", None) else {None}
             got = self.loaded.get(name, set())

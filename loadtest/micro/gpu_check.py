@@ -2,6 +2,7 @@
 
     python -m loadtest.micro.gpu_check [--out $OUT/gpu_check.json] [--only kernels,serve]
     python -m loadtest.micro.gpu_check --dry-run      # here, on the CPU, small shapes (the test)
+    python -m loadtest.micro.gpu_check --set sizes    # the second call: the 8B shape, bf16 and fp8
 
 How to run it on the lent machine (the wheels and the tokenizer it carries, the exact call):
 docs/gpu-check.md. Each phase runs in its own subprocess under its own timeout; its record (status
@@ -17,7 +18,14 @@ under 9 minutes on a bare H100; no network is used.
 | serve | a real `serve` on a random model: greedy equals offline, a streamed chat ends with [DONE], 64 concurrent requests, /metrics, SIGTERM exits 0 | the same on the CPU |
 | lora | tiny model, 2 random adapters, fp32: greedy tokens with graphs equal eager, row for row: both adapters and base rows in a batch padded to a capture size, one adapter on every row, then base-only steps; the adapter steps replayed graphs | the same, the padded static-buffer path |
 | decode_1b | a ~1B random Llama (hidden 2048, 16 layers, 32/8 heads, bf16): decode step time with graphs (and eager) at batch 1/16/64/256 vs (weights + KV bytes) / measured copy bandwidth; LLM tokens/s | a small model, batch 1 and 4 |
-| refusals | fp8 KV and int8 / int4 on CUDA refused cleanly; a model whose position table is below max_num_batched_tokens starts (the profile forward); a sampling step of each common kind reads the GPU once (loadtest/micro/gpu_check_sampler.py) | the refusal checks on a CUDA device name; the profile forward on the CPU; the sampler's read count |
+| refusals | fp8 KV and int8 / int4 on CUDA refused cleanly, fp8 weights on a GPU before compute capability 8.9 and on the CPU; a model whose position table is below max_num_batched_tokens starts (the profile forward); a sampling step of each common kind reads the GPU once (loadtest/micro/gpu_check_sampler.py) | the refusal checks on a CUDA device name; the profile forward on the CPU; the sampler's read count |
+
+``--set sizes`` (issue 41; loadtest/micro/gpu_check_sizes.py), a second call of its own 8 minutes:
+
+| phase | on the GPU | in --dry-run (CPU) |
+|---|---|---|
+| decode_8b | the Llama 3.1 8B shape, random bf16 weights: decode step with graphs (and eager) at batch 1/16/64/256, context 1,024, vs the floor | a small model, batch 1 and 4 |
+| fp8_8b | the same under --quantization fp8: the steps vs the fp8 floor; greedy agreement with bf16 | the same small model through the CPU's torch._scaled_mm |
 """
 from __future__ import annotations
 
@@ -38,17 +46,22 @@ from loadtest.micro.gpu_check_lora import phase_lora
 from loadtest.micro.gpu_check_model import phase_graphs, phase_model
 from loadtest.micro.gpu_check_refusals import phase_refusals
 from loadtest.micro.gpu_check_serve import phase_serve
+from loadtest.micro.gpu_check_sizes import phase_decode_8b, phase_fp8_8b
 
 ROOT = Path(__file__).resolve().parents[2]
 # (phase, seconds it may take on a bare H100): 480 s in all (the issue's 8 minutes), inside the call's 540 s.
 PHASES = {"kernels": 100, "model": 75, "graphs": 80, "lora": 35, "serve": 70, "decode_1b": 85, "refusals": 35}
+# The second call (``--set sizes``, issue 41): the 8B shape in bf16 and fp8, 480 s in all as well.
+SIZES_PHASES = {"decode_8b": 200, "fp8_8b": 280}
+PHASE_SETS = {"check": PHASES, "sizes": SIZES_PHASES}
 DRY_RUN_TIMEOUT_S = 60  # per phase in --dry-run (the test's whole budget is 2 minutes)
 
 
 # ---- the runner -----------------------------------------------------------------------------------
 
 PHASE_FUNCTIONS = {"kernels": phase_kernels, "model": phase_model, "graphs": phase_graphs, "lora": phase_lora,
-                   "serve": phase_serve, "decode_1b": phase_decode_1b, "refusals": phase_refusals}
+                   "serve": phase_serve, "decode_1b": phase_decode_1b, "refusals": phase_refusals,
+                   "decode_8b": phase_decode_8b, "fp8_8b": phase_fp8_8b}
 
 
 def run_phase(name: str, ctx: Ctx, result_path: str) -> int:
@@ -136,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="run here on the CPU, small shapes (the test)")
     parser.add_argument("--out", default=None, help="JSON file of the phase records (default $OUT/gpu_check.json, "
                                                     "else ./gpu_check.json)")
-    parser.add_argument("--only", default=None, help="comma-separated phases (default all): " + ", ".join(PHASES))
+    parser.add_argument("--set", default="check", choices=list(PHASE_SETS),
+                        help="check: the seven phases (default); sizes: the 8B shape in bf16 and fp8 (issue 41), "
+                             "the second prepared call")
+    parser.add_argument("--only", default=None, help="comma-separated phases of the set (default all): "
+                                                     + "; ".join(", ".join(p) for p in PHASE_SETS.values()))
     parser.add_argument("--assets", default=str(ROOT / ".gpu_check"), help="the prepared folder (model/, wheels/)")
     parser.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one phase in this process
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -145,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase:
         return run_phase(args.phase, Ctx(args.dry_run, args.model_dir), args.result)
 
-    names = args.only.split(",") if args.only else list(PHASES)
-    unknown = set(names) - set(PHASES)
+    phases = PHASE_SETS[args.set]
+    names = args.only.split(",") if args.only else list(phases)
+    unknown = set(names) - set(phases)
     if unknown:
-        parser.error(f"unknown phases {sorted(unknown)}; choose from {', '.join(PHASES)}")
+        parser.error(f"unknown phases {sorted(unknown)} in --set {args.set}; choose from {', '.join(phases)}")
     if not args.dry_run:
         import torch
 
@@ -170,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""
     with open(log, "w") as log_file, tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for name in names:
-            timeout = DRY_RUN_TIMEOUT_S if args.dry_run else PHASES[name]
+            timeout = DRY_RUN_TIMEOUT_S if args.dry_run else phases[name]
             result = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, "-m", "loadtest.micro.gpu_check", "--phase", name, "--result", str(result),
                    "--model-dir", model_dir] + (["--dry-run"] if args.dry_run else [])

@@ -56,16 +56,57 @@ def _time_ms(fn, device: str, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def layer_weight_bytes(model) -> int:
+    """The bytes a decode step reads of the decoder layers' weights (not the embedding, not the
+    head): full-precision parameters plus quantized layers' packed weights (fp8: 1 byte each)."""
+    dense = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                if "embed" not in name and "lm_head" not in name)
+    packed = sum(m.qweight.nbytes() for name, m in model.named_modules()
+                 if getattr(m, "qweight", None) is not None and "lm_head" not in name and "embed" not in name)
+    return dense + packed
+
+
+def time_decode_steps(ctx: Ctx, rep: Report, llm, batches: list[int], context: int, repeats: int,
+                      bandwidth: float, weight_bytes: int, label: str = "decode step") -> list[dict]:
+    """Each batch size's decode step at ``context`` tokens (graph replay where captured, and eager)
+    against the floor (weight_bytes + the batch's K/V bytes) / bandwidth; one figure per batch."""
+    import torch
+
+    from gpu.forward_context import forward_context
+
+    runner = llm.parts.executor.runner
+    model, gr = runner.model, runner.graph_runner
+    kv_per_token = runner.kv_bytes_per_block() // runner.block_size
+    rows = []
+    for b in batches:
+        meta = _decode_meta(b, context, runner.block_size, ctx.device)
+        ids = torch.randint(100, 40000, (b,), device=ctx.device)
+        pos = torch.full((b,), context - 1, dtype=torch.long, device=ctx.device)
+        size = gr._fill(ids, pos, meta)
+        static = gr._static_meta(size, meta.block_tables.shape[1], meta.seq_lens_host, context)
+        graph = gr.graphs.get(size)
+
+        def eager():
+            with torch.inference_mode(), forward_context(static, runner.kv_caches):
+                model(gr.input_ids[:size], gr.positions[:size])
+
+        eager_ms = _time_ms(eager, ctx.device, repeats)
+        graph_ms = _time_ms(graph.replay, ctx.device, repeats) if graph is not None else None
+        floor_ms = (weight_bytes + b * context * kv_per_token) / bandwidth * 1e3
+        best = graph_ms if graph_ms is not None else eager_ms
+        rows.append({"batch": b, "graph_ms": graph_ms, "eager_ms": eager_ms, "floor_ms": floor_ms,
+                     "floor_fraction": floor_ms / best, "tokens_per_s": b / best * 1e3})
+        rep.figure(f"{label} batch {b}", rows[-1])
+    return rows
+
+
 # The ~1.2B Llama of the decode phase (and of loadtest/micro/gpu_profile_decode.py).
 CONFIG_1B = {**TINY_CONFIG, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64}
 
 
 def phase_decode_1b(ctx: Ctx, rep: Report) -> None:
-    import torch
-
     from engine.llm import LLM
-    from gpu.forward_context import forward_context
 
     dry = ctx.dry_run
     if dry:
@@ -82,33 +123,13 @@ def phase_decode_1b(ctx: Ctx, rep: Report) -> None:
                            num_gpu_blocks_override=blocks, max_model_len=2048)
     with LLM(**options) as llm:
         runner = llm.parts.executor.runner
-        model, gr = runner.model, runner.graph_runner
-        weight_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                           if "embed" not in name and "lm_head" not in name)
+        model = runner.model
+        weight_bytes = layer_weight_bytes(model)
         kv_per_token = runner.kv_bytes_per_block() // runner.block_size
         rep.figure("model", {"parameters": sum(p.numel() for p in model.parameters()), "dtype": dtype,
                              "layer_weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
                              "context": context})
-        rows = []
-        for b in batches:
-            meta = _decode_meta(b, context, runner.block_size, ctx.device)
-            ids = torch.randint(100, 40000, (b,), device=ctx.device)
-            pos = torch.full((b,), context - 1, dtype=torch.long, device=ctx.device)
-            size = gr._fill(ids, pos, meta)
-            static = gr._static_meta(size, meta.block_tables.shape[1], meta.seq_lens_host, context)
-            graph = gr.graphs.get(size)
-
-            def eager():
-                with torch.inference_mode(), forward_context(static, runner.kv_caches):
-                    model(gr.input_ids[:size], gr.positions[:size])
-
-            eager_ms = _time_ms(eager, ctx.device, repeats)
-            graph_ms = _time_ms(graph.replay, ctx.device, repeats) if graph is not None else None
-            floor_ms = (weight_bytes + b * context * kv_per_token) / bandwidth * 1e3
-            best = graph_ms if graph_ms is not None else eager_ms
-            rows.append({"batch": b, "graph_ms": graph_ms, "eager_ms": eager_ms, "floor_ms": floor_ms,
-                         "floor_fraction": floor_ms / best, "tokens_per_s": b / best * 1e3})
-            rep.figure(f"decode step batch {b}", rows[-1])
+        rows = time_decode_steps(ctx, rep, llm, batches, context, repeats, bandwidth, weight_bytes)
         if not dry:
             rep.check("every batch size has a captured graph", all(r["graph_ms"] is not None for r in rows))
             rep.figure("targets (reported, not gating)", {

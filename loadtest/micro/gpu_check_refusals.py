@@ -36,6 +36,19 @@ def phase_refusals(ctx: Ctx, rep: Report) -> None:
         message = f"{type(error).__name__}: {error}" if error is not None else None
         rep.check(f"{option}={value} on CUDA refused cleanly", error is not None and word in str(error).lower()
                   and "cuda error" not in str(error).lower(), error=message)
+    # --quantization fp8 where there are no FP8 matmuls: on the CPU, and on a GPU before compute
+    # capability 8.9 (asked about an A100's 8.0: the lent card has FP8)
+    from gpu.models.quantization import check_mode
+
+    for device, capability, word in (("cpu", None, "runs on cpu"), ("cuda", (8, 0), "compute capability 8.0")):
+        error = None
+        try:
+            check_mode("fp8", device, capability)
+        except Exception as e:  # noqa: BLE001 - it must be a ConfigError that names the option
+            error = e
+        rep.check(f"quantization=fp8 on {device} {capability or ''} refused by name".replace("  ", " "),
+                  type(error).__name__ == "ConfigError" and "--quantization fp8" in str(error) and word in str(error),
+                  error=f"{type(error).__name__}: {error}" if error is not None else None)
     # Fault 1: a position table (256) below max_num_batched_tokens (2048) must start: the profile
     # forward wraps its positions. On the GPU the KV budget comes from that forward (no override).
     small = {**TINY_CONFIG, "max_position_embeddings": 256}
