@@ -9,6 +9,8 @@ from typing import Any
 
 from starlette.requests import Request
 
+from contracts.log_format import REQUEST_ID
+
 HEADER = b"x-request-id"
 MAX_LEN = 256  # longer or non-printable client ids are replaced by a fresh one
 
@@ -35,6 +37,9 @@ class RequestIdMiddleware:
         state = scope.setdefault("state", {})
         state["client_request_id"] = given if usable(given) else None
         state["request_id"] = state["client_request_id"] or uuid.uuid4().hex
+        # Records logged while serving it carry its id (contracts/log_format.py). Left set when the
+        # app raises: the error middleware outside this one logs in the same task.
+        token = REQUEST_ID.set(state["request_id"])
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -44,6 +49,7 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+        REQUEST_ID.reset(token)
 
 
 def response_and_engine_ids(request: Request, prefix: str, body_request_id: str | None = None) -> tuple[str, str]:
@@ -53,6 +59,7 @@ def response_and_engine_ids(request: Request, prefix: str, body_request_id: str 
     state = request.scope.setdefault("state", {})
     if state.get("client_request_id") is None and usable(body_request_id):
         state["client_request_id"] = state["request_id"] = body_request_id
+        REQUEST_ID.set(body_request_id)
     rid = state.get("request_id") or uuid.uuid4().hex
     response_id = f"{prefix}-{rid}"
     if state.get("client_request_id") is None:

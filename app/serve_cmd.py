@@ -31,6 +31,7 @@ from contracts.config import ConfigError
 from contracts.error_text import error_summary
 from contracts.errors import ExecutorError
 from contracts.errors import ModelLoadError
+from contracts.log_format import LOG_FORMATS, configure_logging
 
 logger = logging.getLogger("pagedserve.serve")
 
@@ -142,6 +143,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="text, or json: one JSON object per line (time, level, logger, message, and "
+                        "request_id where a line concerns a request), the worker processes' lines too")
+    g.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="access_log",
+                   action="store_false", default=server_option_default("access_log"),
+                   help="no access log (by default one INFO line per HTTP request: method, path, status, "
+                        "duration, request id, client; never a body or a key)")
     AdmissionLimits.add_arguments(parser)
     add_refused_vllm_flags(parser)
 
@@ -214,8 +222,7 @@ def check_access(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         take_model(args)
         check_ssl(args)
@@ -292,7 +299,9 @@ async def _serve(args: argparse.Namespace, config, sock: socket.socket,
             host=args.host, port=sock.getsockname()[1], loop="uvloop",
             http=with_read_timeouts(args.header_timeout, args.body_timeout),
             lifespan="off", timeout_graceful_shutdown=args.shutdown_timeout,
-            log_level=args.log_level, access_log=args.log_level == "debug",
+            # uvicorn's lines through this process's formatter (configure_logging); its access log
+            # off: app/access_log.py writes one with the duration and request id.
+            log_config=None, log_level=args.log_level, access_log=False,
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         )
     except BaseException:

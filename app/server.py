@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from app.anthropic_api.route import routes as anthropic_routes
 from app.ollama_api.route import routes as ollama_routes
+from app.access_log import AccessLogMiddleware
 from app.auth import APIKeyMiddleware
 from app.chat_page import chat_page_routes
 from app.chat_prompt import ChatPrompts
@@ -186,7 +187,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None, *, lifes
     if c.allowed_origins:  # browsers' preflight (OPTIONS) is answered before the API key is asked
         app.add_middleware(CORSMiddleware, allow_origins=c.allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
-    app.add_middleware(RequestIdMiddleware)  # outermost: every response carries X-Request-Id
+    app.add_middleware(RequestIdMiddleware)  # every response carries X-Request-Id
+    if c.access_log:  # outermost: times every request, and logs the id the one above set
+        app.add_middleware(AccessLogMiddleware)
     app.state.metrics = metrics
     app.state.server = s
     return app

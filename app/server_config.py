@@ -43,6 +43,7 @@ class ServerConfig:
     show_model_paths: bool = False  # /v1/models shows paths as `root`
     trusted_hosts: TrustedHosts | None = None  # the Host headers answered; None = any
     chat_page: bool = True  # GET / serves the chat page (app/chat_page.py); --disable-chat-page: a 404
+    access_log: bool = True  # one INFO line per HTTP request (app/access_log.py); --disable-access-log
 
     def __post_init__(self) -> None:  # None means "the default" for the objects built from flags
         if self.tool_config is None:
@@ -78,6 +79,7 @@ SERVER_OPTION_FLAGS = {
     "max_runtime_loras": "max_runtime_loras",
     "show_model_paths": "show_model_paths",
     "chat_page": "chat_page",  # --disable-chat-page
+    "access_log": "access_log",  # --disable-access-log, --disable-uvicorn-access-log (vLLM's)
 }
 
 

@@ -39,6 +39,7 @@ import msgspec
 from contracts import env
 from contracts.config import EngineConfig
 from contracts.errors import ExecutorError
+from contracts.log_format import current_format
 from gpu.executor import Executor
 from contracts.messages import STEP_OUTPUT_DECODER, StepInput, StepOutput
 from gpu.pipeline_tokens import SampledTokenRelay
@@ -126,7 +127,7 @@ class MultiprocExecutor(Executor):
             recv_conn, send_conn = ctx.Pipe(duplex=False)
             args = WorkerArgs(self.config, rank, self.world_size, res.step_ring.spec, res.reply_ring.spec,
                               send_conn, init_method, runner_factory,
-                              logging.getLogger().getEffectiveLevel(), num_threads)
+                              logging.getLogger().getEffectiveLevel(), num_threads, log_format=current_format())
             proc = ctx.Process(target=worker_main, args=(args,), name=f"pagedserve-worker-{rank}",
                                daemon=True)
             proc.start()

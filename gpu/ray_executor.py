@@ -33,6 +33,7 @@ import weakref
 
 from contracts.config import EngineConfig
 from contracts.errors import ExecutorError
+from contracts.log_format import current_format
 from gpu.mp_executor import RING_SLOT_SIZE, RING_SLOTS, MultiprocExecutor
 from gpu.ray_cluster import PlacedWorkers, import_ray
 from gpu.ring_errors import RingError
@@ -55,7 +56,7 @@ def start_ranks(placed: PlacedWorkers, config: EngineConfig, runner_factory: str
     if world > 1:
         init_method = ray.get(placed.actors[0].rendezvous_address.remote(placed.all_local), timeout=60)
     level = logging.getLogger().getEffectiveLevel()
-    refs = [a.start.remote(config, rank, world, init_method, runner_factory, level, num_threads)
+    refs = [a.start.remote(config, rank, world, init_method, runner_factory, level, num_threads, current_format())
             for rank, a in enumerate(placed.actors)]
     rank_of = {ref: rank for rank, ref in enumerate(refs)}
     blocks: dict[int, int] = {}

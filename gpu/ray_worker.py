@@ -79,14 +79,15 @@ class RayWorker:
     # ---------------------------------------------------------------- start-up
 
     def start(self, config: EngineConfig, rank: int, world_size: int, init_method: str | None,
-              runner_factory: str | None, log_level: int, num_threads: int | None) -> int:
-        logging.basicConfig(level=log_level,
-                            format=f"%(asctime)s %(levelname)s [ray worker {rank}] %(name)s: %(message)s")
+              runner_factory: str | None, log_level: int, num_threads: int | None, log_format: str = "text") -> int:
+        from contracts.log_format import configure_logging
+
+        configure_logging(log_level, log_format, process=f"ray worker {rank}")
         import ray
 
         # An actor Ray gave a GPU sees only that one (CUDA_VISIBLE_DEVICES): it uses device 0.
         self.args = WorkerArgs(config, rank, world_size, None, None, None, init_method, runner_factory,
-                               log_level, num_threads, own_gpu=bool(ray.get_gpu_ids()))
+                               log_level, num_threads, own_gpu=bool(ray.get_gpu_ids()), log_format=log_format)
         if runner_factory is None or world_size > 1:
             setup_torch(self.args)
         default = PIPELINE_RUNNER if config.parallel.pipeline_parallel_size > 1 else DEFAULT_RUNNER

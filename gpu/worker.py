@@ -28,6 +28,7 @@ import msgspec
 from contracts import env
 from contracts.config import EngineConfig
 from contracts.cpu_threads import openmp_defaults, usable_cpus
+from contracts.log_format import configure_logging
 from contracts.messages import STEP_INPUT_DECODER, STEP_INPUT_ENCODER, StepEncodeError, StepInput, StepOutput
 from gpu.heap_trim import HeapTrimmer
 from gpu.pipeline_tokens import TAG_SAMPLED, decode_sampled_tokens
@@ -80,6 +81,7 @@ class WorkerArgs:
     # The process sees only its own GPU (a Ray actor: Ray sets CUDA_VISIBLE_DEVICES), so it uses
     # device 0; else every rank of this replica sees them all and picks its own (gpu/device.py).
     own_gpu: bool = False
+    log_format: str = "text"  # `serve --log-format` (contracts/log_format.py)
 
     @property
     def output_rank(self) -> int:
@@ -176,8 +178,7 @@ def worker_main(args: WorkerArgs) -> None:
     """Entry point of a spawned worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     openmp_defaults()  # inherited from the parent as a rule; before this process loads torch's libgomp
-    logging.basicConfig(level=args.log_level,
-                        format=f"%(asctime)s %(levelname)s [worker {args.rank}] %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format, process=f"worker {args.rank}")
     parent = multiprocessing.parent_process()
     parent_fds = [parent.sentinel] if parent is not None and parent.sentinel is not None else []
     conn = args.ready_conn

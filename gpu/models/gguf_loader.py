@@ -79,10 +79,11 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def iter_gguf_weights(path: str, hf_config: dict, reader=None, only: set[str] | None = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str, hf_config: dict, reader=None, only: set[str] | None = None,
+                      progress=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass ``reader`` (contracts.gguf_file.read_gguf of ``path``) to skip parsing the file again;
-    ``only``: the GGUF names to read (the others are loaded packed, gpu.models.gguf_packed)."""
+    ``only``: the GGUF names to read (the others are loaded packed, gpu.models.gguf_packed);
+    ``progress``: a gpu.models.load_progress.LoadProgress, told each tensor's file bytes."""
     from gpu.models.gguf_quants import dequantize
 
     if reader is None:
@@ -111,3 +112,5 @@ def iter_gguf_weights(path: str, hf_config: dict, reader=None, only: set[str] | 
         if not w.flags.writeable:  # F32 tensors come straight from the read-only memory map
             w = w.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(w))
+        if progress is not None:
+            progress.update(t.n_bytes)

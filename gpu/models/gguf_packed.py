@@ -175,11 +175,12 @@ def plan_layouts(model, reader, mode: str) -> dict[str, str]:
 # ------------------------------------------------------------------ loading
 
 def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str],
-         take=None) -> dict[str, int]:
+         take=None, progress=None) -> dict[str, int]:
     """Load every tensor of ``reader``: the planned modules' weights packed, the rest through
     ``tracker`` in full precision; ``take(t)`` is asked first and loads the tensors it answers
     True for itself (a mixture of experts' expert tensors: gpu/models/gguf_experts.py). Returns
-    {layout: modules packed}."""
+    {layout: modules packed}. ``progress``: a gpu.models.load_progress.LoadProgress, told each
+    tensor's file bytes."""
     from gpu.models.gguf_loader import iter_gguf_weights
     from gpu.models.quantization import QuantizedWeight, attach, quantizable_types
     from gpu.models.weights import _one_cpu_thread
@@ -197,9 +198,14 @@ def load(model, reader, path: str, hf_config: dict, tracker, plan: dict[str, str
                 _release(reader, t)
             elif _load_one(t, model, modules, plan, slots, full_names, tracker, path, arch, heads):
                 _release(reader, t)
+            else:
+                continue  # read in full precision below
+            if progress is not None:
+                progress.update(t.n_bytes)
     if full_names:
         wanted = set(full_names)
-        tracker.load_all(((n, w) for n, w in iter_gguf_weights(path, hf_config, reader, only=wanted)), source=path)
+        tracker.load_all(((n, w) for n, w in iter_gguf_weights(path, hf_config, reader, only=wanted,
+                                                                progress=progress)), source=path)
     row = quantizable_types()[1]
     counts: dict[str, int] = defaultdict(int)
     for module_name in list(slots):  # popped: a kernel that re-lays the weight frees the file's copy here

@@ -16,6 +16,7 @@ import torch
 
 from contracts.errors import ModelLoadError, UnsupportedArchitectureError
 from contracts.hf_config import is_gguf, load_hf_config, normalize_config
+from gpu.models.load_progress import LoadProgress
 from gpu.models.registry import resolve_architecture, supported_architectures
 from gpu.models.weights import WeightTracker
 
@@ -158,6 +159,12 @@ def _fp8_or_none(device) -> str:
 def _load_gguf(model, reader, path: str, tracker: WeightTracker, quantization: str) -> dict[str, int]:
     """Quantized tensors into packed weights where ``quantization`` keeps or asks for them (one
     tensor at a time, no full-precision copy), everything else dequantized into the parameters."""
+    with LoadProgress(sum(int(t.n_bytes) for t in reader.tensors)) as progress:
+        return _load_gguf_tensors(model, reader, path, tracker, quantization, progress)
+
+
+def _load_gguf_tensors(model, reader, path: str, tracker: WeightTracker, quantization: str,
+                       progress: LoadProgress) -> dict[str, int]:
     from gpu.models.gguf_loader import iter_gguf_weights
 
     if quantization != "none":
@@ -171,10 +178,10 @@ def _load_gguf(model, reader, path: str, tracker: WeightTracker, quantization: s
 
             qgemm.library()  # a missing compiler fails here, naming what to install
             counts = gguf_packed.load(model, reader, path, model.config, tracker, plan, take=lambda t: (
-                gguf_experts.load_expert_tensor(t, model, quantization, tracker, path)))
+                gguf_experts.load_expert_tensor(t, model, quantization, tracker, path)), progress=progress)
             gguf_experts.finish(model)
             return counts
-    tracker.load_all(iter_gguf_weights(path, model.config, reader), source=path)
+    tracker.load_all(iter_gguf_weights(path, model.config, reader, progress=progress), source=path)
     return {}
 
 
@@ -204,14 +211,17 @@ def _load_safetensors(tracker: WeightTracker, path: str) -> None:
     from safetensors import safe_open
 
     files = _safetensors_files(path)
-    for file in files:
-        try:
-            handle = safe_open(file, framework="pt", device="cpu")
-        except Exception as e:
-            raise ModelLoadError(f"{file}: cannot open safetensors file: {e}") from None
-        with handle as f:
-            for name in f.keys():
-                tracker.load(name, f.get_tensor(name), source=file)
+    with LoadProgress(sum(os.path.getsize(f) for f in files)) as progress:
+        for file in files:
+            try:
+                handle = safe_open(file, framework="pt", device="cpu")
+            except Exception as e:
+                raise ModelLoadError(f"{file}: cannot open safetensors file: {e}") from None
+            with handle as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    tracker.load(name, tensor, source=file)
+                    progress.update(tensor.nbytes)
     tracker.check_complete(files[0] if len(files) == 1 else path)
 
 
