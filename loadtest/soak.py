@@ -73,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="list sizes of the hostile requests: 1.0 = those of issue 22 (tens of "
                         "thousands of stop strings, a 2,000-prompt x n=128 fan-out, ...)")
     p.add_argument("--no-hostile", action="store_true", help="leave the hostile requests out of the mix")
+    p.add_argument("--also-model", action="append", default=[], metavar="NAME",
+                   help="another served name (e.g. a LoRA adapter) the requests take turns with (repeat)")
     p.add_argument("--output", default=None, help="also write the JSON summary to this file")
 
 
@@ -98,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
                      server_pid=server.pid if server else args.server_pid,
                      request_timeout=args.request_timeout, max_rss_growth_pct=args.max_rss_growth_pct,
                      fd_tolerance=args.fd_tolerance, progress=True, hostile_scale=args.hostile_scale,
-                     no_hostile=args.no_hostile, max_loop_lag_s=args.max_loop_lag)
+                     no_hostile=args.no_hostile, max_loop_lag_s=args.max_loop_lag,
+                     also_models=tuple(args.also_model))
     try:
         summary = run_soak(cfg)
     except (httpx.HTTPError, OSError, ValueError, KeyError) as e:

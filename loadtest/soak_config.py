@@ -26,3 +26,4 @@ class SoakConfig:
     no_hostile: bool = False
     max_loop_lag_s: float = 1.0
     lag_poll_s: float = 1.0
+    also_models: tuple[str, ...] = ()  # served names (LoRA adapters) the requests take turns with

@@ -101,6 +101,12 @@ async def _send(client: httpx.AsyncClient, p: Planned, out: Outcome) -> None:
         out.ok = not out.error
 
 
+def model_for(index: int, model: str, also: tuple[str, ...]) -> str:
+    """The served name request ``index`` asks for: the base model and each of ``also`` in turn."""
+    names = (model, *also)
+    return names[index % len(names)]
+
+
 async def _phase(cfg: SoakConfig, start: int, count: int, model: str, max_model_len: int,
                  outcomes: list[Outcome]) -> None:
     """Requests start..start+count at cfg.concurrency; the client and its connections are closed
@@ -114,7 +120,7 @@ async def _phase(cfg: SoakConfig, start: int, count: int, model: str, max_model_
         async def worker() -> None:
             mix = {k: v for k, v in MIX.items() if k != "hostile"} if cfg.no_hostile else MIX
             for i in next_index:
-                p = plan(i, seed=cfg.seed, model=model, max_model_len=max_model_len,
+                p = plan(i, seed=cfg.seed, model=model_for(i, model, cfg.also_models), max_model_len=max_model_len,
                          max_tokens=cfg.max_tokens, hostile_scale=cfg.hostile_scale, mix=mix)
                 o = await send(client, p, cfg.request_timeout)
                 outcomes.append(o)

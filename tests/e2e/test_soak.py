@@ -183,3 +183,11 @@ def test_a_stream_that_ended_before_the_client_hung_up_is_not_an_abort():
     assert merged.ok and not merged.aborted
     cut = asyncio.run(outcome([chunk("a", None), chunk("b", None), chunk("c", "length")]))
     assert cut.ok and cut.aborted
+
+
+def test_requests_take_turns_with_the_other_served_names():
+    """`bench soak --also-model ADAPTER`: a LoRA adapter in the mix (issue 35's soak with --enable-lora)."""
+    from loadtest.soak_run import model_for
+
+    assert [model_for(i, "base", ()) for i in range(3)] == ["base"] * 3
+    assert [model_for(i, "base", ("ad",)) for i in range(4)] == ["base", "ad", "base", "ad"]
