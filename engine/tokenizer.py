@@ -75,6 +75,19 @@ _SPLITS = {
 }
 # Pre-tokenizers that put every digit in its own piece before GPT-2's byte-level split.
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact"}
+# llama.cpp's own split for "default" (and a file without tokenizer.ggml.pre): these rules one after the
+# other, each keeping what it does not match as pieces too (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_DEFAULT).
+# Not GPT-2's: punctuation runs come apart from the space before them, digits go in threes.
+_LLAMA_CPP_DEFAULT_SPLITS = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+# Names for which llama.cpp's loader adds BOS unless the file's tokenizer.ggml.add_bos_token says not,
+# and takes a pre-token that is itself a vocabulary entry whole, before any merge (its ignore_merges,
+# as Llama 3's tokenizer.json says).
+_LLAMA_CPP_BOS_AND_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "tekken"}
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -244,15 +257,20 @@ class Tokenizer:
 
         vocab = {spell(t): i for i, t in enumerate(tokens)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pre = get("tokenizer.ggml.pre")
+        if pre is None:
+            logger.warning("%s: no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer, as llama.cpp "
+                           "does (it warns that generation quality will be degraded)", path)
+            pre = "default"
         backend = HFTokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
-                                  end_of_word_suffix="", fuse_unk=False))
-        pre = get("tokenizer.ggml.pre", "default")
+                                  end_of_word_suffix="", fuse_unk=False,
+                                  ignore_merges=pre in _LLAMA_CPP_BOS_AND_IGNORE_MERGES))
         if pre not in _SPLITS and pre not in _DIGIT_SPLIT and pre not in ("default", "gpt-2", "gpt2"):
             known = sorted(set(_SPLITS) | _DIGIT_SPLIT | {"default", "gpt-2"})
             raise TokenizerError(f"{path}: GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not known to pagedserve "
                                  f"(known: {', '.join(known)}); its split rule is not guessed: load the model "
                                  f"from a directory with tokenizer.json instead")
-        add_prefix_space = bool(get("tokenizer.ggml.add_space_prefix", False))
+        # tokenizer.ggml.add_space_prefix is not read: llama.cpp's byte-level BPE never prefixes a space.
         if pre in _SPLITS:
             backend.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
@@ -260,9 +278,13 @@ class Tokenizer:
         elif pre in _DIGIT_SPLIT:
             backend.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)])
-        elif pre in ("default", "gpt-2", "gpt2"):
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        elif pre == "default":
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(rule), behavior="isolated") for rule in _LLAMA_CPP_DEFAULT_SPLITS]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre in ("gpt-2", "gpt2"):
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         backend.decoder = decoders.ByteLevel()
         # Control tokens are special (kept whole, skipped when decoding); user-defined are kept whole.
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
@@ -274,21 +296,21 @@ class Tokenizer:
             backend.add_tokens(user)
 
         specials = _gguf_specials(tokens, get)
-        cls._set_post_processor(backend, specials, bool(get("tokenizer.ggml.add_bos_token", False)),
-                                bool(get("tokenizer.ggml.add_eos_token", False)))
+        add_bos = get("tokenizer.ggml.add_bos_token", pre in _LLAMA_CPP_BOS_AND_IGNORE_MERGES)
+        cls._set_post_processor(backend, specials, bool(add_bos), bool(get("tokenizer.ggml.add_eos_token", False)))
         return cls(backend, specials, get("tokenizer.chat_template"), path)
 
     @classmethod
     def _from_gguf_spm(cls, path: str, model_type: str, get) -> "Tokenizer":
-        """A SentencePiece vocabulary (engine/gguf_spm.py); BOS added unless the file says not
-        (llama.cpp's default for "llama"), EOS only where the file says so."""
+        """A SentencePiece vocabulary (engine/gguf_spm.py). Where the file is silent, llama.cpp's defaults:
+        "llama" adds BOS and the space prefix, "t5" (its UGM) EOS and no space prefix."""
         from engine.gguf_spm import SpmError, build_spm
 
         tokens: list[str] = get("tokenizer.ggml.tokens")
         try:
             backend = build_spm(path, model_type, tokens, get("tokenizer.ggml.scores"), get("tokenizer.ggml.token_type"),
                                 get("tokenizer.ggml.unknown_token_id"),
-                                bool(get("tokenizer.ggml.add_space_prefix", True)),
+                                bool(get("tokenizer.ggml.add_space_prefix", model_type == "llama")),
                                 bool(get("tokenizer.ggml.remove_extra_whitespaces", False)),
                                 get("tokenizer.ggml.precompiled_charsmap"))
         except SpmError as e:
@@ -296,7 +318,7 @@ class Tokenizer:
 
         specials = _gguf_specials(tokens, get)
         cls._set_post_processor(backend, specials, bool(get("tokenizer.ggml.add_bos_token", model_type == "llama")),
-                                bool(get("tokenizer.ggml.add_eos_token", False)))
+                                bool(get("tokenizer.ggml.add_eos_token", model_type == "t5")))
         return cls(backend, specials, get("tokenizer.chat_template"), path)
 
     @staticmethod

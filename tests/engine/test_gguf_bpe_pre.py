@@ -2,8 +2,9 @@
 conversion also knows: a vocabulary trained here with `tokenizers`, written into a GGUF file per
 name, tokenized by us and by transformers (``get_gguf_tokenizer`` + ``convert_gguf_tokenizer``, the
 oracle) on the same >= 200 strings: the same ids on every one, and decode round trips. The names
-transformers does not cover (smollm / starcoder / refact, GPT-2's default) are tested in
-tests/engine/test_tokenizer.py against the default model."""
+transformers does not cover (smollm / starcoder / refact, gpt-2) are tested in
+tests/engine/test_tokenizer.py against the default model; llama.cpp's own "default" split in
+tests/engine/test_gguf_llama_cpp_rules.py."""
 from __future__ import annotations
 
 import json
