@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from gpu.fd_handoff import FdServer, rebuild_spec, receive_fds, split_spec
-from gpu.transport import attach_channel, create_channel
+from pagedserve.gpu.fd_handoff import FdServer, rebuild_spec, receive_fds, split_spec
+from pagedserve.gpu.transport import attach_channel, create_channel
 
 
 @pytest.mark.parametrize("kind", ["shm", "pipe"])

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.models.moe import SparseMoeBlock, quantize_experts
-from kernels import isa, moe_cpu
+from pagedserve.gpu.models.moe import SparseMoeBlock, quantize_experts
+from pagedserve.kernels import isa, moe_cpu
 from tests.needs import needs_library
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

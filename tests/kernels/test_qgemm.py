@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kernels import isa, qgemm
+from pagedserve.kernels import isa, qgemm
 
 # The kernel rounds activations to 15 bits per row (AVX2 path); the error that adds is about
 # 3e-5 of the row's largest value times sqrt(K) terms, far inside this bound.

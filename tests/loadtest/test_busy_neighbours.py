@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.micro import bench_throughput, neighbours
+from pagedserve.loadtest.micro import bench_throughput, neighbours
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,9 +118,11 @@ def test_bench_throughput_runs_beside_n_neighbours_and_leaves_none(tmp_path, mon
         STARTED.extend(procs)
         return procs
 
-    import engine.llm
-    import engine.sampling_params
+    import pagedserve.engine.llm
 
+    from pagedserve import engine
+    import pagedserve.engine.sampling_params
+    from pagedserve import engine
     monkeypatch.setattr(neighbours, "start_neighbours", start)
     monkeypatch.setattr(engine.llm, "LLM", FakeLLM)
     monkeypatch.setattr(engine.sampling_params, "SamplingParams", lambda max_tokens, **kw: {"max": max_tokens})

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from loadtest.micro.gpu_check import PHASES
+from pagedserve.loadtest.micro.gpu_check import PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ def test_dry_run_every_phase_passes_or_states_its_skip(tmp_path: Path) -> None:
     t0 = time.monotonic()
     # --assets: an empty folder, so the tokenizer is exported from the default model as the
     # preparation script does, whatever an earlier preparation left in .gpu_check/.
-    proc = subprocess.run([sys.executable, "-m", "loadtest.micro.gpu_check", "--dry-run", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.micro.gpu_check", "--dry-run", "--out", str(out),
                            "--assets", str(tmp_path / "assets")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     seconds = time.monotonic() - t0
@@ -42,7 +42,7 @@ def test_dry_run_every_phase_passes_or_states_its_skip(tmp_path: Path) -> None:
 def test_a_phase_past_its_timeout_is_killed_with_what_it_started() -> None:
     import os
 
-    from loadtest.micro.gpu_check import run_with_timeout
+    from pagedserve.loadtest.micro.gpu_check import run_with_timeout
 
     # The phase prints, starts a grandchild (as a phase starts `serve`) and hangs.
     script = ("import subprocess, sys, time; print('started', flush=True); "
