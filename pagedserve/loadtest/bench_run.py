@@ -141,7 +141,8 @@ def check_plot(path: str) -> None:
     folder exists. Checked before the run: otherwise the whole run is lost to an ImportError at
     its end (issue 40)."""
     try:
-        import loadtest.plot  # noqa: F401 - imports matplotlib as the plot will
+        import pagedserve.loadtest.plot  # noqa: F401 - imports matplotlib as the plot will
+        from pagedserve import loadtest
     except ImportError as e:
         raise PlotUnavailable(f"--plot needs matplotlib ({e}): pip install 'pagedserve[bench]' "
                               "(or pip install matplotlib), or leave out --plot") from None

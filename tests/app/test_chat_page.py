@@ -92,6 +92,6 @@ def test_serve_flag():
 
 
 def test_the_static_files_are_package_data():
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["app"]
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve.app"]
     shipped = {p.name for pattern in data for p in (ROOT / "pagedserve" / "app").glob(pattern)}
     assert {name for name, _ in PAGE_FILES.values()} <= shipped

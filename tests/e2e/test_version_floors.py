@@ -168,7 +168,7 @@ def test_gguf_floor_dequantizes_the_default_model(floor_site):
     env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{ROOT}"}
     code = ("import gguf, importlib.metadata as md\n"
             "from gguf.quants import dequantize\n"
-            "from contracts.config import default_model_path\n"
+            "from pagedserve.contracts.config import default_model_path\n"
             "r = gguf.GGUFReader(default_model_path())\n"
             "t = next(t for t in r.tensors if t.name == 'blk.0.attn_k.weight')\n"
             "w = dequantize(t.data, t.tensor_type)\n"

@@ -31,7 +31,7 @@ def test_after_it_the_kernels_load_without_a_compiler(tmp_path) -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-m", "pagedserve.kernels.build_all"], env=env, cwd=root, check=True, timeout=900,
                    capture_output=True)
-    code = ("from kernels import attn_amx, cpu_attention, fused, isa, qgemm, qgemm_n16, sample_cpu\n"
+    code = ("from pagedserve.kernels import attn_amx, cpu_attention, fused, isa, qgemm, qgemm_n16, sample_cpu\n"
             "qgemm.library(); assert fused.available() and cpu_attention.library() is not None\n"
             "for name, lib in (('sample_cpu', sample_cpu.library()), ('qgemm_n16', qgemm_n16.library())):\n"
             "    assert (lib is None) == (isa.choose(name) is None), name\n"

@@ -141,7 +141,7 @@ def test_portable_and_avx2_builds_agree():
 
 
 def test_disabled_by_env():
-    code = "from kernels import fused; print(fused.available())"
+    code = "from pagedserve.kernels import fused; print(fused.available())"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          env=dict(os.environ, PAGEDSERVE_FUSED="0")).stdout.strip()
     assert out == "False"

@@ -174,7 +174,7 @@ def test_forced_paths_pick_their_kernel(tmp_path, path):
         pytest.skip("no AVX2 here")
     code = (
         "import torch\n"
-        "from kernels import qgemm\n"
+        "from pagedserve.kernels import qgemm\n"
         "g = torch.Generator().manual_seed(5)\n"
         "x = torch.randn(3, 96, generator=g); w = torch.randn(20, 96, generator=g)\n"
         "for lay in ('q4_1', 'q8_0'):\n"

@@ -64,7 +64,7 @@ def test_zero_neighbours_start_nothing_and_negative_is_refused():
 def test_neighbours_die_with_a_killed_benchmark():
     """A benchmark killed with SIGKILL runs no finally; its neighbours still go (parent-death signal)."""
     code = ("import time\n"
-            "from loadtest.micro.neighbours import start_neighbours\n"
+            "from pagedserve.loadtest.micro.neighbours import start_neighbours\n"
             "procs = start_neighbours(2)\n"
             "print(' '.join(str(p.pid) for p in procs), flush=True)\n"
             "time.sleep(60)\n")
