@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	  else echo "chromium / chromedriver missing and not root: apt-get install chromium chromium-driver" \
 	    "(tests/e2e/test_chat_page_e2e.py skips without them)"; fi
 	$(PIP) install -q -e '.[test,bench]'  # the bench extra: locust, matplotlib (make test and make bench use them)
-	$(PY) -m kernels.build_all  # build every C kernel this CPU runs now (else each on first use, needing gcc then)
+	$(PY) -m pagedserve.kernels.build_all  # build every C kernel this CPU runs now (else each on first use, needing gcc then)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,7 +36,7 @@ test: $(STAMP)
 # The ISA-specific tests alone (tests/isa_tests.py): first which ISA levels this CPU has and which
 # of them the tests cover here. For whoever has an AVX-512 BF16 or AMX machine (README, "Tests").
 test-isa: $(STAMP)
-	$(PY) -m kernels.isa_report
+	$(PY) -m pagedserve.kernels.isa_report
 	$(PY) -m pytest -q -ra -m isa tests $(ARGS)
 
 bench: $(STAMP)

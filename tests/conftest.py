@@ -59,6 +59,6 @@ def test_device(pytestconfig: pytest.Config) -> str:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from contracts.config import default_model_path
+    from pagedserve.contracts.config import default_model_path
 
     return default_model_path()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from loadtest.tiny_model import TINY_CONFIG
+from pagedserve.loadtest.tiny_model import TINY_CONFIG
 
 BASE_CONFIG = {**TINY_CONFIG, "tie_word_embeddings": False}
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -16,7 +16,7 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def save_base(path: Path, cfg: dict = BASE_CONFIG, seed: int = 3):
     """The base checkpoint (safetensors + the default model's tokenizer.json); returns the HF model."""
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
     from tests.gpu.test_models import save_hf_model
 
     model = save_hf_model(cfg, path, seed=seed)
@@ -81,7 +81,7 @@ def write_adapter_files(path: Path, hf_config: dict = TINY_HF, r: int = 2, modul
     import numpy as np
     from safetensors.numpy import save_file
 
-    from contracts.lora import TARGET_MODULES, module_shapes
+    from pagedserve.contracts.lora import TARGET_MODULES, module_shapes
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ def on_x86_64() -> bool:
 
 
 def _cpu_can_run(kernel: str) -> bool:
-    from kernels import isa
+    from pagedserve.kernels import isa
 
     return isa.choose(kernel) is not None
 

@@ -26,7 +26,7 @@ def test_the_session_hides_the_gpus_unless_asked(test_device):
 
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
         assert not torch.cuda.is_available()
-        from gpu.device import resolve_device
+        from pagedserve.gpu.device import resolve_device
 
         assert resolve_device("auto").type == "cpu"
 

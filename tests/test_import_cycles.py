@@ -16,7 +16,7 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("app", "engine", "gpu", "kernels", "contracts", "loadtest")
+PACKAGES = ("pagedserve",)  # the rooms live under one package
 
 
 def _module_name(path: pathlib.Path) -> str:

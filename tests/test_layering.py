@@ -16,7 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1] / "pagedserve"  # the rooms live under one package
 ROOMS = ("app", "contracts", "engine", "gpu", "kernels", "loadtest")
 SERVER = {"app", "engine", "gpu", "kernels"}
 
@@ -73,13 +73,19 @@ def product_files():
             yield path.relative_to(ROOT)
 
 
+def _top(imported: str) -> str:
+    """The room (or other top-level package) an import names: ``pagedserve.gpu.x`` -> ``gpu``."""
+    parts = imported.split(".")
+    return parts[1] if parts[0] == "pagedserve" and len(parts) > 1 else parts[0]
+
+
 def violations() -> set[tuple[str, str]]:
     out = set()
     for rel in product_files():
         module = _module_name(rel)
         forbidden = FORBIDDEN[_room(rel)]
         for imported in _imports(ROOT / rel, module):
-            if imported.split(".")[0] in forbidden:
+            if _top(imported) in forbidden:
                 out.add((module, imported))
     return out
 
@@ -106,12 +112,12 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "mod.py").write_text(textwrap.dedent("""
         def f():
-            from gpu.worker import x
+            from pagedserve.gpu.worker import x
         from . import sibling
         from .sub import y
     """))
     (pkg / "__init__.py").write_text("from .mod import f\n")
-    assert _imports(pkg / "mod.py", "app.mod") == {"gpu.worker", "app", "app.sub"}
+    assert _imports(pkg / "mod.py", "app.mod") == {"pagedserve.gpu.worker", "app", "app.sub"}
     assert _imports(pkg / "__init__.py", "app") == {"app.mod"}
 
 
@@ -126,12 +132,15 @@ def test_scheduler_block_manager_and_core_import_without_torch():
                 return None
 
         sys.meta_path.insert(0, NoTorch())
-        import engine.scheduler, engine.kv_blocks, engine.core
+        import pagedserve.engine.scheduler
+        from pagedserve import engine
+        import pagedserve.engine.kv_blocks
+        import pagedserve.engine.core
         assert "torch" not in sys.modules
         print("imported without torch")
     """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "imported without torch" in r.stdout

@@ -5,13 +5,13 @@ The config is loadtest/tiny_model.py's (data only, in the package because `bench
 are untied."""
 from __future__ import annotations
 
-from loadtest.tiny_model import TINY_CONFIG  # noqa: F401  (one definition, in the package)
+from pagedserve.loadtest.tiny_model import TINY_CONFIG  # noqa: F401  (one definition, in the package)
 
 
 def tiny_llm(**options):
     """LLM over TINY_CONFIG (random weights, fp32) with the default model's tokenizer."""
-    from engine.llm import LLM
-    from contracts.config import default_model_path
+    from pagedserve.engine.llm import LLM
+    from pagedserve.contracts.config import default_model_path
 
     options = {"load_format": "dummy", "hf_config": TINY_CONFIG, "dtype": "float32",
                "kv_cache_memory": 1 / 16, **options}

@@ -4,7 +4,7 @@ import httpx
 import orjson
 import pytest
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.fake_engine import FakeAsyncEngine
 
 

@@ -11,10 +11,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from contracts.config import EngineConfig, ModelConfig
-from engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from pagedserve.contracts.config import EngineConfig, ModelConfig
+from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError, RequestRejectedError
+from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 class FakeTokenizer:
@@ -188,7 +188,7 @@ class FakeAsyncEngine:
     def pool(self, prompt_token_ids, params, request_id, prompt=None, priority=0,
              cache_salt=None) -> FakeStream:
         """A pooling request: one final output whose vector is ``fake_vector(ids, params)``."""
-        from engine.pooling_params import PoolingParams
+        from pagedserve.engine.pooling_params import PoolingParams
 
         if self.dead:
             raise EngineDeadError("the engine stopped: test")
@@ -238,7 +238,7 @@ class FakeAsyncEngine:
         return vec
 
     def pooled(self, call: Call):
-        from engine.pooling_outputs import PoolingOutput, PoolingRequestOutput, bytes_from_floats
+        from pagedserve.engine.pooling_outputs import PoolingOutput, PoolingRequestOutput, bytes_from_floats
 
         if self.pool_error is not None:  # a worker error on this request's step
             return PoolingRequestOutput(call.request_id, None, call.prompt_token_ids, True, call.prompt,

@@ -12,10 +12,10 @@ import logging
 import httpx
 import pytest
 
-from app.cli import build_parser
-from app.server import build_app
-from app.server_config import ServerConfig
-from contracts.log_format import REQUEST_ID, JsonFormatter, configure_logging, current_format
+from pagedserve.app.cli import build_parser
+from pagedserve.app.server import build_app
+from pagedserve.app.server_config import ServerConfig
+from pagedserve.contracts.log_format import REQUEST_ID, JsonFormatter, configure_logging, current_format
 from tests.app.fake_engine import FakeAsyncEngine
 
 SECRET = "sk-very-secret-key"
@@ -93,12 +93,12 @@ def test_log_format_flag():
 
 def test_json_formatter_one_object_per_line():
     fmt = JsonFormatter(process="worker 1")
-    rec = logging.LogRecord("engine.x", logging.WARNING, __file__, 1, "two\nlines %d", (7,), None)
+    rec = logging.LogRecord("pagedserve.engine.x", logging.WARNING, __file__, 1, "two\nlines %d", (7,), None)
     rec.request_id = "r1"
     line = fmt.format(rec)
     assert "\n" not in line
     obj = json.loads(line)
-    assert obj["level"] == "WARNING" and obj["logger"] == "engine.x" and obj["message"] == "two\nlines 7"
+    assert obj["level"] == "WARNING" and obj["logger"] == "pagedserve.engine.x" and obj["message"] == "two\nlines 7"
     assert obj["request_id"] == "r1" and obj["process"] == "worker 1" and obj["time"].endswith("Z")
     try:
         raise ValueError("boom")
@@ -114,7 +114,7 @@ def test_json_formatter_one_object_per_line():
 def json_log(monkeypatch):
     """The process's logging set up as `serve --log-format json` does, into a string; put back after.
     Yields a function that returns the lines written so far, parsed."""
-    from contracts import log_format
+    from pagedserve.contracts import log_format
 
     stream = io.StringIO()
     monkeypatch.setattr("sys.stderr", stream)
@@ -136,12 +136,12 @@ def test_configure_logging_json_with_the_request_id_of_the_task(json_log):
     logging.getLogger("uvicorn.error").info("uvicorn's line")
     token = REQUEST_ID.set("req-9")
     try:
-        logging.getLogger("app.x").warning("inside a request")
+        logging.getLogger("pagedserve.app.x").warning("inside a request")
     finally:
         REQUEST_ID.reset(token)
-    logging.getLogger("app.x").debug("below the level")
+    logging.getLogger("pagedserve.app.x").debug("below the level")
     assert [(o["logger"], o["message"], o.get("request_id")) for o in json_log()] == [
-        ("uvicorn.error", "uvicorn's line", None), ("app.x", "inside a request", "req-9")]
+        ("uvicorn.error", "uvicorn's line", None), ("pagedserve.app.x", "inside a request", "req-9")]
 
 
 async def test_a_request_log_record_carries_its_id(json_log):

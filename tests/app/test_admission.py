@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.admission import AdmissionLimits
-from app.server import build_app
+from pagedserve.app.admission import AdmissionLimits
+from pagedserve.app.server import build_app
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 
@@ -62,8 +62,7 @@ async def test_list_fields_past_their_limit_are_400(make_client, path, body, fie
 async def test_huge_stop_list_is_refused_before_any_per_item_work(make_client, monkeypatch):
     # Refused from the list's length alone: the request model never validates the 50,000 strings
     # and no SamplingParams dedups or compiles them.
-    import app.completions_route as route
-
+    import pagedserve.app.completions_route as route
     client, engine, server = await make_client()
     validated, built = [], []
     real_parse = route.parse
@@ -223,7 +222,7 @@ def test_limit_flags_share_the_config_field_names():
     import argparse
     import dataclasses
 
-    from app.serve_cmd import add_arguments
+    from pagedserve.app.serve_cmd import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -242,7 +241,7 @@ def test_limit_flags_share_the_config_field_names():
 def test_int_range_pattern_matches_exactly_the_ids_up_to_maximum(maximum):
     import re
 
-    from app.admission import int_range_pattern
+    from pagedserve.app.admission import int_range_pattern
 
     pattern = re.compile(int_range_pattern(maximum))
     for i in range(0, maximum * 2 + 20):
@@ -252,7 +251,7 @@ def test_int_range_pattern_matches_exactly_the_ids_up_to_maximum(maximum):
 
 
 def test_the_limits_are_published_in_the_schema():
-    from app.openapi import build_openapi
+    from pagedserve.app.openapi import build_openapi
 
     limits = AdmissionLimits(max_stop_sequences=7, max_logit_bias=9, max_messages=11, max_tools=5,
                              max_prompts=13, max_logprobs=4, max_stop_token_ids=6, max_bad_words=8,
@@ -328,7 +327,7 @@ async def test_choices_share_one_validation_of_the_request_lists(make_client, mo
     # for every choice on the loop: 1,024 choices x a vocabulary-sized list is seconds. The lists
     # are validated once per request; the other choices are siblings that differ in max_tokens,
     # seed and prompt_logprobs only.
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
     client, engine, _ = await make_client()
     validated = []
@@ -365,9 +364,8 @@ async def test_token_id_prompts_past_the_context_are_refused_before_validation(m
                                                                                  path, field):
     # A 6 MB body of token ids took ~2 s of the loop to validate id by id before the context check
     # refused it; its length alone says it cannot fit.
-    import app.completions_route as completions_route
-    import app.embeddings_route as embeddings_route
-
+    import pagedserve.app.completions_route as completions_route
+    import pagedserve.app.embeddings_route as embeddings_route
     client, engine, _ = await make_client()
     validated = []
     for module in (completions_route, embeddings_route):
@@ -479,8 +477,8 @@ async def test_tools_at_their_size_limit_are_served(make_client):
 
 async def test_a_megabyte_stop_string_is_refused_before_any_per_character_work(make_client, monkeypatch):
     """Before the request model validates it, before any SamplingParams or stop matcher."""
-    import app.completions_route as route
-    from engine.stop_matcher import StopMatcher
+    import pagedserve.app.completions_route as route
+    from pagedserve.engine.stop_matcher import StopMatcher
 
     client, engine, server = await make_client()
     validated, built = [], []
@@ -494,7 +492,7 @@ async def test_a_megabyte_stop_string_is_refused_before_any_per_character_work(m
 
 
 def test_string_limits_are_published_in_the_schema():
-    from app.openapi import build_openapi
+    from pagedserve.app.openapi import build_openapi
 
     limits = AdmissionLimits(**STRING_LIMITS)
     doc = build_openapi(served_model_name="m", max_model_len=64, vocab_size=256, api_key=False,
@@ -526,7 +524,7 @@ def test_the_work_a_stop_list_costs_on_the_loop_is_small_at_the_default_limit():
     (about 6 ms measured here, on a loaded 2-core box; a 1,000,000-character string took 0.7 s)."""
     import time
 
-    from engine.stop_matcher import StopMatcher
+    from pagedserve.engine.stop_matcher import StopMatcher
 
     limit = AdmissionLimits().max_stop_chars
     per = limit // AdmissionLimits().max_stop_sequences

@@ -9,8 +9,8 @@ import anthropic._base_client
 import httpx
 import pytest
 
-from app.server import build_app
-from app.tools.plan import ToolConfig
+from pagedserve.app.server import build_app
+from pagedserve.app.tools.plan import ToolConfig
 from tests.app.fake_engine import FakeAsyncEngine
 
 # The HTTP library the SDK is built on: httpx2 in its recent releases, httpx before.

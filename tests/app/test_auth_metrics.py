@@ -7,7 +7,7 @@ import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 

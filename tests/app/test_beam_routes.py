@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.server import build_app
-from engine.sampling_params import BeamSearchParams
+from pagedserve.app.server import build_app
+from pagedserve.engine.sampling_params import BeamSearchParams
 from tests.app.conftest import assert_openai_error
 from tests.tiny import TINY_CONFIG
 
@@ -15,7 +15,7 @@ PROMPT = "The quick brown fox"
 
 
 def tiny_options() -> dict:
-    from contracts.config import default_model_path
+    from pagedserve.contracts.config import default_model_path
 
     return {"model": default_model_path(), "load_format": "dummy", "hf_config": TINY_CONFIG, "dtype": "float32",
             "kv_cache_memory": 1 / 16, "executor": "inproc"}
@@ -23,7 +23,7 @@ def tiny_options() -> dict:
 
 @pytest.fixture(scope="module")
 def expected():
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(**{k: v for k, v in tiny_options().items() if k != "model"}, model=tiny_options()["model"])
     try:
@@ -38,8 +38,8 @@ def expected():
 
 @pytest.fixture
 async def client():
-    from engine.async_engine import AsyncEngine
-    from contracts.config import EngineConfig
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.contracts.config import EngineConfig
 
     engine = AsyncEngine(EngineConfig.from_options(**tiny_options()))
     await engine.start()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 
@@ -61,7 +61,7 @@ async def _status(app, host: str | None, path: str = "/v1/models") -> httpx.Resp
 
 
 def _served(bind: str, api_key: str | None = None, allowed: list[str] | None = None):
-    from app.trusted_host import TrustedHosts
+    from pagedserve.app.trusted_host import TrustedHosts
 
     hosts = TrustedHosts.for_server(bind, api_key, allowed)
     return build_app(FakeAsyncEngine(), served_model_name="fake-model", api_key=api_key, trusted_hosts=hosts)
@@ -115,7 +115,7 @@ async def test_a_server_bound_to_a_name_serves_that_name():
 async def test_with_an_api_key_every_host_is_served_unless_allowed_hosts_is_given():
     """A page cannot send the key, so --api-key already stops it; --allowed-hosts still applies
     when the operator gives it."""
-    from app.trusted_host import TrustedHosts
+    from pagedserve.app.trusted_host import TrustedHosts
 
     assert TrustedHosts.for_server("127.0.0.1", "sk", None) is None
     app = _served("127.0.0.1", api_key="sk")
@@ -134,9 +134,9 @@ def test_build_app_checks_no_host_by_default():
 
 
 def test_serve_flags():
-    from app.cli import build_parser
-    from app.serve_cmd import check_access
-    from contracts.config import ConfigError
+    from pagedserve.app.cli import build_parser
+    from pagedserve.app.serve_cmd import check_access
+    from pagedserve.contracts.config import ConfigError
 
     def args(*argv):
         a = build_parser(["serve", *argv]).parse_args(["serve", *argv])
@@ -161,7 +161,7 @@ def _serve_help() -> str:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    return subprocess.run([sys.executable, "-m", "app.cli", "serve", "--help"], cwd=root, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pagedserve.app.cli", "serve", "--help"], cwd=root, capture_output=True,
                           text=True, timeout=120).stdout
 
 

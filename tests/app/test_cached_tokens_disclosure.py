@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.fake_engine import FakeAsyncEngine
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.chat_page import PAGE_FILES
-from app.cli import build_parser
-from app.server import build_app
-from app.server_config import ServerConfig
-from app.trusted_host import TrustedHosts
+from pagedserve.app.chat_page import PAGE_FILES
+from pagedserve.app.cli import build_parser
+from pagedserve.app.server import build_app
+from pagedserve.app.server_config import ServerConfig
+from pagedserve.app.trusted_host import TrustedHosts
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 
@@ -92,6 +92,6 @@ def test_serve_flag():
 
 
 def test_the_static_files_are_package_data():
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["app"]
-    shipped = {p.name for pattern in data for p in (ROOT / "app").glob(pattern)}
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pagedserve.app"]
+    shipped = {p.name for pattern in data for p in (ROOT / "pagedserve" / "app").glob(pattern)}
     assert {name for name, _ in PAGE_FILES.values()} <= shipped

@@ -9,8 +9,8 @@ import json
 import httpx
 import pytest
 
-from app.chat_remote import RemoteChat, RemoteError, api_base, request_body
-from app.cli import build_parser
+from pagedserve.app.chat_remote import RemoteChat, RemoteError, api_base, request_body
+from pagedserve.app.cli import build_parser
 
 
 def chat_args(*argv: str):

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from app.cli import main
-from app.info_routes import server_version
+from pagedserve.app.cli import main
+from pagedserve.app.info_routes import server_version
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])

@@ -8,8 +8,8 @@ import struct
 import httpx
 import pytest
 
-from app.server import build_app
-from engine.pooling_params import PoolingParams
+from pagedserve.app.server import build_app
+from pagedserve.engine.pooling_params import PoolingParams
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 

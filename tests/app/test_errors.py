@@ -171,7 +171,7 @@ async def test_unexpected_error_500_without_trace(client, engine, caplog):
         raise KeyError("secret internal detail")
 
     engine.generate = boom
-    with caplog.at_level(logging.ERROR, logger="app.errors"):
+    with caplog.at_level(logging.ERROR, logger="pagedserve.app.errors"):
         r = await client.post("/v1/completions", json={"prompt": "x"})
     err = assert_openai_error(r, 500)
     assert "secret" not in r.text and "Traceback" not in r.text and err["type"] == "server_error"

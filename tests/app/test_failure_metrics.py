@@ -10,7 +10,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.test_auth_metrics import call_and_disconnect
 from tests.engine.fake_async import patch_build_engine, started_engine
 
@@ -190,7 +190,7 @@ async def test_overload_503s_are_counted_apart_from_a_dead_engine(client, engine
 
 
 async def test_503_while_restarting_is_not_an_overload(client, engine):
-    from engine.errors import EngineRestartingError
+    from pagedserve.engine.errors import EngineRestartingError
 
     def restarting(*a, **kw):
         raise EngineRestartingError("the engine is restarting its workers; retry shortly")
@@ -241,8 +241,8 @@ def gauges(m: dict) -> tuple[float, float, float]:
 async def test_gauges_drop_the_requests_an_engine_death_failed(monkeypatch):
     """After the engine dies, /metrics shows no running or waiting request and no KV cache in
     use: the requests it failed are gone (they were shown as running for ever)."""
-    from engine.errors import EngineDeadError
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.errors import EngineDeadError
+    from pagedserve.engine.sampling_params import SamplingParams
 
     built = patch_build_engine(monkeypatch)
     engine = await started_engine(max_num_seqs=1)  # one runs, the other waits

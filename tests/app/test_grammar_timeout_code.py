@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from tests.app.conftest import assert_openai_error
 
 TIMEOUT_TEXT = ("compiling the grammar took longer than the limit of 10 s (--grammar-compile-timeout); "

@@ -9,12 +9,12 @@ import json
 import httpx
 import pytest
 
-from app.cli import build_parser
-from app.serve_cmd import _origins, take_model
-from app.server import build_app
-from contracts.config import ConfigError, EngineConfig
-from engine.bootstrap import read_chat_template, resolve_config
-from loadtest.tiny_model import TINY_CONFIG
+from pagedserve.app.cli import build_parser
+from pagedserve.app.serve_cmd import _origins, take_model
+from pagedserve.app.server import build_app
+from pagedserve.contracts.config import ConfigError, EngineConfig
+from pagedserve.engine.bootstrap import read_chat_template, resolve_config
+from pagedserve.loadtest.tiny_model import TINY_CONFIG
 from tests.app.fake_engine import FakeAsyncEngine
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.listen import bind_socket
+from pagedserve.app.listen import bind_socket
 
 _real_getaddrinfo = socket.getaddrinfo
 

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.fake_engine import FakeAsyncEngine
 from tests.app.test_auth_metrics import samples
 

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.fake_engine import FakeAsyncEngine
 from tests.lora_fixtures import write_adapter_files
 

@@ -16,11 +16,11 @@ import os
 import httpx
 import pytest
 
-from app.lora_adapters import LoRAModule
-from app.server import build_app
-from contracts.config import ConfigError
-from contracts.lora import LoRAAdapterError, read_adapter
-from engine.errors import RequestRejectedError
+from pagedserve.app.lora_adapters import LoRAModule
+from pagedserve.app.server import build_app
+from pagedserve.contracts.config import ConfigError
+from pagedserve.contracts.lora import LoRAAdapterError, read_adapter
+from pagedserve.engine.errors import RequestRejectedError
 from tests.app.fake_engine import FakeAsyncEngine
 from tests.lora_fixtures import TINY_HF, write_adapter_files
 
@@ -85,8 +85,8 @@ def test_serve_refuses_runtime_updating_without_a_root(tmp_path):
     import sys
     from pathlib import Path
 
-    from app.cli import build_parser
-    from app.serve_cmd import check_access
+    from pagedserve.app.cli import build_parser
+    from pagedserve.app.serve_cmd import check_access
 
     argv = ["serve", "--enable-lora", "--allow-runtime-lora-updating"]
     args = build_parser(argv).parse_args(argv)
@@ -102,7 +102,7 @@ def test_serve_refuses_runtime_updating_without_a_root(tmp_path):
         check_access(build_parser(argv).parse_args(argv + ["--lora-root", str(tmp_path / "nope")]))
     # the real command: one line naming the flag, exit 1, before any model is loaded
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--enable-lora", "--allow-runtime-lora-updating",
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.app.cli", "serve", "--enable-lora", "--allow-runtime-lora-updating",
                            "--host", "127.0.0.1", "--port", "0"], cwd=root, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     errors = [line for line in out.splitlines() if " ERROR " in line]

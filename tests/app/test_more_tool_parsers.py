@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from app.tools.parsers import AUTO_PARSERS
-from app.tools.output import full_message
-from app.tools.plan import ToolConfig, ToolPlan
-from app.tools.pythonic_parser import parse_calls
-from app.tools.qwen3_coder_parser import convert
+from pagedserve.app.tools.parsers import AUTO_PARSERS
+from pagedserve.app.tools.output import full_message
+from pagedserve.app.tools.plan import ToolConfig, ToolPlan
+from pagedserve.app.tools.pythonic_parser import parse_calls
+from pagedserve.app.tools.qwen3_coder_parser import convert
 from tests.app.test_tool_parsers import chars, random_pieces, stream, whole
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -119,7 +119,7 @@ async def test_chosen_by_the_flag_on_chat_streamed_and_not():
     import httpx
     import openai
 
-    from app.server import build_app
+    from pagedserve.app.server import build_app
     from tests.app.fake_engine import FakeAsyncEngine
 
     text, content = FORMATS["qwen3_coder"][0]

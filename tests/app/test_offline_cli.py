@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    from contracts.config import default_model_path
+    from pagedserve.contracts.config import default_model_path
 
     engine = ["--model", default_model_path(), "--load-format", "dummy", "--hf-config", json.dumps(TINY_CONFIG),
               "--dtype", "float32", "--kv-cache-memory", "0.05"]
-    cmd = [sys.executable, "-m", "app.cli", *args, *engine]
+    cmd = [sys.executable, "-m", "pagedserve.app.cli", *args, *engine]
     return subprocess.run(cmd, cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 

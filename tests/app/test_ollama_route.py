@@ -9,8 +9,8 @@ import httpx
 import ollama
 import pytest
 
-from app.server import build_app
-from app.tools.plan import ToolConfig
+from pagedserve.app.server import build_app
+from pagedserve.app.tools.plan import ToolConfig
 from tests.app.fake_engine import FakeAsyncEngine
 
 WEATHER = {"type": "function", "function": {

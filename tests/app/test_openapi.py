@@ -10,11 +10,11 @@ import pytest
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate as validate_openapi
 
-from app.errors import APIError
-from app.embeddings_protocol import EmbeddingRequest, ScoreRequest
-from app.protocol import BOUND_KEY, ChatCompletionRequest, CompletionRequest, TokenizeRequest, parse
-from app.openapi import OTHER_API_PREFIXES
-from app.server import build_app
+from pagedserve.app.errors import APIError
+from pagedserve.app.embeddings_protocol import EmbeddingRequest, ScoreRequest
+from pagedserve.app.protocol import BOUND_KEY, ChatCompletionRequest, CompletionRequest, TokenizeRequest, parse
+from pagedserve.app.openapi import OTHER_API_PREFIXES
+from pagedserve.app.server import build_app
 from tests.app.fake_engine import FakeAsyncEngine
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -118,7 +118,7 @@ ADMISSION_KIND = {CompletionRequest: "completions", ChatCompletionRequest: "chat
 def server_accepts(model, body: dict) -> bool:
     """As the server reads a body: the admission bounds (app/admission.py, default limits, the fake
     engine's vocabulary), then the request model."""
-    from app.admission import AdmissionLimits, check_body
+    from pagedserve.app.admission import AdmissionLimits, check_body
 
     try:
         if model in ADMISSION_KIND:
@@ -273,7 +273,7 @@ async def test_a_body_the_schema_refuses_is_a_400_even_for_an_unknown_model(clie
 async def test_the_408_the_server_sends_is_the_documented_error_body(part):
     """The read-timeout answer (app/http_protocol.py, written on the socket before the app sees
     a request) is an HTTP response whose body the document's ErrorResponse schema accepts."""
-    from app.http_protocol import _response_408
+    from pagedserve.app.http_protocol import _response_408
 
     doc = await fetch_doc()
     raw = _response_408(part, 12.0)

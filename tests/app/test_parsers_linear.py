@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from loadtest.micro.bench_stream_parsers import cases, run_once
+from pagedserve.loadtest.micro.bench_stream_parsers import cases, run_once
 
 MAX_RATIO = 2.5
 

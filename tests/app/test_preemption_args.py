@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from app.engine_args import add_engine_args, engine_config_from_args
-from engine.bootstrap import resolve_config
-from contracts.config import ConfigError, default_model_path
+from pagedserve.app.engine_args import add_engine_args, engine_config_from_args
+from pagedserve.engine.bootstrap import resolve_config
+from pagedserve.contracts.config import ConfigError, default_model_path
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def test_unknown_mode_is_refused_by_the_parser():
                                            ({"swap_space": -1.0}, "--swap-space"),
                                            ({"swap_space": float("nan")}, "--swap-space")])
 def test_bad_values_are_config_errors(options, flag):
-    from contracts.config import EngineConfig
+    from pagedserve.contracts.config import EngineConfig
 
     with pytest.raises(ConfigError, match=flag):  # SchedulerConfig / CacheConfig refuse it when built
         resolve_config(EngineConfig.from_options(model=default_model_path(),

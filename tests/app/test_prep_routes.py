@@ -7,8 +7,8 @@ import threading
 
 import httpx
 
-from app.server import build_app
-from engine.prep_pools import PrepBusyError, PrepDeadlineError
+from pagedserve.app.server import build_app
+from pagedserve.engine.prep_pools import PrepBusyError, PrepDeadlineError
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.admission import AdmissionLimits
-from app.server import build_app
+from pagedserve.app.admission import AdmissionLimits
+from pagedserve.app.server import build_app
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import uvicorn
 
-from app.http_protocol import with_read_timeouts
+from pagedserve.app.http_protocol import with_read_timeouts
 
 TIMEOUT_S = 0.5  # header and body timeouts of the server under test
 CHUNKS = 8

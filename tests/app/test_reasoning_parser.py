@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from app.reasoning.parser import REASONING_PARSERS, ReasoningDelta, prompt_state
+from pagedserve.app.reasoning.parser import REASONING_PARSERS, ReasoningDelta, prompt_state
 
 
 def stream(name: str, pieces: list[str], prompt: str | None = None) -> tuple[str, str, list[ReasoningDelta]]:

@@ -7,9 +7,9 @@ import asyncio
 import httpx
 import pytest
 
-from app.server import build_app
-from engine.replicas import ReplicatedEngine
-from engine.sampling_params import SamplingParams
+from pagedserve.app.server import build_app
+from pagedserve.engine.replicas import ReplicatedEngine
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.app.test_failure_metrics import scrape
 from tests.engine.fake_async import patch_build_engine
 from tests.engine.fakes import make_config

@@ -7,7 +7,7 @@ import logging
 import httpx
 import pytest
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.conftest import assert_openai_error, sse_payloads
 from tests.app.fake_engine import FakeAsyncEngine
 
@@ -47,7 +47,7 @@ async def test_accepted_at_their_neutral_values(client):
 
 
 async def test_unknown_fields_are_accepted_and_logged_once_per_name(client, caplog):
-    caplog.set_level(logging.WARNING, logger="app.extra_fields")
+    caplog.set_level(logging.WARNING, logger="pagedserve.app.extra_fields")
     for _ in range(2):
         r = await client.post("/v1/chat/completions", json={**CHAT, "frobnicate_zz": 1})
         assert r.status_code == 200
@@ -144,7 +144,7 @@ async def test_a_request_template_is_parsed_for_tools_off_the_loop_and_never_eva
     import threading
     import time
 
-    from app.tools import prompt
+    from pagedserve.app.tools import prompt
 
     threads = []
     knows = prompt.template_knows_tools
@@ -224,9 +224,9 @@ def test_reserved_template_kwargs_cover_every_parameter_of_the_renderers():
     # chat_template_kwargs (as vLLM) or refused; none can reach the call twice.
     import inspect
 
-    from app.extra_fields import OVERRIDABLE_TEMPLATE_KWARGS, RESERVED_TEMPLATE_KWARGS
-    from engine.async_engine import AsyncEngine
-    from engine.tokenizer import Tokenizer
+    from pagedserve.app.extra_fields import OVERRIDABLE_TEMPLATE_KWARGS, RESERVED_TEMPLATE_KWARGS
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.tokenizer import Tokenizer
 
     for fn in (AsyncEngine.render_chat, Tokenizer.apply_chat_template):
         for p in inspect.signature(fn).parameters.values():
@@ -238,8 +238,8 @@ def test_reserved_template_kwargs_cover_every_parameter_of_the_renderers():
 def test_unknown_field_logging_stores_nothing_past_its_cap(monkeypatch):
     # One body with 100,000 unknown keys grew the once-per-name set to 100,000 names (the cap
     # was checked before storing, not while).
-    from app import extra_fields
-    from app.protocol import CompletionRequest
+    from pagedserve.app import extra_fields
+    from pagedserve.app.protocol import CompletionRequest
 
     monkeypatch.setattr(extra_fields, "_logged_ignored", set())
     body = {**COMPLETION, **{f"k{i}": 1 for i in range(100_000)}}

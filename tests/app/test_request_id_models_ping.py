@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import httpx
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.conftest import sse_payloads
 from tests.app.fake_engine import FakeAsyncEngine
 

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from app.server import build_app
-from app.tools.plan import ToolConfig
+from pagedserve.app.server import build_app
+from pagedserve.app.tools.plan import ToolConfig
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser
-from app.listen import ListenError, bind_socket
+from pagedserve.app.cli import build_parser
+from pagedserve.app.listen import ListenError, bind_socket
 from tests.tiny import TINY_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def occupied_port() -> socket.socket:
 
 
 def serve_argv(port: int) -> list[str]:
-    from contracts.config import default_model_path
+    from pagedserve.contracts.config import default_model_path
 
     return ["serve", "--model", default_model_path(), "--load-format", "dummy",
             "--hf-config", json.dumps(TINY_CONFIG), "--dtype", "float32", "--max-model-len", "256",
@@ -51,8 +51,8 @@ def test_bind_socket_unknown_host_is_a_listen_error():
 
 
 def test_busy_port_fails_before_the_engine_starts(monkeypatch, caplog):
-    from app import serve_cmd
-    from engine.async_engine import AsyncEngine
+    from pagedserve.app import serve_cmd
+    from pagedserve.engine.async_engine import AsyncEngine
 
     started = []
 
@@ -73,8 +73,8 @@ def test_busy_port_fails_before_the_engine_starts(monkeypatch, caplog):
 
 def test_the_port_is_held_while_the_engine_loads(monkeypatch):
     """Bound first: while the engine starts, nobody else can take the port."""
-    from app import serve_cmd
-    from engine.async_engine import AsyncEngine
+    from pagedserve.app import serve_cmd
+    from pagedserve.engine.async_engine import AsyncEngine
 
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
@@ -106,7 +106,7 @@ def test_serve_process_on_a_busy_port_exits_1_with_one_line_and_no_engine():
     with occupied_port() as busy:
         port = busy.getsockname()[1]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGEDSERVE_API_KEY": ""}
-        proc = subprocess.run([sys.executable, "-m", "app.cli", *serve_argv(port)], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, "-m", "pagedserve.app.cli", *serve_argv(port)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
     out = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode == 1, out

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_missing_model_is_one_line_and_exit_1(tmp_path):
     missing = tmp_path / "no-such-model.gguf"
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--model", str(missing),
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.app.cli", "serve", "--model", str(missing),
                            "--host", "127.0.0.1", "--port", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
@@ -25,7 +25,7 @@ def test_missing_model_is_one_line_and_exit_1(tmp_path):
 def test_data_parallel_needs_worker_processes():
     for flags, reason in ((["--data-parallel-size", "2", "--executor", "inproc"], "needs worker processes"),
                           (["--data-parallel-size", "0"], "must be at least 1")):
-        proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", *flags, "--host", "127.0.0.1",
+        proc = subprocess.run([sys.executable, "-m", "pagedserve.app.cli", "serve", *flags, "--host", "127.0.0.1",
                                "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 1 and "Traceback" not in out, out
@@ -41,7 +41,7 @@ def test_device_cuda_without_cuda_is_one_line_saying_why():
         import pytest
 
         pytest.skip("this box has CUDA")
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--device", "cuda", "--host", "127.0.0.1",
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.app.cli", "serve", "--device", "cuda", "--host", "127.0.0.1",
                            "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "Traceback" not in out, out

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from app.cli import build_parser
-from app.server_config import SERVER_OPTION_FLAGS, ServerConfig, server_option_default
+from pagedserve.app.cli import build_parser
+from pagedserve.app.server_config import SERVER_OPTION_FLAGS, ServerConfig, server_option_default
 
 
 def _serve_args(*argv: str):
@@ -43,7 +43,7 @@ def test_from_args_carries_every_flag():
 
 
 def test_build_app_takes_a_config_or_its_keywords_not_both():
-    from app.server import build_app
+    from pagedserve.app.server import build_app
     from tests.app.fake_engine import FakeAsyncEngine
 
     with pytest.raises(TypeError, match="not both"):

@@ -8,9 +8,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.engine_args import add_engine_args, engine_config_from_args
-from app.server import build_app
-from contracts.config import ConfigError
+from pagedserve.app.engine_args import add_engine_args, engine_config_from_args
+from pagedserve.app.server import build_app
+from pagedserve.contracts.config import ConfigError
 from tests.app.conftest import assert_openai_error
 from tests.app.test_beam_routes import tiny_options
 from tests.tiny import TINY_CONFIG
@@ -42,8 +42,8 @@ def test_flag_takes_vllm_json():
 
 @pytest.fixture
 async def client():
-    from contracts.config import EngineConfig
-    from engine.async_engine import AsyncEngine
+    from pagedserve.contracts.config import EngineConfig
+    from pagedserve.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig.from_options(**small_options(), speculative_config=NGRAM))
     await engine.start()
@@ -56,8 +56,8 @@ async def client():
 
 
 async def test_greedy_text_as_without_speculation_and_metrics(client):
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.sampling_params import SamplingParams
 
     c, engine = client
     # The special tokens' text (ids below 16) stands for the ids.

@@ -7,7 +7,7 @@ import asyncio
 
 import orjson
 
-from app.server import build_app
+from pagedserve.app.server import build_app
 from tests.app.asgi_stream import AsgiRun, read_like_vllm_bench, until
 from tests.app.conftest import sse_payloads
 from tests.app.fake_engine import FakeAsyncEngine
@@ -91,7 +91,7 @@ async def test_pings_on_request_and_what_they_do_to_such_a_client():
 
 
 def test_serve_sends_no_pings_unless_asked():
-    from app.cli import build_parser
+    from pagedserve.app.cli import build_parser
 
     argv = ["serve"]
     assert build_parser(argv).parse_args(argv).sse_ping_interval == 0

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.streaming import merge_async_iterators, sse_event
+from pagedserve.app.streaming import merge_async_iterators, sse_event
 
 
 class Source:
@@ -82,8 +82,7 @@ def parse_serve(argv, monkeypatch, env_key=None):
         monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
     else:
         monkeypatch.setenv("PAGEDSERVE_API_KEY", env_key)
-    import app.serve_cmd as serve_cmd
-
+    import pagedserve.app.serve_cmd as serve_cmd
     importlib.reload(serve_cmd)
     parser = argparse.ArgumentParser()
     serve_cmd.add_arguments(parser)
@@ -91,7 +90,7 @@ def parse_serve(argv, monkeypatch, env_key=None):
 
 
 def test_serve_flags_defaults_and_engine_config(monkeypatch):
-    from app.engine_args import engine_config_from_args
+    from pagedserve.app.engine_args import engine_config_from_args
 
     args = parse_serve([], monkeypatch)
     assert (args.host, args.port, args.api_key, args.served_model_name) == ("127.0.0.1", 8000, None, None)

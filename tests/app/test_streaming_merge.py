@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from app.streaming import merge_async_iterators
+from pagedserve.app.streaming import merge_async_iterators
 
 
 class Counting:

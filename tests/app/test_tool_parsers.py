@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from app.tools.json_scan import JsonScanError, JsonScanner
-from app.tools.parsers import HermesToolParser, NamedCallParser, RequiredCallsParser, parse_whole
+from pagedserve.app.tools.json_scan import JsonScanError, JsonScanner
+from pagedserve.app.tools.parsers import HermesToolParser, NamedCallParser, RequiredCallsParser, parse_whole
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
@@ -182,7 +182,7 @@ LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}};
 
 @pytest.mark.parametrize("split", ["chars", "random", "whole"])
 def test_llama3_json_calls(split):
-    from app.tools.parsers import Llama3JsonToolParser
+    from pagedserve.app.tools.parsers import Llama3JsonToolParser
 
     pieces = {"chars": chars(LLAMA), "random": random_pieces(LLAMA, 3), "whole": [LLAMA]}[split]
     content, calls, _ = stream(Llama3JsonToolParser(), pieces)
@@ -192,7 +192,7 @@ def test_llama3_json_calls(split):
 
 
 def test_llama3_json_plain_reply_and_broken_call():
-    from app.tools.parsers import Llama3JsonToolParser
+    from pagedserve.app.tools.parsers import Llama3JsonToolParser
 
     assert stream(Llama3JsonToolParser(), chars("It is {warm}."))[:2] == ("It is {warm}.", [])
     assert stream(Llama3JsonToolParser(), ["<|py"])[:2] == ("<|py", [])
@@ -202,7 +202,7 @@ def test_llama3_json_plain_reply_and_broken_call():
 
 
 def test_parser_is_chosen_by_the_chat_template():
-    from app.tools.plan import ToolConfig
+    from pagedserve.app.tools.plan import ToolConfig
 
     assert ToolConfig().parser_name("... <tool_call> ...") == "hermes"
     assert ToolConfig().parser_name("... <|python_tag|> ...") == "llama3_json"

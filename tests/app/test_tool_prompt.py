@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.protocol import ChatCompletionRequest
-from app.tools.prompt import template_knows_tools, template_messages, with_default_tool_prompt
+from pagedserve.app.protocol import ChatCompletionRequest
+from pagedserve.app.tools.prompt import template_knows_tools, template_messages, with_default_tool_prompt
 
 # Qwen 2.5's chat template (tools part), trimmed to what this test uses.
 QWEN_LIKE = r"""{%- if tools %}
@@ -49,7 +49,7 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_model()
 
@@ -84,7 +84,7 @@ def test_many_tool_results_are_merged_in_linear_time(monkeypatch):
     # Each tool result was appended with out[-1]["content"] += ...: 10,000 results of 200
     # characters copied ~10 GB on the event loop. Linear, counted: each result is made into its
     # block once, and the turn's text is the one join of the whole run (no copy of it after).
-    from app.tools import prompt
+    from pagedserve.app.tools import prompt
 
     raw = [{"role": "user", "content": "go"}] + [
         {"role": "tool", "tool_call_id": str(i), "content": f"{i:06d}" + "r" * 194} for i in range(10_000)]

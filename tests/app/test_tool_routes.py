@@ -8,9 +8,9 @@ import httpx
 import openai
 import pytest
 
-from app.server import build_app
-from app.tools.plan import ToolConfig
-from app.tools.prompt import DEFAULT_TOOL_PROMPT
+from pagedserve.app.server import build_app
+from pagedserve.app.tools.plan import ToolConfig
+from pagedserve.app.tools.prompt import DEFAULT_TOOL_PROMPT
 from tests.app.conftest import assert_openai_error
 from tests.app.fake_engine import FakeAsyncEngine
 

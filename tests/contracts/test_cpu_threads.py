@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from contracts import cpu_threads
-from contracts.cpu_threads import cgroup_cpu_limit, openmp_defaults, openmp_loaded, usable_cpus
+from pagedserve.contracts import cpu_threads
+from pagedserve.contracts.cpu_threads import cgroup_cpu_limit, openmp_defaults, openmp_loaded, usable_cpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def test_openmp_defaults_keep_what_the_user_set(user):
 
 
 def test_openmp_settings_are_what_a_ray_actor_is_given():
-    from contracts.cpu_threads import openmp_settings
+    from pagedserve.contracts.cpu_threads import openmp_settings
 
     assert openmp_settings({"GOMP_SPINCOUNT": "1000", "OMP_NUM_THREADS": "2", "PATH": "/bin"}) == \
         {"GOMP_SPINCOUNT": "1000"}
@@ -136,16 +136,16 @@ def test_the_cli_sets_them_before_torch_loads_libgomp():
     """``pagedserve`` sets the spin before any subcommand imports torch, so the libgomp torch loads
     reads it; the same process then shows no OpenMP mapped at the moment the default is set."""
     code = ("import sys\n"
-            "from contracts import cpu_threads\n"
+            "from pagedserve.contracts import cpu_threads\n"
             "seen = []\n"
             "real = cpu_threads.openmp_defaults\n"
             "def spy(environ=None):\n"
             "    seen.append(('torch' in sys.modules, cpu_threads.openmp_loaded()))\n"
             "    return real(environ)\n"
             "cpu_threads.openmp_defaults = spy\n"
-            "import app.cli\n"
-            "app.cli.openmp_defaults = spy\n"
-            "app.cli.main(['env'])\n"
+            "import pagedserve.app.cli\n"
+            "pagedserve.app.cli.openmp_defaults = spy\n"
+            "pagedserve.app.cli.main(['env'])\n"
             "import os, torch\n"
             "print(seen, os.environ.get('GOMP_SPINCOUNT'), cpu_threads.openmp_loaded())\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -158,9 +158,9 @@ def test_the_cli_sets_them_before_torch_loads_libgomp():
 def test_a_spawned_worker_inherits_them_and_sets_them_itself():
     """The worker entry sets the default too (a worker started by another parent), before torch."""
     code = ("import os, sys\n"
-            "from gpu import worker\n"
+            "from pagedserve.gpu import worker\n"
             "assert 'torch' not in sys.modules\n"
-            "from contracts import cpu_threads\n"
+            "from pagedserve.contracts import cpu_threads\n"
             "os.environ.pop('GOMP_SPINCOUNT', None)\n"
             "class Stop(Exception): pass\n"
             "def stop(*a, **k):\n"

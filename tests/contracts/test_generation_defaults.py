@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from contracts.config import ConfigError, EngineConfig
-from contracts.generation_defaults import generation_defaults
+from pagedserve.contracts.config import ConfigError, EngineConfig
+from pagedserve.contracts.generation_defaults import generation_defaults
 
 QWEN3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "bos_token_id": 1}
 
@@ -74,11 +74,11 @@ def test_values_the_sampler_cannot_take_fail_the_start(tmp_path, gen, match):
 
 
 def test_the_flag_is_an_engine_option_and_is_logged(tmp_path, caplog):
-    from engine.bootstrap import sampling_defaults
+    from pagedserve.engine.bootstrap import sampling_defaults
 
     config = EngineConfig.from_options(model=hf_dir(tmp_path, QWEN3))
     assert config.model.generation_config == "auto"
-    with caplog.at_level(logging.INFO, logger="engine.bootstrap"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.bootstrap"):
         assert sampling_defaults(config) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert "temperature=0.6" in caplog.text and "--generation-config vllm" in caplog.text
     config = EngineConfig.from_options(model=config.model.model, generation_config="vllm")

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from app.cli import build_parser
-from app.engine_args import engine_config_from_args
-from contracts.config import ConfigError, EngineConfig
-from contracts.hf_hub import choose_gguf, parse_model_ref
-from engine.bootstrap import resolve_config
-from loadtest.tiny_model import TINY_CONFIG
+from pagedserve.app.cli import build_parser
+from pagedserve.app.engine_args import engine_config_from_args
+from pagedserve.contracts.config import ConfigError, EngineConfig
+from pagedserve.contracts.hf_hub import choose_gguf, parse_model_ref
+from pagedserve.engine.bootstrap import resolve_config
+from pagedserve.loadtest.tiny_model import TINY_CONFIG
 from tests.contracts.fake_hub import FakeHub, start
 
 
@@ -227,8 +227,8 @@ def test_a_gguf_downloaded_by_tag_generates_as_the_local_file(hub, tmp_path):
     greedy tokens as the same file given by path."""
     from gguf.constants import GGMLQuantizationType as T
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.sampling_params import SamplingParams
     from tests.gpu.test_model_families_gguf import GGUF_FAMILIES
     from tests.gpu.test_models import save_hf_model
     from tests.gpu.tiny_gguf import write_gguf

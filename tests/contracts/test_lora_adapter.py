@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from contracts.lora import LoRAAdapterError, read_adapter
+from pagedserve.contracts.lora import LoRAAdapterError, read_adapter
 from tests.lora_fixtures import TINY_HF, write_adapter_files
 
 A_KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"

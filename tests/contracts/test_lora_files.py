@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from contracts.lora import CONFIG_MAX_BYTES, LoRAAdapterError, read_adapter
+from pagedserve.contracts.lora import CONFIG_MAX_BYTES, LoRAAdapterError, read_adapter
 from tests.lora_fixtures import TINY_HF, write_adapter_files
 
 WEIGHTS = "adapter_model.safetensors"

@@ -8,15 +8,15 @@ import dataclasses
 
 import pytest
 
-from app.engine_args import add_engine_args, engine_config_from_args
-from contracts.config import (OPTION_FIELDS, PARTS, RENAMED_OPTIONS, CacheConfig, ConfigError,
+from pagedserve.app.engine_args import add_engine_args, engine_config_from_args
+from pagedserve.contracts.config import (OPTION_FIELDS, PARTS, RENAMED_OPTIONS, CacheConfig, ConfigError,
                               EngineConfig, ParallelConfig, SchedulerConfig, option_default, option_field)
 
 
 def engine_parser(serve: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     if serve:
-        from app.serve_cmd import add_arguments
+        from pagedserve.app.serve_cmd import add_arguments
 
         add_arguments(parser)
     else:
@@ -64,7 +64,7 @@ def test_old_option_names_are_refused_naming_the_new_one(old, new):
 
 
 def test_llm_refuses_an_old_name_before_loading_anything():
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     with pytest.raises(ConfigError, match="num_gpu_blocks_override"):
         LLM(num_blocks=64)
@@ -108,7 +108,7 @@ def test_each_config_checks_its_values_when_built(make, flag):
 
 
 def test_a_bad_value_on_the_command_line_is_one_line_not_a_traceback(capsys):
-    from app.serve_cmd import run
+    from pagedserve.app.serve_cmd import run
 
     args = engine_parser(serve=True).parse_args(["--max-num-seqs", "0", "--port", "0"])
     assert run(args) == 1

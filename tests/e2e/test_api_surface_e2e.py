@@ -27,7 +27,7 @@ def post(server, path: str, body: dict, **kw) -> httpx.Response:
 
 def test_logprob_bytes_join_into_the_reply(server):
     # Bias the reply towards tokens that are parts of characters (byte-level pieces).
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model(None)
     ids = tok.encode(" 日本語", add_special_tokens=False)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.server import build_app
-from engine.async_engine import AsyncEngine
-from contracts.config import EngineConfig, default_model_path
+from pagedserve.app.server import build_app
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.contracts.config import EngineConfig, default_model_path
 from tests.tiny import TINY_CONFIG
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # several full blocks of 16 tokens
@@ -59,7 +59,7 @@ async def test_equal_prompts_hit_the_cache_only_with_equal_salts():
 
 
 def test_offline_llm_takes_cache_salt_in_the_prompt_dict():
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
     from tests.tiny import tiny_llm
 
     with tiny_llm(max_model_len=512) as llm:

@@ -21,11 +21,11 @@ import time
 import httpx
 import pytest
 
-from gpu.transport import pick_transport
-from loadtest import proctree
-from loadtest.local_server import LocalServer, tiny_args
-from loadtest.soak import wait_idle
-from loadtest.tiny_model import TINY_CONFIG
+from pagedserve.gpu.transport import pick_transport
+from pagedserve.loadtest import proctree
+from pagedserve.loadtest.local_server import LocalServer, tiny_args
+from pagedserve.loadtest.soak import wait_idle
+from pagedserve.loadtest.tiny_model import TINY_CONFIG
 from tests.e2e.chaos_load import Load
 
 MODEL = "tiny"
@@ -44,7 +44,7 @@ def workers(s: LocalServer) -> list[int]:
 
 
 def restart_workers_supported() -> bool:
-    out = subprocess.run([sys.executable, "-m", "app.cli", "serve", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pagedserve.app.cli", "serve", "--help"], capture_output=True,
                          text=True, timeout=60).stdout
     return "--restart-workers" in out
 
@@ -308,7 +308,7 @@ def test_slow_header_connections_do_not_starve_others(shared_server):
 
 
 def _counters(url: str) -> dict:
-    from loadtest.soak import failure_counters
+    from pagedserve.loadtest.soak import failure_counters
 
     return failure_counters(httpx.get(url + "/metrics", timeout=5).text)
 

@@ -200,7 +200,7 @@ def test_cli_chat_attaches_to_the_server(server):
     """`pagedserve chat --url`: no model loaded, the served one answers, key and all."""
     expected = api_answer(server.url, 12)["choices"][0]["message"]["content"]
     env = {**os.environ, "PAGEDSERVE_API_KEY": "", "OPENAI_API_KEY": ""}
-    cmd = [sys.executable, "-m", "app.cli", "chat", "--url", server.url + "/v1", "--system", SYSTEM,
+    cmd = [sys.executable, "-m", "pagedserve.app.cli", "chat", "--url", server.url + "/v1", "--system", SYSTEM,
            "--max-tokens", "12"]
     r = subprocess.run([*cmd, "--api-key", KEY], input=PROMPT + "\n\n", capture_output=True, text=True,
                        timeout=120, env=env, cwd=Path(__file__).resolve().parents[2])
@@ -248,7 +248,7 @@ def test_reasoning_is_shown_apart_from_the_answer(browser, reasoning_server):
 
 def screenshot(path: str) -> None:
     """The README's screenshot: the default model answering on the page."""
-    from loadtest.local_server import LocalServer
+    from pagedserve.loadtest.local_server import LocalServer
 
     s = LocalServer(["--max-model-len", "2048"], log_prefix="pagedserve-screenshot-")
     driver = start_browser()

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from loadtest import proctree
+from pagedserve.loadtest import proctree
 from tests.e2e.test_server_e2e import ServerProcess
 
 HEALTH_BOUND_S = float(os.environ.get("PAGEDSERVE_CANARY_HEALTH_S", "1.0"))

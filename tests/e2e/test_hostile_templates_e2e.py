@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from loadtest import proctree
+from pagedserve.loadtest import proctree
 from tests.e2e.test_hostile_canary import ANSWER_BOUND_S, HEALTH_BOUND_S, POLL_S, RSS_BOUND_MIB, SMALL_CHAT, Watch
 from tests.e2e.test_server_e2e import ServerProcess
 from tests.engine.test_template_sandbox import HOSTILE

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from loadtest.local_server import LocalServer, tiny_args
+from pagedserve.loadtest.local_server import LocalServer, tiny_args
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
 TEMPLATE = "{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% endfor %}{% if add_generation_prompt %}<<assistant|{% endif %}"

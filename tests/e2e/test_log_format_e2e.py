@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from loadtest.local_server import LocalServer, tiny_args
+from pagedserve.loadtest.local_server import LocalServer, tiny_args
 
 KEY = "sk-log-test-key-0123"
 PROMPT = "a prompt that must stay out of the log"

@@ -7,10 +7,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.lora_adapters import LoRAModule
-from app.server import build_app
-from contracts.config import ConfigError, EngineConfig
-from engine.async_engine import AsyncEngine
+from pagedserve.app.lora_adapters import LoRAModule
+from pagedserve.app.server import build_app
+from pagedserve.contracts.config import ConfigError, EngineConfig
+from pagedserve.engine.async_engine import AsyncEngine
 from tests.lora_fixtures import peft_model, reference_greedy, save_adapter, save_base
 
 KEY = "sekret"
@@ -93,7 +93,7 @@ async def test_adapters_by_model_name_listing_and_runtime_load_unload(files):
 
         # In use: unloading is refused while a request of the adapter runs, which is unharmed. (The
         # request is started on the engine itself: httpx's ASGI transport reads whole responses.)
-        from engine.sampling_params import SamplingParams
+        from pagedserve.engine.sampling_params import SamplingParams
 
         lora = app.state.server.checks.adapters.by_name["adb"]
         stream = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), "busy",
@@ -133,7 +133,7 @@ async def test_runtime_updates_off_by_default_and_bad_modules_refused_at_start(f
 
 
 def test_lora_modules_parse_both_forms():
-    from app.lora_adapters import parse_lora_module
+    from pagedserve.app.lora_adapters import parse_lora_module
 
     assert parse_lora_module("a=/x/y") == LoRAModule("a", "/x/y")
     assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "m"}') == LoRAModule("a", "/x", "m")

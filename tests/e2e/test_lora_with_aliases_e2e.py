@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.lora_adapters import LoRAModule
-from app.server import build_app
-from contracts.config import ConfigError, EngineConfig
+from pagedserve.app.lora_adapters import LoRAModule
+from pagedserve.app.server import build_app
+from pagedserve.contracts.config import ConfigError, EngineConfig
 from tests.e2e.test_lora_e2e import KEY, _client, _engine, _tokens, files  # noqa: F401  (files is a fixture)
 
 

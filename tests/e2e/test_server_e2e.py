@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.local_server import LocalServer, free_port, tiny_args  # noqa: F401  (free_port: re-exported)
+from pagedserve.loadtest.local_server import LocalServer, free_port, tiny_args  # noqa: F401  (free_port: re-exported)
 from tests.tiny import TINY_CONFIG
 
 TINY = TINY_CONFIG
@@ -25,7 +25,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def model_path() -> str:
-    from contracts.config import default_model_path
+    from pagedserve.contracts.config import default_model_path
 
     return default_model_path()
 
@@ -142,8 +142,8 @@ def test_streaming_usage_equals_token_counts(server):
 
 
 def test_greedy_chat_equals_offline_llm(server):
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.sampling_params import SamplingParams
 
     import openai
 

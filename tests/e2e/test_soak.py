@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from loadtest.local_server import LocalServer, tiny_args
-from loadtest.soak import SoakConfig, run_soak, summarize
-from loadtest.soak_mix import MIX, Outcome, plan
+from pagedserve.loadtest.local_server import LocalServer, tiny_args
+from pagedserve.loadtest.soak import SoakConfig, run_soak, summarize
+from pagedserve.loadtest.soak_mix import MIX, Outcome, plan
 
 # A short run has a short warm-up, so allocator and cache growth after it is still visible; the
 # long run is held to the issue's 5 %.
@@ -59,7 +59,7 @@ def test_plans_are_replayable_and_bad_ones_expect_4xx():
 
 
 def test_summary_fails_on_a_5xx_a_leak_or_a_busy_engine():
-    from loadtest.proctree import ProcessFigures, TreeSnapshot
+    from pagedserve.loadtest.proctree import ProcessFigures, TreeSnapshot
 
     cfg = SoakConfig(base_url="http://x", max_rss_growth_pct=5, fd_tolerance=2)
     idle = {"kv_cache_usage_perc": 0.0, "num_requests_running": 0.0, "num_requests_waiting": 0.0}
@@ -96,7 +96,7 @@ def test_summary_compares_the_servers_failure_counters_with_the_clients():
 
 
 def test_hostile_plans_cover_every_kind_and_accept_only_200_400_413():
-    from loadtest.soak_mix import HOSTILE_KINDS, HOSTILE_OK
+    from pagedserve.loadtest.soak_mix import HOSTILE_KINDS, HOSTILE_OK
 
     hostile = [p for i in range(1500)
                if (p := plan(i, seed=1, model="m", max_model_len=64, max_tokens=8, hostile_scale=0.01)).kind
@@ -109,7 +109,7 @@ def test_hostile_plans_cover_every_kind_and_accept_only_200_400_413():
 
 
 def test_every_hostile_kind_comes_at_its_full_size():
-    from loadtest.soak_mix import HOSTILE_FULL_SIZE, HOSTILE_KINDS
+    from pagedserve.loadtest.soak_mix import HOSTILE_FULL_SIZE, HOSTILE_KINDS
 
     full = {}
     for i in range(1500):
@@ -161,8 +161,8 @@ def test_a_stream_that_ended_before_the_client_hung_up_is_not_an_abort():
 
     import httpx
 
-    from loadtest.soak_mix import Planned
-    from loadtest.soak_run import _send
+    from pagedserve.loadtest.soak_mix import Planned
+    from pagedserve.loadtest.soak_run import _send
 
     def sse(events: list[dict]) -> bytes:
         return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
@@ -187,7 +187,7 @@ def test_a_stream_that_ended_before_the_client_hung_up_is_not_an_abort():
 
 def test_requests_take_turns_with_the_other_served_names():
     """`bench soak --also-model ADAPTER`: a LoRA adapter in the mix (issue 35's soak with --enable-lora)."""
-    from loadtest.soak_run import model_for
+    from pagedserve.loadtest.soak_run import model_for
 
     assert [model_for(i, "base", ()) for i in range(3)] == ["base"] * 3
     assert [model_for(i, "base", ("ad",)) for i in range(4)] == ["base", "ad", "base", "ad"]

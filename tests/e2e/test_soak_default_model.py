@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from loadtest.local_server import LocalServer
-from loadtest.soak import SoakConfig, run_soak
+from pagedserve.loadtest.local_server import LocalServer
+from pagedserve.loadtest.soak import SoakConfig, run_soak
 
 # Before the heap was trimmed: 300-500 KiB per sequence here (avx512_bf16, 2 cores). What is left
 # is noise of a few MiB over ~400 sequences.

@@ -57,7 +57,7 @@ def test_declared_python_floor_covers_the_code():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     m = re.match(r"^>=\s*3\.(\d+)", project["requires-python"])
     assert m and int(m.group(1)) >= 11, project["requires-python"]
-    assert "asyncio.Runner" in (ROOT / "app" / "serve_cmd.py").read_text()
+    assert "asyncio.Runner" in (ROOT / "pagedserve" / "app" / "serve_cmd.py").read_text()
     floors = declared_floors()
 
     def at_least(name: str, version: tuple[int, ...]) -> bool:
@@ -113,11 +113,11 @@ def test_server_runs_on_the_declared_minimum_versions(floor_site):
         assert path.startswith(str(target)), (dist, path)
 
     # 2. A real server on those versions starts, streams and answers.
-    from loadtest.local_server import readiness_timeout
+    from pagedserve.loadtest.local_server import readiness_timeout
     from tests.e2e.test_server_e2e import free_port, model_path
 
     port = free_port()
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--model", model_path(), "--load-format", "dummy",
+    cmd = [sys.executable, "-m", "pagedserve.app.cli", "serve", "--model", model_path(), "--load-format", "dummy",
            "--hf-config", json.dumps(TINY_CONFIG), "--dtype", "float32", "--max-model-len", "512",
            "--num-gpu-blocks-override", "64", "--served-model-name", "tiny", "--port", str(port),
            "--shutdown-timeout", "5"]
@@ -168,7 +168,7 @@ def test_gguf_floor_dequantizes_the_default_model(floor_site):
     env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{ROOT}"}
     code = ("import gguf, importlib.metadata as md\n"
             "from gguf.quants import dequantize\n"
-            "from contracts.config import default_model_path\n"
+            "from pagedserve.contracts.config import default_model_path\n"
             "r = gguf.GGUFReader(default_model_path())\n"
             "t = next(t for t in r.tensors if t.name == 'blk.0.attn_k.weight')\n"
             "w = dequantize(t.data, t.tensor_type)\n"

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from gpu.transport import pick_transport
+from pagedserve.gpu.transport import pick_transport
 from tests.e2e.test_server_e2e import ServerProcess
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import random
 
-from engine.beam_search import LiveBeam, select
-from engine.sampling_params import BeamSearchParams
+from pagedserve.engine.beam_search import LiveBeam, select
+from pagedserve.engine.sampling_params import BeamSearchParams
 from tests.engine.fakes import BYTE0, EOS
 
 CANDIDATES = [BYTE0 + 65 + i for i in range(10)] + [EOS]

@@ -10,9 +10,10 @@ from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
 def patch_build_engine(monkeypatch) -> list:
     """Make AsyncEngine.start build its parts over FakeExecutor; returns the list of parts
     built (the test reaches the executor through it)."""
-    import engine.bootstrap
-    from engine.bootstrap import EngineParts
-    from engine.core import EngineCore
+    import pagedserve.engine.bootstrap
+    from pagedserve import engine
+    from pagedserve.engine.bootstrap import EngineParts
+    from pagedserve.engine.core import EngineCore
 
     built: list = []
 
@@ -28,7 +29,7 @@ def patch_build_engine(monkeypatch) -> list:
 
 
 async def started_engine(**config_kw):
-    from engine.async_engine import AsyncEngine
+    from pagedserve.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine(make_config(**{"num_blocks": 128, **config_kw}))
     await engine.start()

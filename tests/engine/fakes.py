@@ -7,11 +7,11 @@ prefix-cache hit, a lost block or a bad preemption shows up as an assertion).
 """
 from __future__ import annotations
 
-from contracts.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from contracts.messages import SampledLogprobs, StepInput, StepOutput
-from gpu.executor import Executor
-from gpu.spec_verify import draft_slices, num_accepted
-from gpu.worker import decode_step, encode_step
+from pagedserve.contracts.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedserve.contracts.messages import SampledLogprobs, StepInput, StepOutput
+from pagedserve.gpu.executor import Executor
+from pagedserve.gpu.spec_verify import draft_slices, num_accepted
+from pagedserve.gpu.worker import decode_step, encode_step
 
 PAD, BOS, EOS = 0, 1, 2
 BYTE0 = 3  # ids 3..258 are the bytes 0..255
@@ -256,7 +256,7 @@ def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_token
                 max_num_seqs: int = 16, max_model_len: int = 256, policy: str = "fcfs",
                 prefix_caching: bool = True, preemption_mode: str = "recompute",
                 num_swap_blocks: int | None = None, speculative: dict | None = None) -> EngineConfig:
-    from contracts.config import SpeculativeConfig
+    from pagedserve.contracts.config import SpeculativeConfig
 
     return EngineConfig(
         model=ModelConfig(max_model_len=max_model_len),
@@ -269,7 +269,7 @@ def make_config(num_blocks: int = 64, block_size: int = 4, max_num_batched_token
 
 
 def make_core(next_token=default_next_token, top_logprobs=None, **kw):
-    from engine.core import EngineCore
+    from pagedserve.engine.core import EngineCore
 
     config = make_config(**kw)
     executor = FakeExecutor(config.cache.num_gpu_blocks_override, config.cache.block_size, next_token,
@@ -279,7 +279,7 @@ def make_core(next_token=default_next_token, top_logprobs=None, **kw):
 
 def run_to_completion(core, max_steps: int = 10_000, check=None) -> dict:
     """Step until idle; returns request id -> merged RequestOutput."""
-    from engine.outputs import merge_delta
+    from pagedserve.engine.outputs import merge_delta
 
     results = {}
     for _ in range(max_steps):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.beam_search import Hypothesis, LiveBeam, select
-from engine.sampling_params import BeamSearchParams
-from engine.errors import RequestRejectedError, SamplingParamsError
+from pagedserve.engine.beam_search import Hypothesis, LiveBeam, select
+from pagedserve.engine.sampling_params import BeamSearchParams
+from pagedserve.engine.errors import RequestRejectedError, SamplingParamsError
 from tests.engine.beam_fakes import fake_top, reference_beam_search
 from tests.engine.fakes import BYTE0, EOS, make_core, run_to_completion
 
@@ -107,7 +107,7 @@ def test_beams_share_the_prompt_blocks_and_copy_only_the_tail():
     run(core)
     assert used_blocks(core) == 0
 
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
     core2, _ = make_core(num_blocks=64, block_size=4, prefix_caching=False)
     for i in range(4):
         core2.add_request(f"r{i}", None, prompt, SamplingParams(temperature=0, max_tokens=2))
@@ -122,7 +122,7 @@ def test_a_tiny_cache_preempts_beams_and_the_result_is_unchanged():
     # 3 beams of 9 + 10 tokens in blocks of 2 need 3 x 11 = 33 blocks on private blocks (what the
     # admission check asks: a preempted beam comes back on its own); beside another request of 60
     # tokens (30 blocks) they do not fit, so beams get preempted and recomputed.
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
     core, ex = make_core(top_logprobs=fake_top, num_blocks=34, block_size=2, max_num_batched_tokens=8)
     core.add_request("other", None, [BYTE0 + 60 + i for i in range(30)], SamplingParams(temperature=0, max_tokens=30))
     core.add_request("beam", None, prompt, params)

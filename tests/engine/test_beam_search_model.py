@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from engine.sampling_params import BeamSearchParams
+from pagedserve.engine.sampling_params import BeamSearchParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
 NEW_TOKENS = 12
@@ -27,7 +27,7 @@ def hf_model(default_model_path):
 
 @pytest.fixture(scope="module")
 def llm(default_model_path):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(default_model_path, dtype="float32", quantization="none", kv_cache_memory=0.25,
               enforce_eager=True)
@@ -81,7 +81,7 @@ def test_out_of_vocabulary_stop_ids_beside_another_request_change_nothing(llm):
     for more logprobs than the vocabulary, and its candidates then included the next row's tokens
     and logprobs (another request's). The beams must be the same as without them, whatever runs
     beside them in the same steps."""
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
     vocab = llm.core.vocab_size
     ids = llm.tokenizer.encode(PROMPTS[2])

@@ -6,9 +6,12 @@ import threading
 
 import pytest
 
-import engine.bootstrap
-import gpu.executor_factory
-from contracts.errors import ExecutorError
+import pagedserve.engine.bootstrap
+
+from pagedserve import engine
+import pagedserve.gpu.executor_factory
+from pagedserve import gpu
+from pagedserve.contracts.errors import ExecutorError
 from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
 
 WAIT_S = 10.0  # generous: only a sequential start (a bug) ever waits this long

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import RequestRejectedError
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.errors import RequestRejectedError
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.fakes import BYTE0, make_core, run_to_completion
 
 GREEDY = dict(temperature=0.0)

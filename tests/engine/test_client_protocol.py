@@ -11,7 +11,7 @@ import inspect
 
 import pytest
 
-from engine.client import EngineClient, TokenizerClient
+from pagedserve.engine.client import EngineClient, TokenizerClient
 
 P = inspect.Parameter
 
@@ -78,14 +78,14 @@ def conformance_problems(obj, protocol) -> list[str]:
 
 
 def _async_engine():
-    from engine.async_engine import AsyncEngine
+    from pagedserve.engine.async_engine import AsyncEngine
     from tests.engine.fakes import make_config
 
     return AsyncEngine(make_config())
 
 
 def _replicated_engine():
-    from engine.replicas import ReplicatedEngine
+    from pagedserve.engine.replicas import ReplicatedEngine
     from tests.engine.fakes import make_config
 
     return ReplicatedEngine(make_config(), 2)
@@ -113,7 +113,7 @@ def _real_tokenizer():
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.models import WordLevel
 
-    from engine.tokenizer import Tokenizer, _Specials
+    from pagedserve.engine.tokenizer import Tokenizer, _Specials
 
     backend = HFTokenizer(WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
     return Tokenizer(backend, _Specials(), None, "test")
@@ -153,10 +153,10 @@ def test_the_checker_sees_a_wrong_signature():
 
 
 def test_step_splitting_executors_implement_submit_and_collect():
-    from gpu.executor import Executor, InprocExecutor
-    from gpu.mp_executor import MultiprocExecutor
-    from gpu.ray_call_executor import RayCallExecutor
-    from gpu.ray_executor import RayRingExecutor
+    from pagedserve.gpu.executor import Executor, InprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.ray_call_executor import RayCallExecutor
+    from pagedserve.gpu.ray_executor import RayRingExecutor
 
     assert not Executor.splits_steps and not InprocExecutor.splits_steps
     for cls in (MultiprocExecutor, RayRingExecutor, RayCallExecutor):

@@ -1,8 +1,8 @@
 """EngineCore + Scheduler + BlockManager against the worker-mirroring FakeExecutor."""
 import pytest
 
-from engine.errors import RequestRejectedError
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.errors import RequestRejectedError
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.fakes import BYTE0, EOS, FakeTokenizer, make_core, run_to_completion
 
 tok = FakeTokenizer()
@@ -321,7 +321,7 @@ def test_worker_error_reaches_the_request_as_one_line_and_the_log_in_full(caplog
     core.add_request("a", None, prompt(0, 5), SamplingParams(max_tokens=5))
     core.step()
     ex.error = _WORKER_TRACEBACK
-    with caplog.at_level("ERROR", logger="engine.core"):
+    with caplog.at_level("ERROR", logger="pagedserve.engine.core"):
         outs = core.step()
     assert outs[0].error == (
         "RuntimeError: index -9223372036854775808 is out of bounds for dimension 1 with size 2048"
@@ -379,7 +379,7 @@ def test_stats_counts():
 
 
 def test_prompt_logprobs_collected_across_chunks_and_sent_once():
-    from contracts.messages import PromptLogprobs, SampledLogprobs
+    from pagedserve.contracts.messages import PromptLogprobs, SampledLogprobs
 
     core, ex = make_core(max_num_batched_tokens=4)
     p = prompt(0, 7)
@@ -477,8 +477,8 @@ def test_prompt_admission_keeps_outputs_and_serves_each_prompt_in_order():
 def test_serve_defaults_to_admitting_256_prompt_tokens_per_step_offline_to_the_budget():
     import argparse
 
-    from app import serve_cmd
-    from app.engine_args import add_engine_args, engine_config_from_args
+    from pagedserve.app import serve_cmd
+    from pagedserve.app.engine_args import add_engine_args, engine_config_from_args
 
     serve = argparse.ArgumentParser()
     serve_cmd.add_arguments(serve)

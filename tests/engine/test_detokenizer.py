@@ -1,4 +1,4 @@
-from engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from tests.engine.fakes import EOS, FakeTokenizer
 
 tok = FakeTokenizer()
@@ -105,7 +105,7 @@ def test_multibyte_stop_string():
 
 import random  # noqa: E402
 
-from engine.stop_matcher import StopMatcher  # noqa: E402
+from pagedserve.engine.stop_matcher import StopMatcher  # noqa: E402
 from tests.engine.detok_reference import ReferenceDetokenizer  # noqa: E402
 
 
@@ -177,7 +177,7 @@ def test_the_matcher_is_built_once_and_shared():
 
 
 def test_n_choices_of_a_request_share_one_matcher():
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
     from tests.engine.fakes import make_core
 
     core, _ = make_core()

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from tests.engine.detok_reference import ReferenceDetokenizer
 
 TEXTS = [
@@ -24,7 +24,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_model(None)  # the default model's tokenizer (GGUF)
 
@@ -116,7 +116,7 @@ def test_stream_output_equals_full_decode(tok, skip):
 
 def test_multibyte_characters_split_byte_by_byte(tok):
     """Each byte of é / 日 / 😀 as its own byte-level token: nothing until the character is whole."""
-    from engine.tokenizer import _bytes_to_unicode
+    from pagedserve.engine.tokenizer import _bytes_to_unicode
 
     byte_token = {b: tok.token_to_id(c) for b, c in _bytes_to_unicode().items()}
     for ch in ["é", "日", "😀"]:

@@ -1,8 +1,8 @@
 """The data-parallel routing policy: least loaded, prefix-aware, overloaded fallback, dead skipped."""
 from __future__ import annotations
 
-from engine.dp_policy import PrefixIndex, ReplicaView, choose_replica
-from engine.kv_blocks import BlockManager, root_hash
+from pagedserve.engine.dp_policy import PrefixIndex, ReplicaView, choose_replica
+from pagedserve.engine.kv_blocks import BlockManager, root_hash
 
 
 def views(*specs):

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from engine.errors import RequestRejectedError
-from engine.pooling_outputs import PoolingRequestOutput
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.errors import RequestRejectedError
+from pagedserve.engine.pooling_outputs import PoolingRequestOutput
+from pagedserve.engine.pooling_params import PoolingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.tiny import TINY_CONFIG, tiny_llm
 
 KINDS = ["last", "mean", "cls"]

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from engine.pooling_params import PoolingParams
+from pagedserve.engine.pooling_params import PoolingParams
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -46,7 +46,7 @@ def hf_pooled(hidden: torch.Tensor, kind: str) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def llm():
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     # Weights dequantized to fp32 as transformers loads them; chunks of 32 tokens per step.
     llm = LLM(dtype="float32", quantization="none", kv_cache_memory=0.25, max_num_batched_tokens=32)

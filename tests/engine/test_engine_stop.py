@@ -9,8 +9,8 @@ import gc
 
 import pytest
 
-from engine.errors import EngineDeadError
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.errors import EngineDeadError
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.fake_async import patch_build_engine, started_engine
 from tests.engine.fakes import FakeTokenizer
 

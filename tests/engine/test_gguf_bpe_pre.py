@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
-from engine.tokenizer import _SPLITS, Tokenizer
+from pagedserve.engine.tokenizer import _SPLITS, Tokenizer
 from tests.engine.test_gguf_spm import corpus, training_text
 
 pytest.importorskip("transformers")

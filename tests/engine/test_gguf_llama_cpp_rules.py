@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.tokenizer import Tokenizer, _bytes_to_unicode
+from pagedserve.engine.tokenizer import Tokenizer, _bytes_to_unicode
 
 EOT = "<|endoftext|>"
 

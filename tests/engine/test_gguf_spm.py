@@ -15,7 +15,7 @@ import pytest
 
 spm = pytest.importorskip("sentencepiece")
 
-from engine.tokenizer import Tokenizer, TokenizerError  # noqa: E402
+from pagedserve.engine.tokenizer import Tokenizer, TokenizerError  # noqa: E402
 
 _WORDS = ("the quick brown fox jumps over lazy dog language model server token cache paged attention "
           "batch request stream decode prefill schedule kernel weights memory Hello World Python "
@@ -157,7 +157,7 @@ def test_an_unknown_bpe_pre_tokenizer_is_refused_by_name(tmp_path):
 def test_streamed_text_equals_the_full_decode(pair):
     """The engine's incremental detokenizer over a SentencePiece vocabulary (byte pieces cut mid-character,
     the dummy prefix's space) gives the text the full decode gives, after any prompt."""
-    from engine.detokenizer import IncrementalDetokenizer
+    from pagedserve.engine.detokenizer import IncrementalDetokenizer
 
     _, ours = pair
     strings = corpus()

@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.structured_output.constraint import SeqConstraint
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.engine.structured_output.constraint import SeqConstraint
 from tests.tiny import tiny_llm
 
 REGEX = r"[a-c]{2,5}@(x|y)\.com"

@@ -2,7 +2,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.kv_blocks import NULL_BLOCK, BlockManager
+from pagedserve.engine.kv_blocks import NULL_BLOCK, BlockManager
 
 # CPython hashes a non-negative int k to k mod (2**61 - 1), and a tuple mixes only its items'
 # hashes: under Python's hash() the token k and the token k + MERSENNE61 are the same block.
@@ -175,8 +175,8 @@ def test_cache_salt_isolates_tenants_and_equal_salts_share():
 
 
 def test_chain_is_seeded_per_model():
-    from engine.kv_blocks import model_hash_seed
-    from contracts.config import ModelConfig
+    from pagedserve.engine.kv_blocks import model_hash_seed
+    from pagedserve.contracts.config import ModelConfig
 
     seeds = {
         model_hash_seed(ModelConfig(model="/models/a", dtype="float32")),
@@ -199,7 +199,7 @@ def test_chain_is_seeded_per_model():
 
 
 def test_hash_block_covers_parent_tokens_and_extra_keys():
-    from engine.kv_blocks import hash_block
+    from pagedserve.engine.kv_blocks import hash_block
 
     root = b"\0" * 32
     base = hash_block(root, [1, 2, 3, 4])
@@ -248,7 +248,7 @@ def test_copy_on_write_without_a_free_block_changes_nothing():
 def test_first_block_key_parts_are_length_prefixed_so_no_two_tuples_collide():
     """(salt, adapter id, adapter path) enter the first block's key each with its length: salt "x"
     with adapter (1, "/a") and salt "xL1\\0/a" on the base model were the same chain (issue 37)."""
-    from engine.lora_request import LoRARequest
+    from pagedserve.engine.lora_request import LoRARequest
 
     def first_hash(salt, lora):
         bm = BlockManager(num_blocks=8, block_size=4)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.tiny import tiny_llm
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -96,7 +96,7 @@ def test_n3_seeded_is_reproducible_and_independent_of_batch():
 
 @pytest.fixture(scope="module")
 def default_llm():
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(dtype="float32", kv_cache_memory=0.25)
     yield llm

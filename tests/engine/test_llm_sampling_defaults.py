@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.tiny import tiny_llm
 
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from engine.errors import EngineError, EngineOverloadedError
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.errors import EngineError, EngineOverloadedError
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.fake_async import fake_engine  # noqa: F401 (a fixture)
 from tests.engine.fakes import FakeTokenizer
 
@@ -52,8 +52,7 @@ async def _others_finish_and_engine_lives(engine, streams):
 
 @pytest.mark.parametrize("exc", [KeyError("boom"), RuntimeError("boom")])
 async def test_a_fault_while_preparing_one_request_fails_it_alone(engine, monkeypatch, exc):
-    import engine.core as core_mod
-
+    import pagedserve.engine.core as core_mod
     real = core_mod.IncrementalDetokenizer
 
     def detok(tokenizer, prompt_ids, *a, **kw):
@@ -70,8 +69,7 @@ async def test_a_fault_while_preparing_one_request_fails_it_alone(engine, monkey
 
 
 async def test_memory_error_while_admitting_is_a_503_for_that_request(engine, monkeypatch):
-    import engine.core as core_mod
-
+    import pagedserve.engine.core as core_mod
     real = core_mod.IncrementalDetokenizer
 
     def detok(tokenizer, prompt_ids, *a, **kw):
@@ -127,7 +125,7 @@ async def test_a_fault_while_making_one_requests_output_fails_it_alone(engine, m
 
 
 async def test_a_fault_while_delivering_one_output_fails_that_stream_alone(engine, monkeypatch):
-    from engine.output_collector import OutputCollector
+    from pagedserve.engine.output_collector import OutputCollector
 
     real = OutputCollector.put_nowait
     bad_queue: list = []
@@ -188,7 +186,7 @@ async def test_a_core_that_keeps_failing_kills_the_loop(engine, monkeypatch):
 
 
 async def test_an_executor_failure_still_kills_the_loop(engine):
-    from contracts.errors import ExecutorError
+    from pagedserve.contracts.errors import ExecutorError
 
     executor = engine.parts.executor
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from contracts.config import LoRAConfig
-from engine.errors import RequestRejectedError
-from engine.lora_request import LoRARequest
-from engine.sampling_params import SamplingParams
+from pagedserve.contracts.config import LoRAConfig
+from pagedserve.engine.errors import RequestRejectedError
+from pagedserve.engine.lora_request import LoRARequest
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.fakes import BYTE0, FakeExecutor, FakeTokenizer, make_config, run_to_completion
 from tests.lora_fixtures import TINY_HF, write_adapter_files
 
@@ -16,7 +16,7 @@ SHARED = [BYTE0 + 40 + i % 50 for i in range(22)]  # 5 full blocks of 4 + 2
 
 
 def make_lora_core(max_loras: int = 2, **kw):
-    from engine.core import EngineCore
+    from pagedserve.engine.core import EngineCore
 
     config = make_config(**kw)
     config.model.hf_config = dict(TINY_HF)

@@ -7,14 +7,14 @@ import argparse
 
 import pytest
 
-from engine.errors import RequestRejectedError
-from engine.sampling_params import SamplingParams
-from contracts.config import EngineConfig, ModelConfig
+from pagedserve.engine.errors import RequestRejectedError
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.contracts.config import EngineConfig, ModelConfig
 from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
 
 
 def _core(max_logprobs: int | None = None):
-    from engine.core import EngineCore
+    from pagedserve.engine.core import EngineCore
 
     config = make_config()
     if max_logprobs is not None:
@@ -50,9 +50,9 @@ def test_the_engine_holds_a_request_to_the_configured_limit(field):
 
 
 def test_the_flag_sets_the_engine_config_and_the_admission_limit():
-    from app import serve_cmd
-    from app.admission import AdmissionLimits
-    from app.engine_args import engine_config_from_args
+    from pagedserve.app import serve_cmd
+    from pagedserve.app.admission import AdmissionLimits
+    from pagedserve.app.engine_args import engine_config_from_args
 
     parser = argparse.ArgumentParser()
     serve_cmd.add_arguments(parser)

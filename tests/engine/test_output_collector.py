@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from engine.errors import EngineDeadError
-from engine.output_collector import OutputCollector
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, merge_delta
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.errors import EngineDeadError
+from pagedserve.engine.output_collector import OutputCollector
+from pagedserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, merge_delta
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.fake_async import patch_build_engine, started_engine
 from tests.engine.fakes import FakeTokenizer
 
@@ -123,7 +123,7 @@ async def test_a_consumer_that_does_not_read_holds_one_pending_output(fake_parts
 
 async def test_latency_metrics_use_engine_times_not_read_times(fake_parts):
     """A consumer that sleeps before and between reads must not show up as TTFT or ITL."""
-    from app.server import build_app
+    from pagedserve.app.server import build_app
 
     engine = await started_engine()
     try:

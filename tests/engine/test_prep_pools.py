@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from engine.errors import EngineOverloadedError, RequestRejectedError
-from engine.prep_pools import DeadlinePool, PrepBusyError, PrepDeadlineError
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.engine.errors import EngineOverloadedError, RequestRejectedError
+from pagedserve.engine.prep_pools import DeadlinePool, PrepBusyError, PrepDeadlineError
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.fake_async import fake_engine  # noqa: F401 (a fixture)
 from tests.engine.fakes import FakeTokenizer
 
@@ -111,9 +111,9 @@ NESTED = ("{% for a in range(100000) %}{% for b in range(100000) %}{{ a }}{% end
 async def test_a_requests_own_template_with_nested_loops_is_stopped_at_its_deadline(monkeypatch):
     """A real jinja render (the sandbox cannot be cancelled): the request fails by the deadline,
     and its thread is freed too, not left looping."""
-    from engine.async_engine import AsyncEngine
-    from engine.tokenizer import Tokenizer
-    from contracts.config import EngineConfig, default_model_path
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.tokenizer import Tokenizer
+    from pagedserve.contracts.config import EngineConfig, default_model_path
 
     engine = AsyncEngine(EngineConfig.from_options(chat_template_timeout=0.5))
     engine.tokenizer = Tokenizer.from_model(default_model_path())
@@ -152,8 +152,7 @@ async def test_token_strings_are_converted_off_the_loop(engine, monkeypatch):
 
 
 def test_the_spec_key_is_serialised_once(monkeypatch):
-    import engine.sampling_params as sp
-
+    import pagedserve.engine.sampling_params as sp
     spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}})
     calls = []
     real = sp.json.dumps
@@ -168,8 +167,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 @pytest.fixture
 async def grammar_engine(monkeypatch):
     """A real tiny-model engine (xgrammar needs the real tokenizer), its compiles slowed at will."""
-    from engine.async_engine import AsyncEngine
-    from contracts.config import EngineConfig, default_model_path
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.contracts.config import EngineConfig, default_model_path
     from tests.tiny import TINY_CONFIG
 
     config = EngineConfig.from_options(model=default_model_path(), load_format="dummy",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.fakes import BYTE0, make_core
 from tests.engine.test_scheduler_property import expected_tokens
 

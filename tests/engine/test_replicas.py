@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import EngineDeadError
-from engine.replicas import ReplicatedEngine
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.errors import EngineDeadError
+from pagedserve.engine.replicas import ReplicatedEngine
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.fake_async import patch_build_engine
 from tests.engine.fakes import FakeTokenizer, make_config
 
@@ -182,7 +182,7 @@ async def test_load_only_routing_ignores_the_cached_prefix(monkeypatch):
 async def test_a_pooling_request_is_routed_as_a_generation_is():
     """ReplicatedEngine.pool (engine.client.EngineClient): AsyncEngine.pool is its generate with
     pooling params, so the router sends it through the same choice of replica."""
-    from engine.pooling_params import PoolingParams
+    from pagedserve.engine.pooling_params import PoolingParams
 
     engine = ReplicatedEngine(make_config(), 2)
     calls = []

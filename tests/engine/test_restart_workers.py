@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
-from engine.sampling_params import SamplingParams
-from contracts.errors import ExecutorError
+from pagedserve.engine.errors import EngineDeadError, EngineOverloadedError, EngineRestartingError
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.contracts.errors import ExecutorError
 from tests.engine.fakes import FakeExecutor, FakeTokenizer, make_config
 
 PROMPT = FakeTokenizer().encode("restart me")
@@ -32,8 +32,8 @@ class Builds:
         self.loading = threading.Event()  # set once a restart's build (the model load) has begun
 
     def __call__(self, config, tokenizer=None, cancel=None):
-        from engine.bootstrap import EngineParts
-        from engine.core import EngineCore
+        from pagedserve.engine.bootstrap import EngineParts
+        from pagedserve.engine.core import EngineCore
 
         if self.parts:  # a restart: runs off the loop, may be held open by the test
             assert threading.current_thread() is not threading.main_thread()
@@ -56,15 +56,15 @@ class Builds:
 
 @pytest.fixture
 def builds(monkeypatch):
-    import engine.bootstrap
-
+    import pagedserve.engine.bootstrap
+    from pagedserve import engine
     b = Builds()
     monkeypatch.setattr(engine.bootstrap, "build_engine", b)
     return b
 
 
 async def started(restart: bool = True, policy=None):
-    from engine.async_engine import AsyncEngine
+    from pagedserve.engine.async_engine import AsyncEngine
 
     config = make_config(num_blocks=128)
     config.parallel.restart_workers = restart
@@ -226,7 +226,7 @@ async def test_shutdown_during_a_restart_stops_the_pool_being_built(builds):
 async def test_shutdown_before_the_load_begins_builds_nothing(builds):
     """A shutdown during the restart's back-off (or before its thread runs) ends the restart:
     no new pool is built, and shutdown does not wait out the back-off."""
-    from engine.async_engine import RestartPolicy
+    from pagedserve.engine.async_engine import RestartPolicy
 
     engine = await started(policy=RestartPolicy(max_restarts=3, window_s=60.0, backoff_s=30.0))
     kill_workers(engine.parts.executor)  # the first restart is immediate
@@ -306,16 +306,17 @@ class DyingBuilds(Builds):
 
 @pytest.fixture
 def dying_builds(monkeypatch):
-    import engine.bootstrap
-
+    import pagedserve.engine.bootstrap
+    from pagedserve import engine
     b = DyingBuilds()
     monkeypatch.setattr(engine.bootstrap, "build_engine", b)
     return b
 
 
 async def test_a_pool_that_always_dies_is_restarted_a_bounded_number_of_times(dying_builds, monkeypatch):
-    import engine.engine_loop
-    from engine.async_engine import RestartPolicy
+    import pagedserve.engine.engine_loop
+    from pagedserve import engine
+    from pagedserve.engine.async_engine import RestartPolicy
 
     monkeypatch.setattr(engine.engine_loop, "IDLE_HEALTH_CHECK_S", 0.01)  # deaths found at once
 
@@ -338,7 +339,7 @@ async def test_a_pool_that_always_dies_is_restarted_a_bounded_number_of_times(dy
 
 
 async def test_restarts_older_than_the_window_do_not_count(builds):
-    from engine.async_engine import RestartPolicy
+    from pagedserve.engine.async_engine import RestartPolicy
 
     engine = await started(policy=RestartPolicy(max_restarts=1, window_s=0.3, backoff_s=5.0))
     try:
@@ -356,7 +357,7 @@ async def test_restarts_older_than_the_window_do_not_count(builds):
 
 
 def test_restart_policy_back_off_doubles_up_to_its_cap():
-    from engine.async_engine import RestartPolicy
+    from pagedserve.engine.async_engine import RestartPolicy
 
     p = RestartPolicy(max_restarts=10, window_s=60, backoff_s=1.0, max_backoff_s=5.0)
     assert [p.delay(k) for k in range(6)] == [0.0, 1.0, 2.0, 4.0, 5.0, 5.0]

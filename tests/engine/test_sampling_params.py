@@ -1,7 +1,7 @@
 import pytest
 
-from engine.errors import SamplingParamsError
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.errors import SamplingParamsError
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, param, fragment", [

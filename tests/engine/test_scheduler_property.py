@@ -13,11 +13,11 @@ preemption, chunking, prefix-cache hits and aborts happened on the way.
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import BeamSearchParams
-from engine.errors import RequestRejectedError
-from engine.request import SeqStatus
-from engine.sampling_params import SamplingParams
-from contracts.messages import SamplingOptions
+from pagedserve.engine.sampling_params import BeamSearchParams
+from pagedserve.engine.errors import RequestRejectedError
+from pagedserve.engine.request import SeqStatus
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.contracts.messages import SamplingOptions
 from tests.engine.beam_fakes import fake_top, reference_beam_search
 from tests.engine.fakes import BYTE0, default_next_token, make_core
 

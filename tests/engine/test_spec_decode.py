@@ -3,9 +3,9 @@ run, preemption, against the worker-mirroring FakeExecutor (which verifies draft
 does, contracts/messages.py step 4b, and asserts every K/V slot a sequence reads)."""
 import pytest
 
-from contracts.config import ConfigError, EngineConfig, SpeculativeConfig
-from engine.errors import RequestRejectedError
-from engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.contracts.config import ConfigError, EngineConfig, SpeculativeConfig
+from pagedserve.engine.errors import RequestRejectedError
+from pagedserve.engine.sampling_params import BeamSearchParams, SamplingParams
 from tests.engine.fakes import BYTE0, FakeTokenizer, make_core, run_to_completion
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -218,7 +218,7 @@ def test_beam_search_refused_with_speculation():
 
 def test_unsupported_combinations_refused_at_start():
     config = EngineConfig.from_options(speculative_config=NGRAM, pipeline_parallel_size=2)
-    from engine.spec_decode import check_supported
+    from pagedserve.engine.spec_decode import check_supported
 
     with pytest.raises(ConfigError, match="pipeline-parallel-size"):
         check_supported(config)
@@ -251,9 +251,9 @@ def test_speculative_config_as_vllm_reads_it():
 
 
 def test_pipeline_parallel_refused_before_any_worker_starts():
-    from contracts.config import default_model_path
-    from engine.bootstrap import resolve_config
-    from loadtest.tiny_model import TINY_CONFIG
+    from pagedserve.contracts.config import default_model_path
+    from pagedserve.engine.bootstrap import resolve_config
+    from pagedserve.loadtest.tiny_model import TINY_CONFIG
 
     config = EngineConfig.from_options(model=default_model_path(), load_format="dummy", hf_config=TINY_CONFIG,
                                        speculative_config=NGRAM, pipeline_parallel_size=2)

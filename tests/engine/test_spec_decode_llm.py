@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from gpu.device import cpu_has_bf16
-from loadtest.tiny_model import TINY_CONFIG
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.gpu.device import cpu_has_bf16
+from pagedserve.loadtest.tiny_model import TINY_CONFIG
 from tests.tiny import tiny_llm
 
 # The exactness claims hold to the last bit of the arithmetic: a verified run's attention is one SDPA
@@ -46,7 +46,7 @@ def chat_prompts(llm) -> list[str]:
 
 @pytest.fixture(scope="module")
 def base():
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(kv_cache_memory=0.25, **EXACT_KV)
     yield llm
@@ -56,7 +56,7 @@ def base():
 @pytest.fixture(scope="module")
 def spec():
     """Chunked prefill with a small budget (drafts compete with prompt chunks), prefix caching on."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(kv_cache_memory=0.25, max_num_batched_tokens=48, speculative_config=NGRAM, **EXACT_KV)
     yield llm
@@ -106,7 +106,7 @@ def test_default_model_stop_and_max_tokens_inside_accepted_runs(base, spec):
 @NOT_YET_EXACT_HERE
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_default_model_preemption_mid_run(base, mode):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     prompts = chat_prompts(base) * 2
     sp = SamplingParams(temperature=0, max_tokens=40)
@@ -225,7 +225,7 @@ def test_small_vocab_distribution_kept_chi_square(small_pair):
 # ---- draft model ---------------------------------------------------------------------------------
 
 def _draft_llm(path, **kw):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     return LLM(kv_cache_memory=0.25, speculative_config={"model": str(path), "num_speculative_tokens": 3},
                **EXACT_KV, **kw)

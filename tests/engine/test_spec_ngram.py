@@ -2,7 +2,7 @@
 import random
 import time
 
-from engine.spec_ngram import NgramProposer
+from pagedserve.engine.spec_ngram import NgramProposer
 
 
 def reference(tokens, k, lo, hi, window):

@@ -9,7 +9,7 @@ import threading
 
 import jsonschema
 
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.tiny import TINY_CONFIG
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -17,9 +17,9 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 
 async def test_compile_runs_beside_a_stream_and_wakes_the_loop(monkeypatch):
-    import engine.engine_loop as loop_module
-    from engine.async_engine import AsyncEngine
-    from contracts.config import EngineConfig, default_model_path
+    import pagedserve.engine.engine_loop as loop_module
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.contracts.config import EngineConfig, default_model_path
 
     monkeypatch.setattr(loop_module, "IDLE_HEALTH_CHECK_S", 3600.0)
     config = EngineConfig.from_options(model=default_model_path(), load_format="dummy",

@@ -11,8 +11,8 @@ import threading
 import jsonschema
 import pytest
 
-from engine.errors import RequestRejectedError
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.engine.errors import RequestRejectedError
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.tiny import tiny_llm
 
 # Bounded, so a random model always completes it well within max_tokens.
@@ -222,7 +222,7 @@ def test_multiprocess_executor_gives_the_inprocess_outputs(llm):
 
 
 def test_a_compile_failure_fails_only_that_request(llm):
-    from engine.structured_output import GrammarError
+    from pagedserve.engine.structured_output import GrammarError
 
     backend = llm.core.constraints.manager.backend
     real_compile = backend.compile

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import SamplingParamsError
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.engine.errors import SamplingParamsError
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def test_exactly_one_kind():

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from engine.bounded_render import MAX_TEMPLATE_LINES, _render_bounded
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from pagedserve.engine.bounded_render import MAX_TEMPLATE_LINES, _render_bounded
+from pagedserve.engine.tokenizer import ChatTemplateError, Tokenizer
 from tests.app.test_tool_prompt import QWEN_LIKE
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
@@ -56,7 +56,7 @@ def tok():
 
 def _plain(tok, template, **kw):
     """The same template rendered in the model's sandbox (the unbounded one)."""
-    from engine.tokenizer import _compile_template
+    from pagedserve.engine.tokenizer import _compile_template
 
     return _compile_template(template).render(messages=MESSAGES, bos_token=tok.bos_token,
                                               add_generation_prompt=True, **kw)
@@ -71,7 +71,7 @@ def test_ordinary_templates_render_exactly_as_before(tok, name):
             m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": '{"city": "Paris"}'}}
                                for c in m["tool_calls"]]
     ours = tok.apply_chat_template(messages, chat_template=template, tools=TOOLS)
-    from engine.tokenizer import _compile_template
+    from pagedserve.engine.tokenizer import _compile_template
 
     plain = _compile_template(template).render(messages=messages, add_generation_prompt=True, tools=TOOLS,
                                                documents=None, bos_token=tok.bos_token,
@@ -124,7 +124,7 @@ def test_nested_loops_stop_at_the_statement_cap_whatever_the_deadline(tok):
 
 
 def test_the_rendered_prompt_is_bounded(tok):
-    from engine.template_sandbox import MAX_SIZE
+    from pagedserve.engine.template_sandbox import MAX_SIZE
 
     many = "{% for i in range(100) %}{{ messages[0].content }}{% endfor %}"
     big = [{"role": "user", "content": "x" * (MAX_SIZE // 50)}]
@@ -135,6 +135,6 @@ def test_the_rendered_prompt_is_bounded(tok):
 
 def test_the_models_template_keeps_jinjas_own_sandbox(tok):
     """Only a request's template is bounded: the model's renders as it always did."""
-    from engine.tokenizer import _compile_template
+    from pagedserve.engine.tokenizer import _compile_template
 
     assert type(_compile_template(tok.chat_template).environment).__name__ == "ImmutableSandboxedEnvironment"

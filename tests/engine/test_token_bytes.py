@@ -10,7 +10,7 @@ REPLACEMENT = "\ufffd".encode()
 
 @pytest.fixture(scope="module")
 def ours(default_model_path):
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_model(default_model_path)
 
@@ -44,7 +44,7 @@ def test_byte_fallback_tokens_are_their_byte():
     from tokenizers import decoders
     from tokenizers.models import BPE
 
-    from engine.tokenizer import Tokenizer, _Specials
+    from pagedserve.engine.tokenizer import Tokenizer, _Specials
 
     vocab = {"<unk>": 0, "<0xE2>": 1, "<0x82>": 2, "<0xAC>": 3, "▁a": 4, "é": 5}
     backend = HFTokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from engine.tokenizer import Tokenizer, _Specials
+from pagedserve.engine.tokenizer import Tokenizer, _Specials
 from tests.engine.test_tokenizer import TEXTS
 
 

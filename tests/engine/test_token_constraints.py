@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.structured_output.constraint import SeqConstraint, bad_word_token_seqs, ids_to_row
+from pagedserve.engine.structured_output.constraint import SeqConstraint, bad_word_token_seqs, ids_to_row
 
 V = 100
 
@@ -153,7 +153,7 @@ def test_bad_words_are_prepared_in_linear_time():
 
 
 def test_the_sequences_of_a_request_share_one_bad_word_index():
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
     from tests.engine.fakes import make_core
 
     core, _ = make_core()
@@ -168,8 +168,8 @@ def test_bad_words_are_tokenized_by_the_check_off_the_loop_not_again_for_the_seq
     """Issue 37: a request's bad words were tokenized on the event loop when its sequences got
     their constraints (twice per word: as written and after a space). check() runs in the grammar
     pool (AsyncEngine.check_constraint); the sequences on the loop now find the work done."""
-    from engine.sampling_params import SamplingParams
-    from engine.structured_output.manager import StructuredOutputManager
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.engine.structured_output.manager import StructuredOutputManager
     from tests.engine.fakes import VOCAB, FakeTokenizer
 
     class Counting(FakeTokenizer):

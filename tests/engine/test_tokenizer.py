@@ -47,7 +47,7 @@ def reference(gguf_parts):
 
 @pytest.fixture(scope="module")
 def ours(default_model_path):
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_model(default_model_path)
 
@@ -114,7 +114,7 @@ def test_chat_template_matches_transformers(ours, reference):
 
 
 def test_directory_tokenizer_matches(reference, tmp_path):
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
 
     reference.save_pretrained(tmp_path)
     from transformers import AutoTokenizer
@@ -131,7 +131,7 @@ def test_directory_tokenizer_matches(reference, tmp_path):
 
 def test_bos_added_when_file_says_so(default_model_path):
     """A GGUF with add_bos_token=True prepends BOS only when special tokens are requested."""
-    from engine.tokenizer import Tokenizer, _Specials
+    from pagedserve.engine.tokenizer import Tokenizer, _Specials
 
     tok = Tokenizer.from_model(default_model_path)
     Tokenizer._set_post_processor(tok._tok, _Specials(bos_token="<|im_start|>"), True, False)
@@ -140,7 +140,7 @@ def test_bos_added_when_file_says_so(default_model_path):
 
 
 def test_errors(tmp_path):
-    from engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
+    from pagedserve.engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
     with pytest.raises(TokenizerError, match="no such"):
         Tokenizer.from_model(str(tmp_path / "nope.gguf"))
@@ -151,7 +151,7 @@ def test_errors(tmp_path):
     with pytest.raises(TokenizerError, match="not a GGUF"):
         Tokenizer.from_model(str(bad))
     import tokenizers
-    from engine.tokenizer import _Specials
+    from pagedserve.engine.tokenizer import _Specials
 
     backend = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok = Tokenizer(backend, _Specials(), "{{ raise_exception('no system role') }}", "mem")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.fake_async import patch_build_engine, started_engine
 from tests.engine.fakes import FakeTokenizer
 
@@ -37,8 +37,8 @@ async def test_the_engine_lives_after_a_step_that_cannot_be_encoded(monkeypatch)
 
 @pytest.mark.parametrize("value", [2**64, -(2**63) - 1])
 def test_encode_step_raises_a_typed_error(value):
-    from contracts.messages import NewSeq, SamplingOptions, StepEncodeError, StepInput
-    from gpu.worker import encode_step
+    from pagedserve.contracts.messages import NewSeq, SamplingOptions, StepEncodeError, StepInput
+    from pagedserve.gpu.worker import encode_step
 
     seq = NewSeq(1, [1, 2], 2, 0, [1], SamplingOptions(seed=value))
     step = StepInput.pack(7, [seq], [1], [2], [], [], [])

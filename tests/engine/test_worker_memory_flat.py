@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.gpu.test_kv_alloc import _resident_bytes
 
 WORDS = "river bright cold winter paper engine garden quiet number seven blue market light stone".split()
@@ -27,7 +27,7 @@ def _prompts(start: int, count: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_finished_sequences_leave_the_worker_flat():
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(kv_cache_memory=0.0625, executor="inproc")  # ~180 blocks: the run below walks them all
     try:
@@ -55,7 +55,7 @@ def test_finished_sequences_leave_the_worker_flat():
 def _every_kind_of_request(llm, rng_seed: int) -> None:
     """n > 1, logprobs and prompt logprobs, stops, logit bias and min tokens, penalties, seeds, beams
     and greedy rows: each keeps state in the worker while it runs (sampler preps, drafts, swap)."""
-    from engine.sampling_params import BeamSearchParams
+    from pagedserve.engine.sampling_params import BeamSearchParams
 
     texts = [f"{w} {i} " * (3 + i % 5) for i, w in enumerate(WORDS)]
     params = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.device import auto_dtype, checkpoint_dtype, resolve_dtype
+from pagedserve.gpu.device import auto_dtype, checkpoint_dtype, resolve_dtype
 
 
 @pytest.mark.parametrize("ckpt,want", [
@@ -42,8 +42,8 @@ def test_an_explicit_dtype_wins():
 
 def test_the_runner_passes_the_checkpoints_dtype(monkeypatch):
     """The worker's auto choice sees the model's config.json dtype (the CPU ignores it, so a spy)."""
-    import gpu.model_runner as mr
-    from contracts.config import EngineConfig
+    import pagedserve.gpu.model_runner as mr
+    from pagedserve.contracts.config import EngineConfig
     from tests.tiny import TINY_CONFIG
 
     seen = []

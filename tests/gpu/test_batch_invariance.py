@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from gpu.device import cpu_has_bf16
-from kernels import qgemm
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.gpu.device import cpu_has_bf16
+from pagedserve.kernels import qgemm
 
 
 @pytest.mark.skipif(qgemm.isa() != "avx2", reason="the all-M row kernel is the AVX2 build's")
@@ -17,7 +17,7 @@ from kernels import qgemm
                    reason="issue 36 (open): on AVX-512 BF16 / AMX CPUs the default model runs in bf16 through "
                           "the n16 / oneDNN paths, which are not batch-invariant yet")
 def test_default_model_greedy_tokens_alone_equal_batched():
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(dtype="float32", kv_cache_memory=0.25, enable_prefix_caching=False)
     try:

@@ -9,8 +9,8 @@ import argparse
 import pytest
 import torch
 
-from contracts.config import ConfigError, EngineConfig
-from gpu.device import cuda_device_index, kv_cache_budget
+from pagedserve.contracts.config import ConfigError, EngineConfig
+from pagedserve.gpu.device import cuda_device_index, kv_cache_budget
 
 GiB = 1 << 30
 
@@ -58,7 +58,7 @@ def test_the_utilization_is_a_fraction(bad):
 
 
 def test_the_flag_sets_the_cache_field():
-    from app.engine_args import add_engine_args, engine_config_from_args
+    from pagedserve.app.engine_args import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -82,7 +82,7 @@ class FakeCuda:
 @pytest.mark.parametrize("dp_rank, want", [(0, 0), (1, 1)])
 def test_a_lone_worker_selects_its_replicas_gpu(monkeypatch, dp_rank, want):
     """world_size 1 selected no device before: every -dp replica ran on cuda:0."""
-    from gpu.worker import WorkerArgs, setup_torch
+    from pagedserve.gpu.worker import WorkerArgs, setup_torch
 
     cuda = FakeCuda(2)
     cuda.install(monkeypatch)
@@ -93,7 +93,7 @@ def test_a_lone_worker_selects_its_replicas_gpu(monkeypatch, dp_rank, want):
 
 
 def test_replicas_get_their_index():
-    from engine.replicas import ReplicatedEngine
+    from pagedserve.engine.replicas import ReplicatedEngine
 
     class Stub:
         def __init__(self, config, restart_policy):
@@ -105,7 +105,7 @@ def test_replicas_get_their_index():
 
 def test_the_cuda_error_names_the_cuda_flag(monkeypatch):
     """The budget's error on CUDA named the CPU-only --kv-cache-memory."""
-    from gpu.model_runner import ModelRunner
+    from pagedserve.gpu.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig.from_options(device="cpu"))
     runner.device = torch.device("cuda", 0)  # only its type is read on this path

@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from contracts.config import ConfigError, EngineConfig
-from gpu.device import describe_device, resolve_device, why_no_cuda
+from pagedserve.contracts.config import ConfigError, EngineConfig
+from pagedserve.gpu.device import describe_device, resolve_device, why_no_cuda
 
 
 def test_a_cpu_build_of_torch_is_named():
@@ -34,7 +34,7 @@ def test_device_cuda_is_refused_saying_why():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a box where torch has no CUDA")
 def test_the_engine_refuses_device_cuda_before_a_worker_starts(monkeypatch):
-    from engine.bootstrap import resolve_config
+    from pagedserve.engine.bootstrap import resolve_config
     from tests.tiny import TINY_CONFIG
 
     config = EngineConfig.from_options(load_format="dummy", hf_config=TINY_CONFIG, device="cuda", executor="mp")
@@ -43,9 +43,9 @@ def test_the_engine_refuses_device_cuda_before_a_worker_starts(monkeypatch):
 
 
 def test_the_runner_logs_its_device(caplog):
-    from gpu.model_runner import ModelRunner
+    from pagedserve.gpu.model_runner import ModelRunner
 
-    with caplog.at_level(logging.INFO, logger="gpu.model_runner"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.gpu.model_runner"):
         ModelRunner(EngineConfig.from_options(device="cpu"))
     assert f"device cpu (torch {torch.__version__})" in caplog.text
     assert describe_device(torch.device("cpu")) == f"device cpu (torch {torch.__version__})"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import traceback
 
-from contracts.error_text import error_summary
+from pagedserve.contracts.error_text import error_summary
 
 
 def _chained_traceback() -> str:

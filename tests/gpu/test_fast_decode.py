@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from gpu.forward_context import get_forward_context
-from gpu.models import fast_decode
-from kernels import fused, qgemm_n16
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.gpu.forward_context import get_forward_context
+from pagedserve.gpu.models import fast_decode
+from pagedserve.kernels import fused, qgemm_n16
 from tests.needs import require_library
 from tests.tiny import tiny_llm
 
@@ -90,7 +90,7 @@ def test_tiny_quantized_model_matches_eager_from_one_row_to_sixteen(monkeypatch,
 def test_default_model_gguf_q4_1_greedy_tokens_match_eager(monkeypatch):
     if qgemm_n16.library() is None:
         pytest.skip("no AVX-512 VNNI quantized kernel on this CPU")
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     make = lambda: LLM(dtype="bfloat16", quantization="auto", kv_cache_memory=0.25)  # noqa: E731
     calls = _compare(make, PROMPTS, monkeypatch, max_tokens=32)
@@ -99,7 +99,7 @@ def test_default_model_gguf_q4_1_greedy_tokens_match_eager(monkeypatch):
 
 @needs_bf16
 def test_default_model_greedy_tokens_match_eager(monkeypatch):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     make = lambda: LLM(dtype="bfloat16", quantization="none", kv_cache_memory=0.25)  # noqa: E731
     _compare(make, PROMPTS[:2], monkeypatch, max_tokens=32)
@@ -134,7 +134,7 @@ def test_tiny_quantized_model_decode_stack_matches_eager(monkeypatch, quantizati
 
 @needs_bf16
 def test_default_model_decode_stack_matches_eager(monkeypatch):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     for quantization, prompts in (("none", PROMPTS[:1]), ("auto", PROMPTS)):
         make = lambda: LLM(dtype="bfloat16", quantization=quantization, kv_cache_memory=0.25)  # noqa: E731
@@ -195,7 +195,7 @@ def test_fp32_plain_tiny_model_layer_and_stack_match_eager(monkeypatch):
 
 
 def test_fp32_default_model_plain_weights_stack_greedy_tokens_match_eager(monkeypatch):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     make = lambda: LLM(dtype="float32", quantization="none", kv_cache_memory=0.25)  # noqa: E731
     calls = _compare(make, PROMPTS[:1], monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack)
@@ -218,7 +218,7 @@ def test_fp32_stack_over_a_bf16_kv_cache_matches_eager(monkeypatch):
 
 def test_fp32_default_model_gguf_q4_1_stack_greedy_tokens_match_eager(monkeypatch):
     """The shipped Q4_1 GGUF in fp32 (what --dtype auto picks on AVX2 CPUs): same greedy tokens."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     make = lambda: LLM(dtype="float32", quantization="auto", kv_cache_memory=0.25)  # noqa: E731
     calls = _compare(make, PROMPTS, monkeypatch, max_tokens=32, mode="1", counted=fast_decode.FastDecodeStack,

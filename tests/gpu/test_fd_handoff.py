@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from gpu.fd_handoff import FdServer, rebuild_spec, receive_fds, split_spec
-from gpu.transport import attach_channel, create_channel
+from pagedserve.gpu.fd_handoff import FdServer, rebuild_spec, receive_fds, split_spec
+from pagedserve.gpu.transport import attach_channel, create_channel
 
 
 @pytest.mark.parametrize("kind", ["shm", "pipe"])
@@ -107,7 +107,7 @@ def test_another_user_gets_nothing_even_with_the_token():
     if os.geteuid() != 0:
         pytest.skip("needs root to run a caller as another user")
     code = ("import os, sys\n"
-            "from gpu.fd_handoff import receive_fds\n"
+            "from pagedserve.gpu.fd_handoff import receive_fds\n"
             "os.setgid(65534); os.setuid(65534)\n"
             "try:\n"
             "    print(len(receive_fds('\\0' + sys.argv[1], bytes.fromhex(sys.argv[2]), 1, timeout=5)))\n"

@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-import gpu.models.loader as loader
-from contracts.config import ConfigError, ModelConfig
-from gpu.models.fp8 import Fp8Weight
-from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from gpu.models.quantization import check_mode, quantize_model
-from kernels import fp8_linear
+import pagedserve.gpu.models.loader as loader
+from pagedserve.contracts.config import ConfigError, ModelConfig
+from pagedserve.gpu.models.fp8 import Fp8Weight
+from pagedserve.gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from pagedserve.gpu.models.quantization import check_mode, quantize_model
+from pagedserve.kernels import fp8_linear
 from tests.tiny import TINY_CONFIG, tiny_llm
 
 
@@ -47,7 +47,7 @@ def test_llm_refuses_fp8_on_cpu():
 def test_cli_accepts_fp8():
     import argparse
 
-    from app.engine_args import add_engine_args
+    from pagedserve.app.engine_args import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -77,7 +77,7 @@ FP8_RANDOM_FLOOR = 0.4  # measured 0.51: a random tiny model's logits are nearly
 def test_fp8_model_greedy_agrees_with_bf16(fp8_here):
     """The whole path through the engine (the CPU runs the same torch._scaled_mm); the agreement
     on a real-sized model is the GPU check's to report."""
-    from loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
+    from pagedserve.loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
 
     def run(**options):
         with tiny_llm(dtype="bfloat16", **options) as llm:
@@ -162,7 +162,7 @@ def test_fp8_checkpoint_dequantized_where_there_is_no_fp8(tmp_path):
 
 
 def test_block_wise_fp8_checkpoint_refused(tmp_path):
-    from contracts.errors import ModelLoadError
+    from pagedserve.contracts.errors import ModelLoadError
 
     _write_fp8_checkpoint(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

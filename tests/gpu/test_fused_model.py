@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused
+from pagedserve.kernels import fused
 from tests.gpu.test_models import ARCHS, load_ours, make_caches, paged_step, save_hf_model
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler for the fused ops")

@@ -15,9 +15,9 @@ from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize as library_dequantize  # noqa: E402
 from gguf.quants import quantize as library_quantize  # noqa: E402
 
-from contracts.errors import ModelLoadError  # noqa: E402
-from contracts.gguf_file import GGUFFormatError, array_length, read_gguf  # noqa: E402
-from gpu.models.gguf_quants import CHUNK_BLOCKS, dequantize  # noqa: E402
+from pagedserve.contracts.errors import ModelLoadError  # noqa: E402
+from pagedserve.contracts.gguf_file import GGUFFormatError, array_length, read_gguf  # noqa: E402
+from pagedserve.gpu.models.gguf_quants import CHUNK_BLOCKS, dequantize  # noqa: E402
 
 
 def assert_same_file(path) -> None:

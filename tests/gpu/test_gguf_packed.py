@@ -10,13 +10,13 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize as library_dequantize
 
-from contracts.config import ModelConfig
-from gpu.models import gguf_packed
-from gpu.models.gguf_loader import unpermute_rows
-from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from gpu.models.loader import load_model
-from gpu.models.packed_linear import dense_weight
-from kernels import qgemm
+from pagedserve.contracts.config import ModelConfig
+from pagedserve.gpu.models import gguf_packed
+from pagedserve.gpu.models.gguf_loader import unpermute_rows
+from pagedserve.gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from pagedserve.gpu.models.loader import load_model
+from pagedserve.gpu.models.packed_linear import dense_weight
+from pagedserve.kernels import qgemm
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def test_auto_holds_no_full_precision_copy(default_models, default_model_path):
 @pytest.mark.parametrize("mode,layer,head", [("auto", "q4_1", "q8_0"), ("int4", "q4_1", "q8_0"),
                                               ("int8", "q8_0", "q8_0")])
 def test_plan_follows_the_mode(default_model_path, mode, layer, head):
-    from contracts.hf_config import gguf_to_hf_config, open_gguf
-    from gpu.models.loader import build_model
+    from pagedserve.contracts.hf_config import gguf_to_hf_config, open_gguf
+    from pagedserve.gpu.models.loader import build_model
 
     reader = open_gguf(default_model_path)
     model = build_model(gguf_to_hf_config(default_model_path, reader), "cpu", torch.float32)  # not loaded
@@ -131,8 +131,8 @@ BF16_MARGIN = 0.15  # bf16: at most this far below plain bf16's own agreement wi
 
 
 def _greedy(mode: str, dtype: str, prompts: int = 4, tokens: int = 16):
-    from engine.llm import LLM
-    from loadtest.micro.quant_accuracy import PROMPTS, greedy_tokens
+    from pagedserve.engine.llm import LLM
+    from pagedserve.loadtest.micro.quant_accuracy import PROMPTS, greedy_tokens
 
     llm = LLM(dtype=dtype, quantization=mode, kv_cache_memory=1 / 16)
     try:
@@ -144,7 +144,7 @@ def _greedy(mode: str, dtype: str, prompts: int = 4, tokens: int = 16):
 def test_default_model_as_the_file_says_decodes_like_the_dequantized_model():
     """Same weights bit for bit; only the kernel's 15-bit activation rounding differs, so greedy
     tokens must nearly all agree (full figures: loadtest/PERF.md)."""
-    from loadtest.micro.quant_accuracy import agreement
+    from pagedserve.loadtest.micro.quant_accuracy import agreement
 
     same, _ = agreement(_greedy("none", "float32"), _greedy("auto", "float32"))
     assert same >= AUTO_FLOOR, f"auto/fp32: greedy agreement {same:.3f} < {AUTO_FLOOR}"
@@ -156,7 +156,7 @@ def test_default_model_as_the_file_says_in_bf16_is_as_close_to_fp32_as_plain_bf1
     32 tokens: two agreements of 64 tokens each (4 x 16) were mostly noise — one flipped prompt
     moved them by up to 0.25 (plain bf16 1.000 on 4 x 16 but 0.666 on 16 x 32 on an AVX2 box,
     packed 0.844 vs 0.725; loadtest/PERF.md, tenth session)."""
-    from loadtest.micro.quant_accuracy import agreement
+    from pagedserve.loadtest.micro.quant_accuracy import agreement
 
     reference = _greedy("none", "float32", 16, 32)
     plain, _ = agreement(reference, _greedy("none", "bfloat16", 16, 32))
@@ -165,8 +165,8 @@ def test_default_model_as_the_file_says_in_bf16_is_as_close_to_fp32_as_plain_bf1
 
 
 def test_auto_is_none_off_cpu_and_int_modes_need_a_cpu():
-    from contracts.errors import ModelLoadError
-    from gpu.models.loader import resolve_quantization
+    from pagedserve.contracts.errors import ModelLoadError
+    from pagedserve.gpu.models.loader import resolve_quantization
 
     assert resolve_quantization(None, "cpu") == "auto"
     assert resolve_quantization("auto", "cuda") == "none"

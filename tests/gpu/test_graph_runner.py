@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from contracts.config import EngineConfig, default_model_path
-from gpu.batch import BatchRequest
-from gpu.model_runner import ModelRunner
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.contracts.config import EngineConfig, default_model_path
+from pagedserve.gpu.batch import BatchRequest
+from pagedserve.gpu.model_runner import ModelRunner
 from tests.tiny import TINY_CONFIG, tiny_llm
 
 # Untied embeddings: a random model with tied ones mostly repeats its last input token.
@@ -22,7 +22,7 @@ MAX_MODEL_LEN = 256  # 16 block-table columns in the static buffers
 
 
 def make_runner(enforce_eager: bool, sizes: list[int] | None = None) -> ModelRunner:
-    from engine.bootstrap import resolve_config
+    from pagedserve.engine.bootstrap import resolve_config
 
     options = {"model": default_model_path(), "load_format": "dummy", "hf_config": UNTIED,
                "dtype": "float32", "num_gpu_blocks_override": 128, "block_size": BLOCK,

@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from gpu.heap_trim import HeapTrimmer, glibc_trim, heap_bytes
+from pagedserve.gpu.heap_trim import HeapTrimmer, glibc_trim, heap_bytes
 
 
 def test_trims_at_most_once_per_interval_while_steps_run_and_once_when_idle():

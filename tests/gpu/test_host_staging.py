@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu.host_staging import HostStaging
+from pagedserve.gpu.host_staging import HostStaging
 
 
 def test_arrays_round_trip_with_alignment_and_shapes():
@@ -34,9 +34,9 @@ def test_off_cuda_nothing_is_staged():
 
 
 def test_prepared_batch_is_the_same_staged_or_not():
-    from contracts.config import EngineConfig
-    from gpu.batch import BatchRequest
-    from gpu.model_runner import ModelRunner
+    from pagedserve.contracts.config import EngineConfig
+    from pagedserve.gpu.batch import BatchRequest
+    from pagedserve.gpu.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig.from_options(block_size=4))
     reqs = [BatchRequest([7], 5, [3, 1]), BatchRequest([8], 2, [2]),

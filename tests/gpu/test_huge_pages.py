@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from gpu import huge_pages
-from gpu.huge_pages import HUGE_PAGE, _added, anonymous_ranges, loaded_onto_huge_pages
+from pagedserve.gpu import huge_pages
+from pagedserve.gpu.huge_pages import HUGE_PAGE, _added, anonymous_ranges, loaded_onto_huge_pages
 
 
 def _thp_mode() -> str:

@@ -7,7 +7,7 @@ import ctypes.util
 import pytest
 import torch
 
-from gpu.kv_alloc import ALIGNMENT, zeroed_tensor
+from pagedserve.gpu.kv_alloc import ALIGNMENT, zeroed_tensor
 
 
 def _resident_bytes(t: torch.Tensor) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contracts.config import ConfigError
+from pagedserve.contracts.config import ConfigError
 from tests.gpu.test_kv_fp8_engine import assert_swap_preemption_is_exact
 from tests.gpu.test_mp_equivalence import GREEDY, prompts, token_ids
 from tests.tiny import tiny_llm
@@ -51,8 +51,8 @@ def test_default_model_greedy_agreement_with_the_fp32_cache():
     """16 prompts x 32 greedy tokens of the shipped Q4_1 GGUF in fp32, auto (a bf16 cache: the
     weights are quantized) against ``float32``, position by position (strict: one flip changes the rest of a continuation). Measured
     in loadtest/PERF.md; below 0.6 fails. A cache read wrongly agrees near 0."""
-    from engine.llm import LLM
-    from loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
+    from pagedserve.engine.llm import LLM
+    from pagedserve.loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
 
     out = {}
     for kv in ("float32", "auto"):

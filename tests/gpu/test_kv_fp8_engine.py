@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contracts.config import ConfigError
-from kernels.kv_cache_dtype import FP8
+from pagedserve.contracts.config import ConfigError
+from pagedserve.kernels.kv_cache_dtype import FP8
 from tests.gpu.test_mp_equivalence import GREEDY, UNTIED, prompts, token_ids
 from tests.tiny import tiny_llm
 
@@ -61,8 +61,8 @@ def test_default_model_greedy_agreement_with_the_bf16_cache():
     (strict: one flip changes the rest of a continuation). Measured 0.574 on the AVX-512 machine
     (the bf16 model against fp32 agrees 0.697; PERF.md); below 0.5 fails. A cache read wrongly
     agrees near 0."""
-    from engine.llm import LLM
-    from loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
+    from pagedserve.engine.llm import LLM
+    from pagedserve.loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
 
     out = {}
     for kv in ("auto", "fp8"):

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from contracts.config import ModelConfig
-from gpu.models import load_progress
-from gpu.models.load_progress import LoadProgress
-from gpu.models.loader import load_model
+from pagedserve.contracts.config import ModelConfig
+from pagedserve.gpu.models import load_progress
+from pagedserve.gpu.models.load_progress import LoadProgress
+from pagedserve.gpu.models.loader import load_model
 from tests.gpu.test_models import ARCHS, save_hf_model
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from contracts.config import ModelConfig
-from gpu.forward_context import forward_context
-from contracts.errors import ModelLoadError, UnsupportedArchitectureError
-from gpu.models.loader import load_model
+from pagedserve.contracts.config import ModelConfig
+from pagedserve.gpu.forward_context import forward_context
+from pagedserve.contracts.errors import ModelLoadError, UnsupportedArchitectureError
+from pagedserve.gpu.models.loader import load_model
 
 from tests.gpu.test_models import ARCHS, assert_close, make_caches, paged_step, save_hf_model
 
@@ -33,7 +33,7 @@ def default_pair(default_model_path):
 
 
 def test_default_gguf_config(default_model_path):
-    from contracts.hf_config import load_hf_config
+    from pagedserve.contracts.hf_config import load_hf_config
 
     cfg = load_hf_config(default_model_path)
     assert cfg["architectures"] == ["LlamaForCausalLM"]
@@ -174,7 +174,7 @@ def test_gguf_unpermute_restores_hf_rows():
     """llama.cpp's permutation (per head: halves -> interleaved pairs) is undone exactly."""
     import numpy as np
 
-    from gpu.models.gguf_loader import unpermute_rows
+    from pagedserve.gpu.models.gguf_loader import unpermute_rows
 
     n_heads, head_dim, cols = 3, 8, 5
     hf = np.arange(n_heads * head_dim * cols, dtype=np.float32).reshape(n_heads * head_dim, cols)

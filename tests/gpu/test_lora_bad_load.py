@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.lora_request import LoRARequest
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.lora_request import LoRARequest
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.lora_fixtures import write_adapter_files
 from tests.tiny import TINY_CONFIG, tiny_llm
 

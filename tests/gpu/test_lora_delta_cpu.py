@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.models.lora_layers import LoRABatch, LoRALinear
-from kernels import abi, fused
+from pagedserve.gpu.models.lora_layers import LoRABatch, LoRALinear
+from pagedserve.kernels import abi, fused
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler for the fused ops")
 

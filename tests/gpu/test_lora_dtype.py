@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from contracts.config import ConfigError, EngineConfig, LoRAConfig
-from engine.lora_request import LoRARequest
-from engine.sampling_params import SamplingParams
-from gpu.lora_worker import base_is_quantized, resolve_lora_dtype
+from pagedserve.contracts.config import ConfigError, EngineConfig, LoRAConfig
+from pagedserve.engine.lora_request import LoRARequest
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.gpu.lora_worker import base_is_quantized, resolve_lora_dtype
 from tests.lora_fixtures import peft_model, reference_greedy, save_adapter, save_base
 
 N_TOKENS = 8
@@ -50,7 +50,7 @@ def test_the_option_is_checked_and_reaches_the_config():
 
     import argparse
 
-    from app.engine_args import add_engine_args
+    from pagedserve.app.engine_args import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -88,8 +88,8 @@ def test_bf16_slots_on_an_fp32_model_match_peft_with_bf16_rounded_adapters(model
     """Greedy tokens equal and logprobs within 1e-4 of PEFT on the rounded adapters, through the fused
     C stack (decode steps) and through the per-linear torch path (PAGEDSERVE_FAST_DECODE=0); and not
     what PEFT gives on the unrounded ones (the option is in effect)."""
-    from engine.llm import LLM
-    from gpu.models import fast_decode
+    from pagedserve.engine.llm import LLM
+    from pagedserve.gpu.models import fast_decode
 
     from tests.gpu.test_lora_peft import _count_fused_lora_steps
 

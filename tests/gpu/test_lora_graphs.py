@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lora_request import LoRARequest
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.lora_request import LoRARequest
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.gpu.test_lora_peft import _count_fused_lora_steps
 from tests.lora_fixtures import save_adapter, save_base
 
@@ -30,7 +30,7 @@ def models(tmp_path_factory):
 
 
 def _llm(root, eager: bool, **options):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     return LLM(model=str(root / "base"), dtype="float32", kv_cache_dtype="float32", kv_cache_memory=1 / 16,
                enable_lora=True, max_loras=2, max_lora_rank=8, enforce_eager=eager,
@@ -39,7 +39,7 @@ def _llm(root, eager: bool, **options):
 
 def _spy_runs(monkeypatch) -> list[int]:
     """Rows of every DecodeGraphRunner.run call."""
-    from gpu.graphs import DecodeGraphRunner
+    from pagedserve.gpu.graphs import DecodeGraphRunner
 
     calls: list[int] = []
     real = DecodeGraphRunner.run
@@ -125,7 +125,7 @@ def test_static_buffers_and_slots_keep_their_storage(models):
 
 def test_static_lora_batch_fill():
     """Every form of a step's LoRABatch lands in the static buffers; padding rows read base."""
-    from gpu.models.lora_layers import LoRABatch, StaticLoRABatch
+    from pagedserve.gpu.models.lora_layers import LoRABatch, StaticLoRABatch
 
     s = StaticLoRABatch(max_size=8, max_loras=3, dtype=torch.float32, device=torch.device("cpu"))
     mask_ptr, rows_ptr = s.mask.data_ptr(), s.rows.data_ptr()
@@ -144,7 +144,7 @@ def test_static_lora_batch_fill():
 
 
 def test_set_slot_copies_in_place():
-    from gpu.models.lora_layers import LoRALinear, Section
+    from pagedserve.gpu.models.lora_layers import LoRALinear, Section
 
     h = LoRALinear.__new__(LoRALinear)
     h.sections, h.rank, h.row_parallel, h.in_local, h.out_local = [Section("q_proj", 0, 6, 0)], 4, False, 5, 6

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lora_request import LoRARequest
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.lora_request import LoRARequest
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.lora_fixtures import peft_model, reference_greedy, save_adapter, save_base
 
 N_TOKENS = 8
@@ -31,7 +31,7 @@ def models(tmp_path_factory):
 
 
 def _llm(root, **options):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     return LLM(model=str(root / "base"), dtype="float32", kv_cache_memory=1 / 16, enable_lora=True,
                max_loras=3, max_lora_rank=16, **options)
@@ -110,7 +110,7 @@ def test_mixed_batch_equals_each_alone(models, references, options):
 def test_more_adapters_than_slots_rotate_through_them(models, references):
     root, _, adapters = models
     loras = _requests(adapters)
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     llm = LLM(model=str(root / "base"), dtype="float32", kv_cache_memory=1 / 16, enable_lora=True,
               max_loras=1, max_cpu_loras=2, max_lora_rank=16)
@@ -137,8 +137,8 @@ def test_tensor_parallel_2_matches_peft(models, references):
 
 def _count_fused_lora_steps(monkeypatch):
     """Record (rows, taken) of every FastDecodeStack call made in a step with adapter rows."""
-    from gpu.forward_context import current_lora
-    from gpu.models import fast_decode
+    from pagedserve.gpu.forward_context import current_lora
+    from pagedserve.gpu.models import fast_decode
 
     calls = []
     real = fast_decode.FastDecodeStack.forward
@@ -156,7 +156,7 @@ def _count_fused_lora_steps(monkeypatch):
 def test_lora_decode_steps_stay_on_the_fused_stack_and_match_peft(models, references, monkeypatch):
     """One stream per adapter (fp32 plain weights: the stack takes 1-row steps): every decode step
     with an adapter row runs the one-call C stack, LoRA deltas inside it, and still == peft."""
-    from gpu.models.fast_decode import FastDecodeStack
+    from pagedserve.gpu.models.fast_decode import FastDecodeStack
 
     root, _, adapters = models
     loras = _requests(adapters)
@@ -179,7 +179,7 @@ def test_mixed_adapters_in_the_fused_stack_equal_the_per_linear_path(models, mon
     (PAGEDSERVE_FAST_DECODE=0): same greedy tokens, logprobs within 1e-3 (the deltas sum in another
     order, and the quantized kernels round activations to int8 blocks, which spreads a last-bit
     difference: 1.2e-4 seen)."""
-    from gpu.models import fast_decode
+    from pagedserve.gpu.models import fast_decode
 
     root, _, adapters = models
     loras = _requests(adapters)
@@ -206,8 +206,8 @@ def test_mixed_adapters_in_the_fused_stack_equal_the_per_linear_path(models, mon
 def test_fused_paths_step_aside_for_lora_only_where_unsupported(models):
     """Unit check of the remaining guard (a fused path that cannot carry the adapter slots): a
     LoRA step runs the per-linear path, a base step the fused one."""
-    from gpu.forward_context import forward_context
-    from gpu.models.lora_layers import LoRABatch, SkipFastPathForLoRA
+    from pagedserve.gpu.forward_context import forward_context
+    from pagedserve.gpu.models.lora_layers import LoRABatch, SkipFastPathForLoRA
 
     class Fast:
         max_rows = 4

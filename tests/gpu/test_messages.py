@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from contracts.messages import (STEP_INPUT_DECODER, STEP_INPUT_ENCODER, STEP_OUTPUT_DECODER, NewSeq,
+from pagedserve.contracts.messages import (STEP_INPUT_DECODER, STEP_INPUT_ENCODER, STEP_OUTPUT_DECODER, NewSeq,
                           SampledLogprobs, SamplingOptions, StepInput, StepOutput)
 
 

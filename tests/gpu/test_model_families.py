@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.forward_context import forward_context
+from pagedserve.gpu.forward_context import forward_context
 from tests.gpu.test_models import assert_close, check_tensor_parallel, load_ours, make_caches, paged_step, save_hf_model
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -118,7 +118,7 @@ def test_fast_decode_binds_only_plain_layers(family):
     """The fused C decode layer knows neither windows nor soft-caps nor Gemma's norms: Gemma and
     windowed Phi-3 take the eager path; Phi-4-mini (no window, partial rotary) may bind, and its
     paged test above then ran through it."""
-    from kernels import fused
+    from pagedserve.kernels import fused
 
     name, _, ours, _ = family
     bound = [layer for layer in ours.model.layers if getattr(layer, "fast_decode", None) is not None]
@@ -136,7 +136,7 @@ def test_longrope_table_matches_transformers_past_the_original_length():
     from transformers import AutoConfig
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from gpu.models.phi3 import Phi3ForCausalLM
+    from pagedserve.gpu.models.phi3 import Phi3ForCausalLM
 
     cfg = FAMILIES["phi4-mini"]
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
@@ -184,8 +184,8 @@ def test_quantized_and_bf16_loads_stay_close(family, quantization, dtype):
     itself (per-row int8 weights; the model run in bf16), the same top token at most positions."""
     import copy
 
-    from contracts.config import ModelConfig
-    from gpu.models.loader import load_model
+    from pagedserve.contracts.config import ModelConfig
+    from pagedserve.gpu.models.loader import load_model
 
     name, ref, _, path = family
     ours = load_model(ModelConfig(model=str(path), quantization=quantization), "cpu", dtype)
@@ -206,7 +206,7 @@ def test_gemma3_conditional_generation_checkpoint_serves_text(tmp_path):
     the multimodal model's."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    from contracts.hf_config import load_hf_config
+    from pagedserve.contracts.hf_config import load_hf_config
 
     text = {k: v for k, v in FAMILIES["gemma3"].items() if k not in ("architectures", "model_type")}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -233,7 +233,7 @@ def test_gemma3_conditional_generation_checkpoint_serves_text(tmp_path):
 def pipeline_stages_equal_one_model(path, ids: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Load ``path`` as stage 0 and stage 1 of a 2-stage pipeline (each holds only its layers and
     loads only their tensors); stage 0's activations through stage 1 give ``want``."""
-    from gpu.parallel_state import init_pipeline_parallel, reset_pipeline_parallel
+    from pagedserve.gpu.parallel_state import init_pipeline_parallel, reset_pipeline_parallel
 
     try:
         stages = []
@@ -263,7 +263,7 @@ def test_sparse_gemma3_text_config_takes_transformers_defaults(tmp_path):
 
     from transformers import Gemma3Config
 
-    from contracts.hf_config import load_hf_config
+    from pagedserve.contracts.hf_config import load_hf_config
 
     raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
            "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
@@ -278,7 +278,7 @@ def test_sparse_gemma3_text_config_takes_transformers_defaults(tmp_path):
                 "query_pre_attn_scalar", "sliding_window", "final_logit_softcapping", "attn_logit_softcapping"):
         assert ours.get(key) == getattr(want, key), key
     assert ours["eos_token_id"] == [1, 106]
-    from gpu.models.gemma import SLIDING, FULL, _rope, layer_types
+    from pagedserve.gpu.models.gemma import SLIDING, FULL, _rope, layer_types
 
     assert layer_types(dict(ours, model_type="gemma3")) == list(want.layer_types)
     for kind in (SLIDING, FULL):

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.gpu.test_model_families import FAMILIES
 from tests.gpu.test_moe import MOE
 from tests.gpu.test_models import save_hf_model
@@ -39,7 +39,7 @@ CONFIGS = {**{k: FAMILIES[k] for k in ("gemma2", "gemma3", "phi3")}, "qwen3moe":
 
 def checkpoint(name: str, path) -> tuple[object, list[list[int]]]:
     """(the transformers model saved at ``path`` with a tokenizer, its greedy tokens per prompt)."""
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
 
     cfg = dict(CONFIGS[name], vocab_size=VOCAB)
     if "original_max_position_embeddings" in cfg:
@@ -60,7 +60,7 @@ ENGINE = dict(dtype="float32", kv_cache_memory=1 / 16, block_size=8, max_num_bat
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_engine_greedy_equals_transformers(name, tmp_path):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     _, want = checkpoint(name, tmp_path)
     llm = LLM(model=str(tmp_path), executor="inproc", **ENGINE)
@@ -75,7 +75,7 @@ def test_engine_greedy_equals_transformers(name, tmp_path):
 
 def test_tensor_parallel_2_engine_greedy_equals_transformers(tmp_path):
     """Gemma 2 (soft-caps, windows) on two worker processes, each with half the heads."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
     from tests.gpu.test_mp_equivalence import shutdown_clean
 
     _, want = checkpoint("gemma2", tmp_path)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from contracts.config import ModelConfig
-from gpu.forward_context import forward_context
+from pagedserve.contracts.config import ModelConfig
+from pagedserve.gpu.forward_context import forward_context
 from tests.gpu.test_model_families import FAMILIES
 from tests.gpu.test_models import assert_close, save_hf_model
 from tests.gpu.tiny_gguf import write_gguf
@@ -36,7 +36,7 @@ def written(request, tmp_path_factory):
 
 
 def _logits(path, quantization="none"):
-    from gpu.models.loader import load_model
+    from pagedserve.gpu.models.loader import load_model
 
     ours = load_model(ModelConfig(model=str(path), quantization=quantization), "cpu", torch.float32)
     ids = torch.randint(0, 97, (23,), generator=torch.Generator().manual_seed(1))
@@ -45,7 +45,7 @@ def _logits(path, quantization="none"):
 
 
 def test_config_from_gguf_keys_matches_the_checkpoint(written):
-    from contracts.hf_config import load_hf_config
+    from pagedserve.contracts.hf_config import load_hf_config
 
     name, ref, path = written
     got, want = load_hf_config(str(path / "model.gguf")), ref.config

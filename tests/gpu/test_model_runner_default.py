@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from contracts.config import EngineConfig
-from gpu.batch import BatchRequest
-from gpu.model_runner import ModelRunner
+from pagedserve.contracts.config import EngineConfig
+from pagedserve.gpu.batch import BatchRequest
+from pagedserve.gpu.model_runner import ModelRunner
 
 PROMPTS = [
     "The capital of France is",
@@ -34,7 +34,7 @@ def hf_reference(default_model_path):
 
 @pytest.fixture(scope="module")
 def runner(default_model_path):
-    from engine.bootstrap import resolve_config
+    from pagedserve.engine.bootstrap import resolve_config
 
     config, _ = resolve_config(EngineConfig.from_options(
         model=default_model_path, dtype="float32", quantization="none", num_gpu_blocks_override=64, block_size=BLOCK,

@@ -5,9 +5,9 @@ import random
 
 import torch
 
-from contracts.config import EngineConfig
-from gpu.batch import BatchRequest
-from gpu.model_runner import ModelRunner
+from pagedserve.contracts.config import EngineConfig
+from pagedserve.gpu.batch import BatchRequest
+from pagedserve.gpu.model_runner import ModelRunner
 
 
 def _runner(block_size: int = 4) -> ModelRunner:
@@ -43,7 +43,7 @@ def test_mixed_batch_slots_unchanged():
 
 def test_blocks_to_copy_are_copied_in_every_layer_before_the_new_seqs():
     """Copy-on-write of beam forks (StepInput.blocks_to_copy): dst takes src's K/V, others untouched."""
-    from contracts.messages import StepInput, pack_ints
+    from pagedserve.contracts.messages import StepInput, pack_ints
 
     r = _runner()
     torch.manual_seed(0)

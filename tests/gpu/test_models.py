@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from contracts.config import ModelConfig
-from gpu.forward_context import forward_context
-from gpu.models.packed_linear import dense_weight  # a loaded linear layer's weight, packed or not
-from kernels.metadata import AttentionMetadata
+from pagedserve.contracts.config import ModelConfig
+from pagedserve.gpu.forward_context import forward_context
+from pagedserve.gpu.models.packed_linear import dense_weight  # a loaded linear layer's weight, packed or not
+from pagedserve.kernels.metadata import AttentionMetadata
 
 BLOCK = 8
 
@@ -54,7 +54,7 @@ def save_hf_model(cfg: dict, path, seed: int = 0, **save_kwargs):
 
 
 def load_ours(path, dtype=torch.float32):
-    from gpu.models.loader import load_model
+    from pagedserve.gpu.models.loader import load_model
 
     return load_model(ModelConfig(model=str(path)), "cpu", dtype)
 
@@ -190,7 +190,7 @@ def test_bfloat16_load_is_close(tmp_path):
 
 
 def test_dummy_weights_seeded_and_sane():
-    from gpu.models.loader import load_model
+    from pagedserve.gpu.models.loader import load_model
 
     cfg = ARCHS["qwen3"]
     m1 = load_model(ModelConfig(load_format="dummy", hf_config=cfg, seed=3), "cpu", torch.float32)
@@ -210,7 +210,7 @@ def test_dummy_weights_seeded_and_sane():
 def test_tensor_parallel_shards_are_slices_of_full_weights(tmp_path):
     """Built for rank r of 2, each fused/sharded parameter holds exactly its slice of the
     checkpoint (heads for qkv, rows for gate/up and vocab, columns for o/down)."""
-    from gpu.parallel_state import init_tensor_parallel, reset_tensor_parallel
+    from pagedserve.gpu.parallel_state import init_tensor_parallel, reset_tensor_parallel
 
     cfg = ARCHS["qwen2"]
     ref = save_hf_model(cfg, tmp_path)
@@ -243,7 +243,7 @@ def test_tensor_parallel_shards_are_slices_of_full_weights(tmp_path):
 
 
 def test_parallel_state_identity_at_size_one():
-    from gpu.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+    from pagedserve.gpu.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 
     x = torch.randn(3, 4)
     assert get_tp_rank() == 0 and get_tp_size() == 1
@@ -253,7 +253,7 @@ def test_parallel_state_identity_at_size_one():
 def _tp_worker(rank: int, world: int, init_file: str, dirs: list[str], out_file: str) -> None:
     import torch.distributed as dist
 
-    from gpu.parallel_state import init_tensor_parallel
+    from pagedserve.gpu.parallel_state import init_tensor_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

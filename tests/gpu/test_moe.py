@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.forward_context import forward_context
-from gpu.models.moe import FusedExperts, route
+from pagedserve.gpu.forward_context import forward_context
+from pagedserve.gpu.models.moe import FusedExperts, route
 from tests.gpu.test_models import assert_close, check_tensor_parallel, load_ours, make_caches, paged_step, save_hf_model
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -57,7 +57,7 @@ def test_routing_equals_transformers(moe_pair):
 def test_the_c_decode_step_equals_transformers_block(moe_pair, m):
     """The MoE block's one-call C decode step (kernels/moe_cpu.py) against transformers'
     Qwen3MoeSparseMoeBlock on random rows (no tie at the top-k cut in these)."""
-    from kernels import moe_cpu
+    from pagedserve.kernels import moe_cpu
 
     name, ref, ours, _ = moe_pair
     if not name.startswith("qwen3moe") or moe_cpu.library() is None:
@@ -74,7 +74,7 @@ def test_the_c_decode_step_equals_transformers_block(moe_pair, m):
 def test_decode_rows_take_the_fused_c_layer_and_match_transformers(moe_pair, monkeypatch):
     """Qwen3-MoE and Mixtral layers take the fused decode layer (gpu/models/fast_decode.py): q/k norms
     inside fz_attn_in, fz_attn_out, then the MoE block's C step; decode logits match transformers."""
-    from gpu.models import fast_decode
+    from pagedserve.gpu.models import fast_decode
 
     name, ref, ours, _ = moe_pair
     assert all(layer.fast_decode is not None for layer in ours.model.layers), name
@@ -193,9 +193,9 @@ def test_pipeline_stages_equal_one_model(moe_pair):
 def test_int8_experts_are_packed_and_stay_close(moe_pair):
     """--quantization int8 packs every expert (the full-precision stacks freed); the logits stay
     within 8 % of the fp32 model's scale, the same top token at most positions."""
-    from contracts.config import ModelConfig
-    from gpu.models.loader import load_model
-    from gpu.models.moe import FusedExperts
+    from pagedserve.contracts.config import ModelConfig
+    from pagedserve.gpu.models.loader import load_model
+    from pagedserve.gpu.models.moe import FusedExperts
 
     name, _, ours, path = moe_pair
     packed = load_model(ModelConfig(model=str(path), quantization="int8"), "cpu", torch.float32)
@@ -213,7 +213,7 @@ def test_int8_experts_are_packed_and_stay_close(moe_pair):
 def test_packed_experts_compute_what_their_dequantized_weights_do(mode):
     """The packed path (one kernel call per active expert and projection) equals the
     full-precision path on the weights the packing stands for."""
-    from gpu.models.moe import quantize_experts
+    from pagedserve.gpu.models.moe import quantize_experts
 
     holder = nn.Module()
     holder.experts = _experts(seed=5, num_experts=4, hidden=64, inter=64)

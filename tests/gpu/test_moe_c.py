@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.models.moe import SparseMoeBlock, quantize_experts
-from kernels import isa, moe_cpu
+from pagedserve.gpu.models.moe import SparseMoeBlock, quantize_experts
+from pagedserve.kernels import isa, moe_cpu
 from tests.needs import needs_library
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -139,7 +139,7 @@ def test_replaced_weights_are_seen():
 
 
 def test_fused_ops_off_turns_the_c_step_off():
-    code = ("from kernels import moe_cpu\n"
+    code = ("from pagedserve.kernels import moe_cpu\n"
             "assert moe_cpu.library() is None\n"
             "print('ok')\n")
     env = {**os.environ, "PAGEDSERVE_FUSED": "0"}
@@ -155,7 +155,7 @@ def test_every_build_is_right(tmp_path, level):
         pytest.skip(f"this CPU cannot run the {level} build")
     code = (
         "import torch\n"
-        "from kernels import moe_cpu, qgemm\n"
+        "from pagedserve.kernels import moe_cpu, qgemm\n"
         f"assert moe_cpu.isa() == {level!r}, moe_cpu.isa()\n"
         f"assert qgemm.isa() == {level!r}, qgemm.isa()\n"
         "from tests.gpu.test_moe_c import make_block, eager\n"

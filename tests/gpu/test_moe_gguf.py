@@ -15,8 +15,8 @@ gguf = require("gguf")
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from contracts.config import ModelConfig  # noqa: E402
-from gpu.forward_context import forward_context  # noqa: E402
+from pagedserve.contracts.config import ModelConfig  # noqa: E402
+from pagedserve.gpu.forward_context import forward_context  # noqa: E402
 from tests.gpu.test_moe import BASE, load_ours  # noqa: E402
 from tests.gpu.test_models import save_hf_model  # noqa: E402
 
@@ -92,8 +92,8 @@ def _logits(model, ids):
 
 
 def test_gguf_experts_load_packed_and_match_the_dequantized_model(files):
-    from gpu.models.loader import load_model
-    from gpu.models.moe import FusedExperts
+    from pagedserve.gpu.models.loader import load_model
+    from pagedserve.gpu.models.moe import FusedExperts
 
     ref, path = files
     ours = load_model(ModelConfig(model=str(path / "model.gguf")), "cpu", torch.float32)
@@ -112,7 +112,7 @@ def test_gguf_experts_load_packed_and_match_the_dequantized_model(files):
 
 
 def test_gguf_experts_in_full_precision_under_quantization_none(files):
-    from gpu.models.loader import load_model
+    from pagedserve.gpu.models.loader import load_model
 
     ref, path = files
     ours = load_model(ModelConfig(model=str(path / "model.gguf"), quantization="none"), "cpu", torch.float32)
@@ -126,7 +126,7 @@ def test_gguf_experts_in_full_precision_under_quantization_none(files):
 
 
 def test_int8_packs_the_experts_of_a_safetensors_checkpoint(files):
-    from gpu.models.loader import load_model
+    from pagedserve.gpu.models.loader import load_model
 
     ref, path = files
     ours = load_model(ModelConfig(model=str(path / "hf"), quantization="int8"), "cpu", torch.float32)
@@ -178,7 +178,7 @@ def test_bad_expert_tensors_are_clear_errors(tmp_path):
     """An expert index past the config's count, a wrong expert shape, a missing expert."""
     from safetensors.torch import load_file, save_file
 
-    from contracts.errors import ModelLoadError
+    from pagedserve.contracts.errors import ModelLoadError
     from tests.gpu.test_moe import MOE
 
     save_hf_model(MOE["mixtral"], tmp_path)

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from contracts.errors import ExecutorError
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.contracts.errors import ExecutorError
 from tests.tiny import TINY_CONFIG, tiny_llm
 
 UNTIED = {**TINY_CONFIG, "tie_word_embeddings": False}
@@ -141,7 +141,7 @@ def test_tiny_kv_cache_preemption_mp_equals_inproc(reference):
 def tiny_checkpoint(tmp_path_factory) -> str:
     """A random tiny Llama saved as safetensors, with the default model's tokenizer.json. Dummy
     weights cannot serve here: each rank draws its own shard, so TP=2 would be another model."""
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
     from tests.gpu.test_models import save_hf_model
 
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -151,7 +151,7 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 
 
 def test_tensor_parallel_2_tiny_equals_single_rank(tiny_checkpoint):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16}
     single = LLM(executor="inproc", **options)
@@ -182,7 +182,7 @@ DEFAULT_GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 def test_default_model_tensor_parallel_equals_single_rank():
     """SmolLM2-135M has 9 query / 3 kv heads: 2 ranks cannot split it (a clear error), 3 can."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     with pytest.raises(ExecutorError, match="not divisible by the tensor-parallel size"):
         LLM(dtype="float32", tensor_parallel_size=2, executor="mp", kv_cache_memory=0.25)

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from contracts.config import EngineConfig
-from contracts.errors import ExecutorError
-from contracts.messages import NewSeq, SamplingOptions, StepInput, StepOutput
-from gpu.shm_ring import ShmRing
-from gpu.transport import pick_transport
+from pagedserve.contracts.config import EngineConfig
+from pagedserve.contracts.errors import ExecutorError
+from pagedserve.contracts.messages import NewSeq, SamplingOptions, StepInput, StepOutput
+from pagedserve.gpu.shm_ring import ShmRing
+from pagedserve.gpu.transport import pick_transport
 
 HERE = "tests.gpu.test_mp_executor"
 SLOW_STEP = -2  # a step id the fake runner sleeps on (to be killed mid-step)
@@ -113,7 +113,7 @@ def _existing(names: list[str]) -> list[str]:
 
 @pytest.fixture
 def executor(own_segments):
-    from gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
 
     ex = MultiprocExecutor(_config(), runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
     yield ex
@@ -145,7 +145,7 @@ def test_step_error_is_returned_and_worker_keeps_serving(executor):
 
 def test_a_step_that_cannot_be_encoded_is_refused_and_the_executor_goes_on(executor):
     """Nothing is sent, so no reply is due: the next steps (sync and async) are answered."""
-    from contracts.messages import StepEncodeError
+    from pagedserve.contracts.messages import StepEncodeError
 
     bad = NewSeq(9, [1, 2, 3], 3, 0, [9], SamplingOptions(top_k=2**64))
     with pytest.raises(StepEncodeError, match="step 4 cannot be encoded"):
@@ -172,7 +172,7 @@ def test_event_loop_stays_free_while_a_step_runs(executor):
 
 
 def test_startup_error_is_reported_with_the_worker_traceback(own_segments):
-    from gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
 
     with pytest.raises(ExecutorError) as info:
         MultiprocExecutor(_config(), runner_factory=f"{HERE}:BrokenRunner", startup_timeout=60)
@@ -182,7 +182,7 @@ def test_startup_error_is_reported_with_the_worker_traceback(own_segments):
 
 
 def test_worker_dying_silently_at_startup_is_reported():
-    from gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
 
     with pytest.raises(ExecutorError, match="exited with code 3"):
         MultiprocExecutor(_config(), runner_factory=f"{HERE}:exiting_runner", startup_timeout=60)
@@ -220,7 +220,7 @@ def test_kill9_mid_step_raises_within_seconds(executor, mode):
 
 
 def test_shutdown_is_clean_and_idempotent(own_segments):
-    from gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
 
     ex = MultiprocExecutor(_config(), runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
     pids = ex.worker_pids
@@ -243,8 +243,8 @@ def test_owner_gone_leaves_no_worker_and_no_segment(how):
     rings. A normal exit without shutdown(): the finalizer runs at interpreter exit."""
     script = textwrap.dedent(f"""
         import sys, time
-        from contracts.config import EngineConfig
-        from gpu.mp_executor import MultiprocExecutor
+        from pagedserve.contracts.config import EngineConfig
+        from pagedserve.gpu.mp_executor import MultiprocExecutor
         if __name__ == "__main__":
             cfg = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=5)
             ex = MultiprocExecutor(cfg, runner_factory="{HERE}:FakeRunner", startup_timeout=60)
@@ -278,7 +278,7 @@ class TPRunner(FakeRunner):
     """Checks the tensor-parallel setup: every token is the all-reduced sum of (rank + 1)."""
 
     def initialize(self) -> int:
-        from gpu.parallel_state import get_tp_rank, get_tp_size
+        from pagedserve.gpu.parallel_state import get_tp_rank, get_tp_size
 
         assert (get_tp_rank(), get_tp_size()) == (self.rank, 2)
         return 10 + self.rank  # the executor reports the smallest count
@@ -286,7 +286,7 @@ class TPRunner(FakeRunner):
     def execute(self, step: StepInput) -> StepOutput:
         import torch
 
-        from gpu.parallel_state import tp_all_reduce
+        from pagedserve.gpu.parallel_state import tp_all_reduce
 
         if step.step_id == FAILING_STEP and self.rank == 1:
             raise ValueError("rank 1 cannot run this step")
@@ -297,7 +297,7 @@ class TPRunner(FakeRunner):
 
 
 def test_tensor_parallel_two_workers_over_gloo(own_segments):
-    from gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
 
     ex = MultiprocExecutor(_config(tp=2), runner_factory=f"{HERE}:TPRunner", startup_timeout=120,
                            num_threads=1)
@@ -413,7 +413,7 @@ def test_interrupted_sync_step_reply_is_dropped_by_id(executor):
 def test_hung_worker_fails_the_step_after_the_step_timeout(mode, own_segments):
     """A worker alive but stuck in a step: after --step-timeout the executor fails as for a dead
     worker (clear error, later calls fail at once, the stuck worker is stopped)."""
-    from gpu.mp_executor import WARMUP_STEPS, MultiprocExecutor
+    from pagedserve.gpu.mp_executor import WARMUP_STEPS, MultiprocExecutor
 
     config = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_timeout=1.5)
     ex = MultiprocExecutor(config, runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
@@ -441,7 +441,7 @@ def test_hung_worker_fails_the_step_after_the_step_timeout(mode, own_segments):
 
 def test_first_steps_get_the_startup_timeout():
     """A slow first step (compilation, lazy allocation) is not a hang."""
-    from gpu.mp_executor import WARMUP_STEPS, MultiprocExecutor
+    from pagedserve.gpu.mp_executor import WARMUP_STEPS, MultiprocExecutor
 
     config = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_timeout=7.0)
     ex = MultiprocExecutor(config, runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
@@ -458,7 +458,7 @@ def test_first_steps_get_the_startup_timeout():
 def test_step_timeout_zero_means_none():
     config = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_timeout=0)
     assert config.parallel.step_timeout_s == 0
-    from gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
 
     ex = MultiprocExecutor(config, runner_factory=f"{HERE}:FakeRunner", startup_timeout=60)
     try:
@@ -472,7 +472,7 @@ def test_tensor_parallel_step_failing_on_rank0_alone_fails_the_group(mode, own_s
     """Rank 0 fails a step the other rank runs on (a lone OOM, a collective that timed out):
     rank 1 is left inside the step's collective, so the next step's collectives would pair with
     the wrong peers. The group cannot go on: the executor fails, naming the cause."""
-    from gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
 
     ex = MultiprocExecutor(_config(tp=2), runner_factory=f"{HERE}:TPRunner", startup_timeout=120,
                            num_threads=1)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from contracts.errors import ExecutorError
+from pagedserve.contracts.errors import ExecutorError
 from tests.gpu.test_mp_executor import _config, _existing, _gone, own_segments  # noqa: F401  (fixture)
 
 HERE = "tests.gpu.test_mp_executor_cancel"
@@ -29,7 +29,7 @@ class LoadingForeverRunner:
 
 
 def test_cancel_while_the_workers_load_kills_them(tmp_path, monkeypatch, own_segments):  # noqa: F811
-    from gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
 
     marker = str(tmp_path / "loading")
     monkeypatch.setenv(MARKER_ENV, marker)  # inherited by the spawned workers
@@ -62,7 +62,7 @@ def test_cancel_while_the_workers_load_kills_them(tmp_path, monkeypatch, own_seg
 def test_a_start_cancelled_before_it_began_spawns_nothing(monkeypatch):
     import multiprocessing
 
-    from gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
 
     cancel = threading.Event()
     cancel.set()

@@ -7,9 +7,9 @@ import signal
 
 import pytest
 
-from contracts.errors import ExecutorError
-from gpu.pipe_channel import PipeChannel
-from gpu.transport import ENV_TRANSPORT
+from pagedserve.contracts.errors import ExecutorError
+from pagedserve.gpu.pipe_channel import PipeChannel
+from pagedserve.gpu.transport import ENV_TRANSPORT
 from tests.gpu.test_mp_equivalence import GREEDY, UNTIED, prompts, seeded_params, shutdown_clean, token_ids
 from tests.tiny import tiny_llm
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.forward_context import forward_context
-from gpu.models import packed_linear
-from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from gpu.models.packed_linear import PackedWeight, can_pack, dense_weight, pack_model, small_rows
+from pagedserve.gpu.forward_context import forward_context
+from pagedserve.gpu.models import packed_linear
+from pagedserve.gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from pagedserve.gpu.models.packed_linear import PackedWeight, can_pack, dense_weight, pack_model, small_rows
 from tests.gpu.test_models import ARCHS, load_ours, save_hf_model
 
 LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
@@ -109,7 +109,7 @@ def test_packed_matmul_equals_f_linear(dtype, rows, with_bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_plain_copy_answers_small_batches_and_packed_the_rest(dtype, monkeypatch):
-    from kernels import fused
+    from pagedserve.kernels import fused
 
     _need_packing(dtype)
     if dtype == torch.bfloat16 and not fused.has_bf16_gemv():
@@ -132,8 +132,8 @@ def test_small_fp32_batches_read_the_plain_weight_with_our_gemv():
     """The fp32 plain copy (and an unpacked fp32 weight, up to GEMV_F32_MAX_M rows) goes through
     fz_gemv_f32, which reads the weight ~2.5x faster than torch's GEMV on the AVX2 box: the same
     bits as that kernel, and F.linear's values to fp32 rounding."""
-    from gpu.models.layers import linear
-    from kernels import fused
+    from pagedserve.gpu.models.layers import linear
+    from pagedserve.kernels import fused
 
     _need_packing(torch.float32)
     if not fused.has_f32_gemv():
@@ -157,7 +157,7 @@ def test_small_fp32_batches_read_the_plain_weight_with_our_gemv():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama3-tied-scaled", "llama-linear-rope-bias"])  # a tied head; biases
 def test_load_packs_every_unquantized_linear(arch, dtype, one_copy, tmp_path, monkeypatch):
-    from kernels import fused
+    from pagedserve.kernels import fused
 
     _need_packing(dtype)
     if one_copy == "env":
@@ -204,8 +204,8 @@ def test_missing_ops_and_other_devices_keep_f_linear(tmp_path, monkeypatch):
 
 
 def test_quantized_layers_are_left_alone():
-    from contracts.config import ModelConfig
-    from gpu.models.loader import load_model
+    from pagedserve.contracts.config import ModelConfig
+    from pagedserve.gpu.models.loader import load_model
 
     model = load_model(ModelConfig(load_format="dummy", hf_config=ARCHS["llama"], quantization="int8"),
                        "cpu", torch.float32)

@@ -9,9 +9,9 @@ import contextlib
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from contracts.errors import ExecutorError
-from gpu.parallel_state import (init_pipeline_parallel, reset_pipeline_parallel, stage_layer_range)
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.contracts.errors import ExecutorError
+from pagedserve.gpu.parallel_state import (init_pipeline_parallel, reset_pipeline_parallel, stage_layer_range)
 from tests.gpu.test_mp_equivalence import UNTIED, prompts, shutdown_clean, stream_token_ids, token_ids
 from tests.tiny import tiny_llm
 
@@ -38,7 +38,7 @@ def stage():
 
 @pytest.mark.parametrize("which", [0, 1])
 def test_a_stage_builds_only_its_layers(stage, which):
-    from gpu.models.loader import build_model
+    from pagedserve.gpu.models.loader import build_model
 
     cfg = {**UNTIED, "num_hidden_layers": 4}
     stage(which, 2)
@@ -55,7 +55,7 @@ def test_a_stage_builds_only_its_layers(stage, which):
 
 
 def test_a_tied_head_keeps_the_embedding_on_the_last_stage(stage):
-    from gpu.models.loader import build_model
+    from pagedserve.gpu.models.loader import build_model
 
     stage(1, 2)
     model = build_model({**UNTIED, "tie_word_embeddings": True}, "cpu", "float32")
@@ -71,7 +71,7 @@ def test_inproc_with_pipeline_parallel_is_refused():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> str:
     """Saved weights: dummy ones are drawn per stage, so pp=2 would be another model."""
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
     from tests.gpu.test_models import save_hf_model
 
     path = tmp_path_factory.mktemp("tiny-llama-pp")
@@ -96,7 +96,7 @@ def one_thread():
 
 
 def test_tp2_x_pp2_tiny_equals_single_process(tiny_checkpoint):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     # 64-token steps split the longer prompts (chunked prefill).
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16,
@@ -132,7 +132,7 @@ DEFAULT_GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def test_default_model_pp2_equals_pp1_with_chunked_prefill_and_preemption():
     """fp32 on the default model; 16-token steps chunk every long prompt, and 14 blocks of 16
     tokens cannot hold the six requests at once, so some are preempted and recomputed."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     options = {"dtype": "float32", "num_gpu_blocks_override": 14, "block_size": 16, "max_num_batched_tokens": 16,
                "enable_prefix_caching": False}
@@ -169,9 +169,9 @@ def test_async_engine_pp2_keeps_two_steps_in_flight_and_equals_single_process(ti
     tokens, with a second step sent while the first is in flight."""
     import asyncio
 
-    from engine.async_engine import AsyncEngine
-    from engine.llm import LLM
-    from contracts.config import EngineConfig
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.llm import LLM
+    from pagedserve.contracts.config import EngineConfig
 
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16,
                "max_num_batched_tokens": 64}
@@ -214,7 +214,7 @@ def test_async_engine_pp2_keeps_two_steps_in_flight_and_equals_single_process(ti
 def test_default_model_tp3_x_pp2_equals_single_process_with_chunked_prefill():
     """World 6 on the default model in fp32: each of 2 stages splits its 15 layers' 9/3 heads over
     3 ranks; 16-token steps chunk the long prompts."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     options = {"dtype": "float32", "kv_cache_memory": 0.25, "max_num_batched_tokens": 16,
                "enable_prefix_caching": False}

@@ -5,10 +5,10 @@ import msgspec
 import pytest
 import torch
 
-from contracts.messages import (
+from pagedserve.contracts.messages import (
     STEP_INPUT_DECODER, STEP_INPUT_ENCODER, STEP_OUTPUT_DECODER, NewSeq, PooledOutput, PoolingOptions,
     SamplingOptions, StepInput, StepOutput)
-from gpu.pooling import Pooler
+from pagedserve.gpu.pooling import Pooler
 
 
 def expected(hidden: torch.Tensor, kind: str) -> torch.Tensor:

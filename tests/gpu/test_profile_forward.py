@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contracts.config import EngineConfig
-from gpu.model_runner import ModelRunner
-from gpu.models.stages import StageActivations
-from gpu.parallel_state import init_pipeline_parallel, reset_pipeline_parallel
+from pagedserve.contracts.config import EngineConfig
+from pagedserve.gpu.model_runner import ModelRunner
+from pagedserve.gpu.models.stages import StageActivations
+from pagedserve.gpu.parallel_state import init_pipeline_parallel, reset_pipeline_parallel
 
 TOKENS = 96  # the token budget: more than either position table below
 
@@ -24,7 +24,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_si
 
 
 def runner_for(hf_config: dict) -> ModelRunner:
-    from gpu.models.loader import load_model
+    from pagedserve.gpu.models.loader import load_model
 
     config = EngineConfig.from_options(load_format="dummy", hf_config=hf_config, dtype="float32", device="cpu",
                                        max_num_batched_tokens=TOKENS, num_gpu_blocks_override=4)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import gpu.models.loader as loader
-from gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-from gpu.models.quantization import layout_for, quantize_model
-from kernels import qgemm
-from loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
+import pagedserve.gpu.models.loader as loader
+from pagedserve.gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from pagedserve.gpu.models.quantization import layout_for, quantize_model
+from pagedserve.kernels import qgemm
+from pagedserve.loadtest.micro.quant_accuracy import PROMPTS, agreement, greedy_tokens
 from tests.tiny import tiny_llm
 
 TOKENS = 32
@@ -68,7 +68,7 @@ def test_int8_agreement_on_random_weights_stays_above_its_floor():
 
 
 def _tiny_model():
-    from contracts.config import ModelConfig
+    from pagedserve.contracts.config import ModelConfig
     from tests.tiny import TINY_CONFIG
 
     return loader.load_model(ModelConfig(load_format="dummy", hf_config=TINY_CONFIG))
@@ -95,7 +95,7 @@ def test_every_linear_layer_is_quantized_and_its_full_weight_freed():
 
 
 def test_unknown_mode_and_non_cpu_device_are_refused():
-    from contracts.errors import ModelLoadError
+    from pagedserve.contracts.errors import ModelLoadError
 
     model = _tiny_model()
     with pytest.raises(ModelLoadError, match="unknown quantization"):
@@ -106,7 +106,7 @@ def test_unknown_mode_and_non_cpu_device_are_refused():
 
 def test_bf16_activations_come_back_in_bf16():
     """A bf16 model (AVX-512 bf16 machines) hands bf16 activations to the quantized layers."""
-    from gpu.models.quantization import QuantizedWeight
+    from pagedserve.gpu.models.quantization import QuantizedWeight
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(48, 64, generator=gen)

@@ -18,9 +18,9 @@ from tests.needs import require
 
 ray = require("ray")
 
-from contracts.config import EngineConfig  # noqa: E402
-from contracts.errors import ExecutorError  # noqa: E402
-from gpu.executor_factory import create_executor  # noqa: E402
+from pagedserve.contracts.config import EngineConfig  # noqa: E402
+from pagedserve.contracts.errors import ExecutorError  # noqa: E402
+from pagedserve.gpu.executor_factory import create_executor  # noqa: E402
 from tests.gpu.test_mp_executor import (  # noqa: E402,F401  (own_segments is a fixture)
     FAILING_STEP, HERE, NAP_STEP, SLOW_STEP, _existing, _gone, _step, own_segments)
 
@@ -53,7 +53,7 @@ def _config(tp: int = 1) -> EngineConfig:
 
 
 def start(tp: int = 1, runner: str = FAKE):
-    from gpu.executor_factory import create_ray_executor
+    from pagedserve.gpu.executor_factory import create_ray_executor
 
     return create_ray_executor(_config(tp), runner_factory=runner, startup_timeout=120)
 
@@ -161,7 +161,7 @@ def test_startup_error_is_reported_and_the_placement_group_released():
 
 
 def test_unplaceable_group_is_a_clear_error(monkeypatch):
-    from contracts import env
+    from pagedserve.contracts import env
 
     monkeypatch.setenv(env.RAY_PLACEMENT_TIMEOUT.name, "1")  # read when placing, not at import
     with pytest.raises(ExecutorError, match="could not place 9 worker"):
@@ -179,7 +179,7 @@ def test_executor_seam_picks_ray_and_unknown_strategy_is_refused():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> str:
     from tests.gpu.test_mp_equivalence import UNTIED
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
     from tests.gpu.test_models import save_hf_model
 
     path = tmp_path_factory.mktemp("tiny-llama-ray")
@@ -190,7 +190,7 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 
 def test_tensor_parallel_2_on_ray_equals_single_process(tiny_checkpoint):
     """Greedy tokens of tp=2 Ray actors (gloo) equal the in-process model's, fp32."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
     from tests.gpu.test_mp_equivalence import GREEDY, prompts, token_ids
 
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16}
@@ -217,10 +217,17 @@ def test_everything_but_the_ray_executor_works_without_ray():
     code = textwrap.dedent("""
         import sys
         sys.modules["ray"] = None  # as if Ray were not installed
-        import app.cli, engine.async_engine, engine.llm, gpu.executor, gpu.ray_executor
-        from contracts.config import EngineConfig
-        from contracts.errors import ExecutorError
-        from gpu.executor_factory import create_executor
+        import pagedserve.app.cli
+        from pagedserve import app
+        import pagedserve.engine.async_engine
+        from pagedserve import engine
+        import pagedserve.engine.llm
+        import pagedserve.gpu.executor
+        from pagedserve import gpu
+        import pagedserve.gpu.ray_executor
+        from pagedserve.contracts.config import EngineConfig
+        from pagedserve.contracts.errors import ExecutorError
+        from pagedserve.gpu.executor_factory import create_executor
         try:
             create_executor(EngineConfig.from_options(executor="ray", load_format="dummy"))
         except ExecutorError as e:
@@ -236,7 +243,7 @@ def test_everything_but_the_ray_executor_works_without_ray():
 @pytest.mark.slow
 def test_default_model_tensor_parallel_3_on_ray_equals_single_process():
     """The default model in fp32 (9 query / 3 kv heads: 3 ranks split it, 2 cannot)."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
     from tests.gpu.test_mp_equivalence import DEFAULT_GREEDY, DEFAULT_PROMPTS, token_ids
 
     single = LLM(dtype="float32", executor="inproc", kv_cache_memory=0.25)
@@ -270,8 +277,8 @@ def test_three_ranks_on_a_two_core_box_start_their_own_sized_ray():
         no_gcs.cache_clear = lambda: None
         ray._private.services.find_gcs_addresses = no_gcs
         ray._private.services.find_bootstrap_address = lambda temp_dir: None
-        from contracts.config import EngineConfig
-        from gpu.executor_factory import create_ray_executor
+        from pagedserve.contracts.config import EngineConfig
+        from pagedserve.gpu.executor_factory import create_ray_executor
         from tests.gpu.test_mp_executor import _step
         config = EngineConfig.from_options(tensor_parallel_size=3, distributed_executor_backend="ray",
                                            num_gpu_blocks_override=77)

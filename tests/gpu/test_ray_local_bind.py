@@ -27,7 +27,7 @@ def no_gcs():
 no_gcs.cache_clear = lambda: None
 ray._private.services.find_gcs_addresses = no_gcs
 ray._private.services.find_bootstrap_address = lambda temp_dir: None
-from gpu import ray_cluster
+from pagedserve.gpu import ray_cluster
 started = ray_cluster.connect(None, 1)
 me = psutil.Process()
 pids = {p.pid for p in me.children(recursive=True)} | {me.pid}

@@ -40,7 +40,7 @@ def cluster():
 
 
 def test_tensor_parallel_2_across_two_nodes_equals_single_process(cluster, tiny_checkpoint):
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
     from tests.gpu.test_mp_equivalence import GREEDY, prompts, token_ids
 
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16}

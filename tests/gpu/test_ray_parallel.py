@@ -22,8 +22,8 @@ from tests.needs import require
 
 ray = require("ray")
 
-from engine.errors import EngineDeadError  # noqa: E402
-from contracts.config import EngineConfig  # noqa: E402
+from pagedserve.engine.errors import EngineDeadError  # noqa: E402
+from pagedserve.contracts.config import EngineConfig  # noqa: E402
 from tests.gpu.test_mp_equivalence import GREEDY, prompts, token_ids  # noqa: E402
 from tests.gpu.test_pipeline import one_thread  # noqa: E402
 from tests.gpu.test_ray_executor import (  # noqa: E402,F401  (local_ray, tiny_checkpoint, transport: fixtures)
@@ -43,7 +43,7 @@ def options(tiny_checkpoint) -> dict:
 @pytest.fixture(scope="module")
 def reference(options) -> list[list[int]]:
     """The in-process greedy tokens, on one torch thread like each actor here."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     assert max(len(p) for p in prompts()) > CHUNKED["max_num_batched_tokens"]
     single = LLM(executor="inproc", **options)
@@ -59,7 +59,7 @@ def reference(options) -> list[list[int]]:
 def test_pp2_on_ray_equals_single_process_with_preemption(transport, options, reference):
     """Offline engine: 14 blocks of 16 tokens cannot hold the 16 requests at once, so some are
     preempted and recomputed; two steps are in flight at once, never more."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     small_cache = {**{k: v for k, v in options.items() if k != "kv_cache_memory"},
                    "num_gpu_blocks_override": 14, "block_size": 16}
@@ -99,8 +99,8 @@ def test_pp2_engine_loop_on_ray_serves_then_a_killed_stage_fails_in_flight(trans
     then kill -9 of one stage's actor mid-stream ends the stream with EngineDeadError (with
     stage 0 killed, stage 1 is left blocked in a receive from it: still no hang), the engine
     reports itself dead and shutdown removes the placement group."""
-    from engine.async_engine import AsyncEngine
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.sampling_params import SamplingParams
 
     long = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
 
@@ -136,7 +136,7 @@ def test_pp2_engine_loop_on_ray_serves_then_a_killed_stage_fails_in_flight(trans
 
 
 def test_two_replicas_on_ray_each_get_their_own_placement_group(options, reference):
-    from engine.replicas import ReplicatedEngine
+    from pagedserve.engine.replicas import ReplicatedEngine
 
     before = {pg for pg, state in placement_states().items() if state != "REMOVED"}
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from gpu.ray_cluster import PlacedWorkers
-from gpu.ray_worker import pid_space
+from pagedserve.gpu.ray_cluster import PlacedWorkers
+from pagedserve.gpu.ray_worker import pid_space
 
 
 def _placed(node: str, pid: int, space: str) -> PlacedWorkers:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contracts.errors import ModelLoadError
-from gpu.forward_context import forward_context
+from pagedserve.contracts.errors import ModelLoadError
+from pagedserve.gpu.forward_context import forward_context
 from tests.gpu.test_models import assert_close, load_ours, make_caches, paged_step, save_hf_model, tiny_config
 
 ORIGINAL = 32  # the "pretrained" length; the prompts run to 120, well past it

@@ -12,8 +12,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from contracts.messages import SampledLogprobs, SamplingOptions
-from gpu.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, process_logits
+from pagedserve.contracts.messages import SampledLogprobs, SamplingOptions
+from pagedserve.gpu.sampler import Sampler, SamplerOutput, compute_prompt_logprobs, process_logits
 
 
 def _run(logits, options, token_ids=None, num_prompt=None, sampler=None) -> SamplerOutput:
@@ -709,7 +709,7 @@ def test_plain_greedy_rows_take_the_one_pass_argmax():
     logits in their own dtype (no torch op at all: no fp32 copy) and equal the general path's, ties
     included; a row with NaN / +inf / only -inf goes the general way (repaired), and a penalised
     row is processed."""
-    from kernels import sample_cpu
+    from pagedserve.kernels import sample_cpu
 
     torch.manual_seed(4)
     logits = torch.randn(5, 49152).bfloat16()  # many ties among bf16 values
@@ -742,7 +742,7 @@ def test_plain_temperature_rows_draw_in_c_like_the_general_path():
     same tokens as the general path for the same seeds; in a batch with a logprobs row and a top-k
     row those two go the general way (their own outputs unchanged) while the plain rows keep their
     tokens: a seeded row's token does not depend on its neighbours. A NaN row is repaired."""
-    from kernels import sample_cpu
+    from pagedserve.kernels import sample_cpu
 
     torch.manual_seed(5)
     logits = (torch.randn(16, 49152) * 2).bfloat16()
@@ -780,7 +780,7 @@ class _OpLog(TorchDispatchMode):
 def test_without_the_c_pass_every_row_takes_the_torch_path(monkeypatch):
     """Where sample_cpu cannot run (no AVX-512: AVX2 machines), plain rows give the general path's
     tokens through the general path itself."""
-    from kernels import sample_cpu
+    from pagedserve.kernels import sample_cpu
 
     monkeypatch.setattr(sample_cpu, "library", lambda: None)
     torch.manual_seed(6)

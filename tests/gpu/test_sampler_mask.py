@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from contracts.messages import SamplingOptions
-from gpu.sampler import Sampler
-from gpu.sampling_mask import TokenMask, unpack_bitmask
+from pagedserve.contracts.messages import SamplingOptions
+from pagedserve.gpu.sampler import Sampler
+from pagedserve.gpu.sampling_mask import TokenMask, unpack_bitmask
 
 V = 1000
 

@@ -13,11 +13,11 @@ import contextlib
 import pytest
 import torch
 
-import gpu.sampling_host as sampling_host
-from contracts.messages import SamplingOptions
-from gpu.sampler import Sampler
-from gpu.sampling_mask import TokenMask
-from gpu.sync_watch import SyncWatch
+import pagedserve.gpu.sampling_host as sampling_host
+from pagedserve.contracts.messages import SamplingOptions
+from pagedserve.gpu.sampler import Sampler
+from pagedserve.gpu.sampling_mask import TokenMask
+from pagedserve.gpu.sync_watch import SyncWatch
 
 
 @contextlib.contextmanager
@@ -40,7 +40,7 @@ def _count_reads():
 
 def _step(monkeypatch, logits, options, mask=None):
     """One step through the torch path (the CUDA path: the C pass is CPU-only); (tokens, reads)."""
-    from kernels import sample_cpu
+    from pagedserve.kernels import sample_cpu
 
     monkeypatch.setattr(sample_cpu, "library", lambda: None)
     token_ids = [[0, 1, 2, 3] for _ in options]
@@ -142,8 +142,7 @@ PENALISED = [SamplingOptions(repetition_penalty=1.3, frequency_penalty=0.5, pres
 
 def test_a_penalised_step_on_cuda_reads_the_device_once(monkeypatch):
     """CUDA takes the dense penalty pass (gpu.sampling_logits.dense_penalties): no extra read."""
-    import gpu.sampling_logits as sl
-
+    import pagedserve.gpu.sampling_logits as sl
     monkeypatch.setattr(sl, "dense_penalties", lambda logits: True)
     out, reads = _step(monkeypatch, _logits(len(PENALISED)), PENALISED)
     assert reads == ["to_host"], reads
@@ -152,8 +151,7 @@ def test_a_penalised_step_on_cuda_reads_the_device_once(monkeypatch):
 @pytest.mark.parametrize("seed", range(4))
 def test_the_dense_penalty_pass_equals_the_sparse_one(monkeypatch, seed):
     """Bit for bit, with repeated, out-of-vocabulary and prompt-only tokens, some rows unpenalised."""
-    import gpu.sampling_logits as sl
-
+    import pagedserve.gpu.sampling_logits as sl
     g = torch.Generator().manual_seed(seed)
     vocab = 500
     logits = torch.randn(len(PENALISED), vocab, generator=g) * 4

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from gpu.shm_ring import (RingClosed, RingPeerDied, RingTimeout, ShmRing, leftover_segments)
-from gpu.transport import attach_channel, create_channel
+from pagedserve.gpu.shm_ring import (RingClosed, RingPeerDied, RingTimeout, ShmRing, leftover_segments)
+from pagedserve.gpu.transport import attach_channel, create_channel
 
 CTX = multiprocessing.get_context("spawn")
 SLOTS, SLOT_SIZE = 16, 256  # payload 240 bytes; the whole ring holds 3840 bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.gpu.test_mp_equivalence import (prompts, stream_token_ids, tiny_checkpoint,  # noqa: F401 (fixture)
                                             token_ids)
 
@@ -13,9 +13,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def test_next_step_is_sent_before_the_last_outputs_are_delivered(tiny_checkpoint):  # noqa: F811
-    from engine.async_engine import AsyncEngine
-    from engine.llm import LLM
-    from contracts.config import EngineConfig
+    from pagedserve.engine.async_engine import AsyncEngine
+    from pagedserve.engine.llm import LLM
+    from pagedserve.contracts.config import EngineConfig
 
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16,
                "max_num_batched_tokens": 64}

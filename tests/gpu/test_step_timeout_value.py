@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from contracts.config import ConfigError, EngineConfig
+from pagedserve.contracts.config import ConfigError, EngineConfig
 
 
 @pytest.mark.parametrize("bad", [-1.0, -0.001, math.nan])
@@ -20,12 +20,12 @@ def test_a_step_timeout_that_is_no_limit_is_refused_at_start(bad):
 
 
 def test_the_default_step_timeout_has_one_owner():
-    """contracts.config owns the default; the CLI flag and a Namespace without it take that value
+    """pagedserve.contracts.config owns the default; the CLI flag and a Namespace without it take that value
     (three copies of 300.0 could drift apart)."""
     import argparse
 
-    from app.engine_args import add_engine_args, engine_config_from_args
-    from contracts.config import DEFAULT_STEP_TIMEOUT_S, ParallelConfig
+    from pagedserve.app.engine_args import add_engine_args, engine_config_from_args
+    from pagedserve.contracts.config import DEFAULT_STEP_TIMEOUT_S, ParallelConfig
 
     assert ParallelConfig().step_timeout_s == DEFAULT_STEP_TIMEOUT_S
     parser = argparse.ArgumentParser()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.kv_swap import HostSwapPool
-from contracts.messages import StepInput, pack_pairs
+from pagedserve.gpu.kv_swap import HostSwapPool
+from pagedserve.contracts.messages import StepInput, pack_pairs
 from tests.gpu.test_mp_equivalence import GREEDY, UNTIED, prompts, shutdown_clean, token_ids
 from tests.tiny import tiny_llm
 
@@ -98,7 +98,7 @@ def test_swap_space_sizes_the_pool():
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> str:
     """Real weights on disk (dummy weights would differ per rank under tensor parallelism)."""
-    from engine.tokenizer import Tokenizer
+    from pagedserve.engine.tokenizer import Tokenizer
     from tests.gpu.test_models import save_hf_model
 
     path = tmp_path_factory.mktemp("tiny-llama-swap")
@@ -112,7 +112,7 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 def test_two_ranks_swap_their_own_kv(tiny_checkpoint, parallel):
     """Under tensor parallelism each rank swaps its own shard; under pipeline parallelism each
     stage holds (and swaps) the KV of its own layers only."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     options = {"model": tiny_checkpoint, "dtype": "float32", "kv_cache_memory": 1 / 16}
     single = LLM(executor="inproc", **options)

@@ -6,9 +6,9 @@ import platform
 
 import pytest
 
-from gpu.pipe_channel import PipeChannel
-from gpu.shm_ring import RingUnsupported, ShmRing
-from gpu.transport import ENV_TRANSPORT, TransportError, attach_channel, create_channel, pick_transport
+from pagedserve.gpu.pipe_channel import PipeChannel
+from pagedserve.gpu.shm_ring import RingUnsupported, ShmRing
+from pagedserve.gpu.transport import ENV_TRANSPORT, TransportError, attach_channel, create_channel, pick_transport
 
 
 @pytest.fixture
@@ -68,9 +68,9 @@ def test_the_config_choice_comes_before_the_environment(monkeypatch):
 
 
 def test_the_mp_executor_takes_its_transport_from_the_config(monkeypatch):
-    from contracts.config import EngineConfig
-    from gpu.mp_executor import MultiprocExecutor
-    from gpu.pipe_channel import PipeChannel
+    from pagedserve.contracts.config import EngineConfig
+    from pagedserve.gpu.mp_executor import MultiprocExecutor
+    from pagedserve.gpu.pipe_channel import PipeChannel
 
     monkeypatch.delenv(ENV_TRANSPORT, raising=False)
     config = EngineConfig.from_options(executor="mp", num_gpu_blocks_override=9, step_transport="pipe")

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from contracts import cpu_threads, env
-from gpu.worker import _threads_for_rank
+from pagedserve.contracts import cpu_threads, env
+from pagedserve.gpu.worker import _threads_for_rank
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ class _FakeTorch:
 def test_in_process_threads(eight_cpus, monkeypatch, torch_threads, quota, requested, variable, expected):
     import torch
 
-    from gpu.executor import set_inproc_threads
+    from pagedserve.gpu.executor import set_inproc_threads
 
     fake = _FakeTorch(torch_threads)
     monkeypatch.setattr(torch, "get_num_threads", fake.get_num_threads)
@@ -77,7 +77,7 @@ def test_the_count_comes_from_the_caller_then_the_variable_then_the_cpus(eight_c
 
 @pytest.mark.asyncio
 async def test_replicas_split_the_cpus_through_their_configs(eight_cpus):
-    from engine.replicas import ReplicatedEngine
+    from pagedserve.engine.replicas import ReplicatedEngine
     from tests.engine.fakes import make_config
 
     config = make_config()
@@ -91,7 +91,7 @@ async def test_replicas_split_the_cpus_through_their_configs(eight_cpus):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("user", ["flag", "variable"])
 async def test_replicas_keep_a_count_the_user_chose(eight_cpus, monkeypatch, user):
-    from engine.replicas import ReplicatedEngine
+    from pagedserve.engine.replicas import ReplicatedEngine
     from tests.engine.fakes import make_config
 
     config = make_config()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loadtest.micro.paged_batch import GARBAGE, PagedBatch, make_batch  # noqa: F401  (the tests' one import)
+from pagedserve.loadtest.micro.paged_batch import GARBAGE, PagedBatch, make_batch  # noqa: F401  (the tests' one import)
 
 
 def naive_attention(batch: PagedBatch, scale: float) -> torch.Tensor:

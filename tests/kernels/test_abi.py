@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from kernels import abi, cbuild, isa
+from pagedserve.kernels import abi, cbuild, isa
 
 EXPORTS = cbuild.CSRC / "exports.h"
 _SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float, "double": ctypes.c_double}

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from kernels import attn_amx, cpu_attention, isa
-from kernels.attention import paged_attention
-from kernels.torch_attention import paged_attention_torch
+from pagedserve.kernels import attn_amx, cpu_attention, isa
+from pagedserve.kernels.attention import paged_attention
+from pagedserve.kernels.torch_attention import paged_attention_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
 from tests.kernels.test_cpu_attention import _poison_unused
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kernels import build_all, isa
+from pagedserve.kernels import build_all, isa
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="no C compiler")
 
@@ -29,9 +29,9 @@ def test_after_it_the_kernels_load_without_a_compiler(tmp_path) -> None:
     """Build into a fresh cache, then load every kernel with CC naming no compiler: none rebuilds."""
     env = {**os.environ, "PAGEDSERVE_KERNEL_CACHE": str(tmp_path / "cache")}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    subprocess.run([sys.executable, "-m", "kernels.build_all"], env=env, cwd=root, check=True, timeout=900,
+    subprocess.run([sys.executable, "-m", "pagedserve.kernels.build_all"], env=env, cwd=root, check=True, timeout=900,
                    capture_output=True)
-    code = ("from kernels import attn_amx, cpu_attention, fused, isa, qgemm, qgemm_n16, sample_cpu\n"
+    code = ("from pagedserve.kernels import attn_amx, cpu_attention, fused, isa, qgemm, qgemm_n16, sample_cpu\n"
             "qgemm.library(); assert fused.available() and cpu_attention.library() is not None\n"
             "for name, lib in (('sample_cpu', sample_cpu.library()), ('qgemm_n16', qgemm_n16.library())):\n"
             "    assert (lib is None) == (isa.choose(name) is None), name\n"

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from kernels import cbuild, isa
+from pagedserve.kernels import cbuild, isa
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="no C compiler")
 

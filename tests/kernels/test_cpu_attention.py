@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_attention, isa
-from kernels.attention import paged_attention
+from pagedserve.kernels import cpu_attention, isa
+from pagedserve.kernels.attention import paged_attention
 from tests.kernels.paged_batch import make_batch, naive_attention
 
 ISAS = isa.levels_here("paged_attn")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention, fused
-from kernels.attention import paged_attention
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels import cpu_attention, fused
+from pagedserve.kernels.attention import paged_attention
+from pagedserve.kernels.metadata import AttentionMetadata
 from tests.needs import require_library
 
 H, HKV, D, BLOCK = 4, 2, 64, 16
@@ -64,8 +64,8 @@ def test_the_c_kv_write_refuses_a_cache_on_another_device():
 
 
 def test_a_model_off_the_cpu_binds_no_c_decode_layer():
-    from gpu.models.fast_decode import bind_fast_decode
-    from gpu.models.loader import build_model
+    from pagedserve.gpu.models.fast_decode import bind_fast_decode
+    from pagedserve.gpu.models.loader import build_model
 
     require_library(fused.available(), "fused_cpu", "the fused C ops are not built here")
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
@@ -78,7 +78,7 @@ def test_a_model_off_the_cpu_binds_no_c_decode_layer():
 
 
 def test_the_fused_rotary_refuses_a_table_on_another_device():
-    from gpu.models.rotary import RotaryEmbedding
+    from pagedserve.gpu.models.rotary import RotaryEmbedding
 
     require_library(fused.available(), "fused_cpu", "the fused C ops are not built here")
     rotary = RotaryEmbedding(16, 16, 64, 10000.0, None)

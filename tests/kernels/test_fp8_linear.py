@@ -3,7 +3,7 @@ activations, torch._scaled_mm (it runs on CPU too) against the float32 reference
 import pytest
 import torch
 
-from kernels import fp8_linear as f8
+from pagedserve.kernels import fp8_linear as f8
 
 
 def test_weight_scales_are_per_output_channel_and_saturate_at_448():

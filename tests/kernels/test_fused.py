@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import fused
+from pagedserve.kernels import fused
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler for the fused ops")
 
@@ -50,7 +50,7 @@ def test_rms_norm_strided_rows(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rot", [64, 32])
 def test_rotary_matches_torch_rotate(dtype, rot):
-    from gpu.models.rotary import RotaryEmbedding
+    from pagedserve.gpu.models.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(64, rot, 512, 10000.0)
     g = torch.Generator().manual_seed(rot)
@@ -99,7 +99,7 @@ def test_silu_and_mul_is_torchs_bit_for_bit(m, i):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_matches_the_torch_scatter(dtype):
     """Rows of the fused qkv output (strided) land where write_kv_cache_torch puts them; -1 skips."""
-    from kernels.torch_attention import write_kv_cache_torch
+    from pagedserve.kernels.torch_attention import write_kv_cache_torch
 
     g = torch.Generator().manual_seed(7)
     T, hkv, d = 11, 3, 64
@@ -141,7 +141,7 @@ def test_portable_and_avx2_builds_agree():
 
 
 def test_disabled_by_env():
-    code = "from kernels import fused; print(fused.available())"
+    code = "from pagedserve.kernels import fused; print(fused.available())"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          env=dict(os.environ, PAGEDSERVE_FUSED="0")).stdout.strip()
     assert out == "False"

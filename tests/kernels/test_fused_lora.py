@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import fused
-from kernels.abi import LinearSpec
+from pagedserve.kernels import fused
+from pagedserve.kernels.abi import LinearSpec
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler for the fused ops")
 
@@ -121,7 +121,7 @@ def check_attn_in(dtype, lora_dtype) -> None:
     """fz_attn_in with LoRA on qkv: the delta lands before rotary and the KV write (the cached v
     rows are the reference's; q and k as the reference rotated by the tested fused rotary)."""
     lib = fused.library()
-    from gpu.models.rotary import RotaryEmbedding
+    from pagedserve.gpu.models.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(D, ROT, 256, 10000.0)
     g = torch.Generator().manual_seed(9)
@@ -237,7 +237,7 @@ def _in_fresh_process(isa: str, dtype_name: str) -> str:
 
 @pytest.mark.parametrize("isa,level", [("scalar", "0"), ("avx2", "1")])
 def test_fp32_layer_with_lora_matches_torch(isa, level):
-    from kernels.isa import cpu_flags
+    from pagedserve.kernels.isa import cpu_flags
 
     if isa == "avx2" and not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("no AVX2 on this CPU")

@@ -15,8 +15,8 @@ import subprocess
 
 import pytest
 
-from contracts import env
-from kernels import cbuild, isa
+from pagedserve.contracts import env
+from pagedserve.kernels import cbuild, isa
 
 _AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}
 CPUS = {
@@ -181,7 +181,7 @@ def test_every_avx512_and_amx_build_names_its_tests_against_torch() -> None:
     ("amx", "scalar, avx2, avx512, vnni, avx512bf16, amx", None),
 ])
 def test_the_report_says_what_make_test_isa_covers(cpu: str, covered: str, not_covered: str | None) -> None:
-    from kernels.isa_report import report
+    from pagedserve.kernels.isa_report import report
 
     text = report(CPUS[cpu], cap=None)
     assert f"Covered here by make test-isa: {covered}\n" in text + "\n"

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_attention, fused
-from kernels.kv_cache_dtype import FP8, KVCacheDtypeError, auto, readable, resolve, write_kind
-from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+from pagedserve.kernels import cpu_attention, fused
+from pagedserve.kernels.kv_cache_dtype import FP8, KVCacheDtypeError, auto, readable, resolve, write_kind
+from pagedserve.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
 from tests.kernels.test_cpu_attention import ISAS
 from tests.kernels.test_kv_fp8 import assert_prints_zero_in_every_build

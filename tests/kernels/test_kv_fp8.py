@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from kernels import attn_amx, cpu_attention, fused
-from kernels.kv_cache_dtype import FP8, KVCacheDtypeError, index_copy_rows, resolve
-from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+from pagedserve.kernels import attn_amx, cpu_attention, fused
+from pagedserve.kernels.kv_cache_dtype import FP8, KVCacheDtypeError, index_copy_rows, resolve
+from pagedserve.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
 from tests.kernels.test_cpu_attention import ISAS
 

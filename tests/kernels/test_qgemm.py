@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from kernels import isa, qgemm
+from pagedserve.kernels import isa, qgemm
 
 # The kernel rounds activations to 15 bits per row (AVX2 path); the error that adds is about
 # 3e-5 of the row's largest value times sqrt(K) terms, far inside this bound.
@@ -223,7 +223,7 @@ def test_every_path_is_right(tmp_path, path):
 
     code = (
         "import torch\n"
-        "from kernels import qgemm\n"
+        "from pagedserve.kernels import qgemm\n"
         f"assert qgemm.isa() == {path!r}, qgemm.isa()\n"
         "g = torch.Generator().manual_seed(1)\n"
         "def close(y, ref, rel): return (y.float() - ref).abs().max() <= rel * max(1.0, ref.abs().max())\n"
@@ -265,7 +265,7 @@ def test_every_path_of_the_row_layout_is_right(tmp_path, path):
 
     code = (
         "import math, torch\n"
-        "from kernels import qgemm, qgemm_n16\n"
+        "from pagedserve.kernels import qgemm, qgemm_n16\n"
         "qgemm_n16.library = lambda: None  # as where the n16 kernel cannot be built\n"
         f"assert qgemm.isa() == {path!r}, qgemm.isa()\n"
         "g = torch.Generator().manual_seed(2)\n"

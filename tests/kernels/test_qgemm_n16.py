@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kernels import isa, qgemm, qgemm_n16
+from pagedserve.kernels import isa, qgemm, qgemm_n16
 from tests.kernels.test_qgemm import RTOL, _check, _poisoned_kernel_output
 
 # skipped only where the CPU lacks the extensions or a path is forced: a failed build fails
@@ -174,7 +174,7 @@ def test_forced_paths_pick_their_kernel(tmp_path, path):
         pytest.skip("no AVX2 here")
     code = (
         "import torch\n"
-        "from kernels import qgemm\n"
+        "from pagedserve.kernels import qgemm\n"
         "g = torch.Generator().manual_seed(5)\n"
         "x = torch.randn(3, 96, generator=g); w = torch.randn(20, 96, generator=g)\n"
         "for lay in ('q4_1', 'q8_0'):\n"
@@ -207,7 +207,7 @@ def test_unrepack_gives_the_row_layout_back(layout, n):
 def test_only_the_n16_copy_is_kept_and_it_dequantizes_and_looks_up_rows(layout):
     """One copy of the weight in memory (a 7B GGUF must fit in about its file size): the row
     lookup and the prefill's dequantize read the n16 layout."""
-    from gpu.models.quantization import QuantizedWeight
+    from pagedserve.gpu.models.quantization import QuantizedWeight
 
     n, k = 37, 128
     packed = qgemm.quantize(torch.randn(n, k), layout)

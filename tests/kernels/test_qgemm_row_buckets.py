@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import qgemm
-from kernels.row_buckets import buckets_upto
+from pagedserve.kernels import qgemm
+from pagedserve.kernels.row_buckets import buckets_upto
 
 
 @pytest.mark.parametrize("layout", ["int8c", "q8_0", "q4_1"])

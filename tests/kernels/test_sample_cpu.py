@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from gpu.sampling_draws import draw_full_vocab
-from kernels import sample_cpu
+from pagedserve.gpu.sampling_draws import draw_full_vocab
+from pagedserve.kernels import sample_cpu
 from tests.needs import needs_library
 
 pytestmark = needs_library(sample_cpu.library(), "sample_cpu", "no AVX-512 or AVX2 build on this CPU")

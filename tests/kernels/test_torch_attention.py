@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from kernels.attention import paged_attention, write_kv_cache
-from kernels import torch_attention
-from kernels.torch_attention import paged_attention_torch
+from pagedserve.kernels.attention import paged_attention, write_kv_cache
+from pagedserve.kernels import torch_attention
+from pagedserve.kernels.torch_attention import paged_attention_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
 
 

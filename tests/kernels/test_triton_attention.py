@@ -20,7 +20,7 @@ import pytest
 from tests.needs import on_x86_64, require_installed
 import torch
 
-from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+from pagedserve.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 from tests.kernels.paged_batch import make_batch, naive_attention
 
 require_installed("triton", in_test_extra=on_x86_64())
@@ -32,13 +32,13 @@ def _import_interpreted():
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        if "kernels.triton_keys" in sys.modules:
-            importlib.reload(sys.modules["kernels.triton_keys"])
-        if "kernels.triton_prefill" in sys.modules:
-            importlib.reload(sys.modules["kernels.triton_prefill"])
-        if "kernels.triton_attention" in sys.modules:
-            return importlib.reload(sys.modules["kernels.triton_attention"])
-        return importlib.import_module("kernels.triton_attention")
+        if "pagedserve.kernels.triton_keys" in sys.modules:
+            importlib.reload(sys.modules["pagedserve.kernels.triton_keys"])
+        if "pagedserve.kernels.triton_prefill" in sys.modules:
+            importlib.reload(sys.modules["pagedserve.kernels.triton_prefill"])
+        if "pagedserve.kernels.triton_attention" in sys.modules:
+            return importlib.reload(sys.modules["pagedserve.kernels.triton_attention"])
+        return importlib.import_module("pagedserve.kernels.triton_attention")
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
@@ -86,14 +86,14 @@ def _torch(batch, scale: float) -> torch.Tensor:
 def test_kernels_are_interpreted() -> None:
     assert type(triton_attention._paged_attention_kernel).__name__ == "InterpretedFunction"
     assert type(triton_attention._write_kv_cache_kernel).__name__ == "InterpretedFunction"
-    from kernels import triton_prefill
+    from pagedserve.kernels import triton_prefill
 
     assert type(triton_prefill._prefill_attention_kernel).__name__ == "InterpretedFunction"
 
 
 @in_process
 def test_dispatch_uses_torch_for_cpu_tensors(monkeypatch) -> None:
-    from kernels import attention
+    from pagedserve.kernels import attention
 
     def fail(*args, **kwargs):
         raise AssertionError("Triton path taken for CPU tensors")
@@ -223,7 +223,7 @@ def test_prefill_in_query_tiles_matches_torch() -> None:
     beside decodes and padding: the tiled prefill kernel with the per-token decode kernel."""
     reqs = [(9, 1), (0, 1), (30, 40), (0, 17), (5, 2)]
     batch = make_batch(reqs, 9, 3, 24, 8, seed=11, pad_tokens=3)
-    from kernels.triton_prefill import prefill_tiles
+    from pagedserve.kernels.triton_prefill import prefill_tiles
 
     tiles = prefill_tiles(batch.meta)
     # request 2: 40 tokens from position 30 -> tiles of 16, 16, 8; request 3: 16 + 1; request 4: 2
@@ -242,7 +242,7 @@ def test_the_token_to_request_map_is_derived_once_a_step(monkeypatch) -> None:
     """Every layer of a step shares one map: the first call derives it (one searchsorted) and keeps
     it in the metadata, later calls reuse it; a map given up front (the graph runner's arange for
     decode rows) is used as is. Outputs equal torch's either way, for a mixed step too."""
-    from gpu.graphs import DecodeGraphRunner
+    from pagedserve.gpu.graphs import DecodeGraphRunner
 
     calls = []
     real = torch.searchsorted

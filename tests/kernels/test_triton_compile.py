@@ -32,9 +32,9 @@ def compile_all() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import triton_attention as ta
-    from kernels import triton_elementwise as te
-    from kernels import triton_prefill as tp
+    from pagedserve.kernels import triton_attention as ta
+    from pagedserve.kernels import triton_elementwise as te
+    from pagedserve.kernels import triton_prefill as tp
 
     target = GPUTarget("cuda", 80, 32)
     torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

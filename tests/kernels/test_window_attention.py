@@ -1,4 +1,4 @@
-"""kernels.window_attention: paged attention with a sliding window and a tanh soft-cap, against a
+"""pagedserve.kernels.window_attention: paged attention with a sliding window and a tanh soft-cap, against a
 naive per-request attention written from the definition, on a flat batch that mixes decodes
 and prefill chunks over scattered blocks; with neither option it is the torch paged oracle."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from kernels.metadata import AttentionMetadata
-from kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
-from kernels.window_attention import paged_attention_window
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+from pagedserve.kernels.window_attention import paged_attention_window
 
 BLOCK, HKV, GROUP, D = 4, 2, 3, 8
 

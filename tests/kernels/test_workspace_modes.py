@@ -2,7 +2,7 @@
 torch.inference_mode (as the model runner runs) must not break a later call outside it."""
 import torch
 
-from kernels import torch_attention
+from pagedserve.kernels import torch_attention
 from tests.kernels.paged_batch import make_batch, naive_attention
 
 

@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels import triton_elementwise as te
+from pagedserve.kernels import triton_elementwise as te
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -68,9 +68,9 @@ def rms_norm_cases() -> None:
 
 def gemma_norm_case() -> None:
     """Gemma's RMSNorm (scale 1 + w, from ``_weight_f32``) through the kernel equals its torch path."""
-    import gpu.models.layers as layers
-    from gpu.models.gemma import GemmaRMSNorm
-    from kernels import fused
+    import pagedserve.gpu.models.layers as layers
+    from pagedserve.gpu.models.gemma import GemmaRMSNorm
+    from pagedserve.kernels import fused
 
     g = torch.Generator().manual_seed(3)
     norm = GemmaRMSNorm(96, 1e-6)
@@ -100,7 +100,7 @@ def _rotate_reference(x: torch.Tensor, table: torch.Tensor, positions: torch.Ten
 
 
 def rotary_cases() -> None:
-    from gpu.models.rotary import RotaryEmbedding
+    from pagedserve.gpu.models.rotary import RotaryEmbedding
 
     g = torch.Generator().manual_seed(1)
     for head_dim, rotary_dim, heads, kv_heads in ((64, 64, 9, 3), (128, 64, 4, 2), (80, 80, 5, 1)):
@@ -140,18 +140,18 @@ def silu_cases() -> None:
 def model_case() -> None:
     """A tiny Llama's forward with every Triton kernel (interpreted, on CPU tensors) equals the
     torch path: the wiring in gpu/models (in-place residual, rope positions, the halves)."""
-    import gpu.models.layers as layers
-    import gpu.models.rotary as rotary
-    from gpu.models.llama import LlamaForCausalLM
-    from kernels import fused
-    from loadtest.tiny_model import TINY_CONFIG
+    import pagedserve.gpu.models.layers as layers
+    import pagedserve.gpu.models.rotary as rotary
+    from pagedserve.gpu.models.llama import LlamaForCausalLM
+    from pagedserve.kernels import fused
+    from pagedserve.loadtest.tiny_model import TINY_CONFIG
 
     torch.manual_seed(0)
     model = LlamaForCausalLM({**TINY_CONFIG, "vocab_size": 512})
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
-    from gpu.forward_context import forward_context
+    from pagedserve.gpu.forward_context import forward_context
 
     ids = torch.randint(0, 512, (11,))
     pos = torch.arange(11)

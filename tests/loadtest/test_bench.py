@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from app.cli import main as cli_main
-from loadtest.bench import BenchConfig, RequestResult, compute_metrics, format_table, run_benchmark
+from pagedserve.app.cli import main as cli_main
+from pagedserve.loadtest.bench import BenchConfig, RequestResult, compute_metrics, format_table, run_benchmark
 from tests.loadtest.mock_server import MODEL, MockServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -207,7 +207,7 @@ def test_compute_metrics_by_hand():
 def test_against_pagedserve_app_with_fake_engine():
     """Our own HTTP layer (app.server) over the app tests' fake engine: SSE format, usage,
     /tokenize, auth all understood by bench.py."""
-    from app.server import build_app
+    from pagedserve.app.server import build_app
     from tests.app.fake_engine import FakeAsyncEngine
     from tests.loadtest.mock_server import AppServer
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_ipc_reports_all_transports_and_sizes():
-    cmd = [sys.executable, "-m", "app.cli", "bench", "ipc", "--iters", "40", "--warmup", "5",
+    cmd = [sys.executable, "-m", "pagedserve.app.cli", "bench", "ipc", "--iters", "40", "--warmup", "5",
            "--batch-sizes", "1,256", "--json"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -34,7 +34,7 @@ def test_bench_ipc_ray_rows():
     from tests.needs import require
 
     require("ray")
-    cmd = [sys.executable, "-m", "app.cli", "bench", "ipc", "--iters", "20", "--warmup", "5",
+    cmd = [sys.executable, "-m", "pagedserve.app.cli", "bench", "ipc", "--iters", "20", "--warmup", "5",
            "--batch-sizes", "64", "--no-executor", "--no-raw", "--ray", "--json"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})

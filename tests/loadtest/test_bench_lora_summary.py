@@ -2,7 +2,7 @@
 the base engine's figure of the same round (so a round where the whole box ran slow moves both)."""
 from __future__ import annotations
 
-from loadtest.micro.bench_lora import summary
+from pagedserve.loadtest.micro.bench_lora import summary
 
 
 def test_changes_are_medians_of_same_round_ratios():

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from app.cli import main as cli_main
-from loadtest.bench_run import PlotUnavailable, run_benchmark
+from pagedserve.app.cli import main as cli_main
+from pagedserve.loadtest.bench_run import PlotUnavailable, run_benchmark
 from tests.loadtest.mock_server import MockServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture
 def no_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
-    monkeypatch.delitem(sys.modules, "loadtest.plot", raising=False)
+    monkeypatch.delitem(sys.modules, "pagedserve.loadtest.plot", raising=False)
 
 
 def test_without_matplotlib_the_cli_refuses_before_sending(no_matplotlib, tmp_path, capsys):

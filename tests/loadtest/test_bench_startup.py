@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadtest.local_server import tiny_args
+from pagedserve.loadtest.local_server import tiny_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_startup_times_a_real_server_and_stops_it():
-    cmd = [sys.executable, "-m", "app.cli", "bench", "startup", "--runs", "1", "--json", "--",
+    cmd = [sys.executable, "-m", "pagedserve.app.cli", "bench", "startup", "--runs", "1", "--json", "--",
            *tiny_args(num_blocks=64)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -26,7 +26,7 @@ def test_bench_startup_times_a_real_server_and_stops_it():
 
 
 def test_bench_startup_reports_a_server_that_cannot_start():
-    cmd = [sys.executable, "-m", "app.cli", "bench", "startup", "--runs", "1", "--",
+    cmd = [sys.executable, "-m", "pagedserve.app.cli", "bench", "startup", "--runs", "1", "--",
            "--model", "/nonexistent/model.gguf"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1
@@ -39,7 +39,7 @@ def test_milestones_are_stamped_with_the_server_logs_own_time():
     the line, which can be after /health already answered (CI once saw ready line 2.960 > 2.959)."""
     import time
 
-    from loadtest.bench_startup import _logged_at
+    from pagedserve.loadtest.bench_startup import _logged_at
 
     wall0 = 1_700_000_000.25
     when = wall0 + 1.5

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.micro import bench_throughput, neighbours
+from pagedserve.loadtest.micro import bench_throughput, neighbours
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ def test_zero_neighbours_start_nothing_and_negative_is_refused():
 def test_neighbours_die_with_a_killed_benchmark():
     """A benchmark killed with SIGKILL runs no finally; its neighbours still go (parent-death signal)."""
     code = ("import time\n"
-            "from loadtest.micro.neighbours import start_neighbours\n"
+            "from pagedserve.loadtest.micro.neighbours import start_neighbours\n"
             "procs = start_neighbours(2)\n"
             "print(' '.join(str(p.pid) for p in procs), flush=True)\n"
             "time.sleep(60)\n")
@@ -118,9 +118,11 @@ def test_bench_throughput_runs_beside_n_neighbours_and_leaves_none(tmp_path, mon
         STARTED.extend(procs)
         return procs
 
-    import engine.llm
-    import engine.sampling_params
+    import pagedserve.engine.llm
 
+    from pagedserve import engine
+    import pagedserve.engine.sampling_params
+    from pagedserve import engine
     monkeypatch.setattr(neighbours, "start_neighbours", start)
     monkeypatch.setattr(engine.llm, "LLM", FakeLLM)
     monkeypatch.setattr(engine.sampling_params, "SamplingParams", lambda max_tokens, **kw: {"max": max_tokens})

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from loadtest.micro.gpu_check import PHASES, SIZES_PHASES
+from pagedserve.loadtest.micro.gpu_check import PHASES, SIZES_PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ def test_dry_run_every_phase_passes_or_states_its_skip(tmp_path: Path) -> None:
     t0 = time.monotonic()
     # --assets: an empty folder, so the tokenizer is exported from the default model as the
     # preparation script does, whatever an earlier preparation left in .gpu_check/.
-    proc = subprocess.run([sys.executable, "-m", "loadtest.micro.gpu_check", "--dry-run", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.micro.gpu_check", "--dry-run", "--out", str(out),
                            "--assets", str(tmp_path / "assets")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     seconds = time.monotonic() - t0
@@ -43,7 +43,7 @@ def test_dry_run_of_the_sizes_set_passes(tmp_path: Path) -> None:
     """The second prepared call (issue 41): the 8B-shape decode steps, bf16 and fp8 (the fp8 path
     through the CPU's torch._scaled_mm), on a small model here."""
     out = tmp_path / "sizes.json"
-    proc = subprocess.run([sys.executable, "-m", "loadtest.micro.gpu_check", "--dry-run", "--set", "sizes",
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.micro.gpu_check", "--dry-run", "--set", "sizes",
                            "--out", str(out), "--assets", str(tmp_path / "assets")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,7 +65,7 @@ def test_dry_run_of_the_sizes_set_passes(tmp_path: Path) -> None:
 def test_a_phase_past_its_timeout_is_killed_with_what_it_started() -> None:
     import os
 
-    from loadtest.micro.gpu_check import run_with_timeout
+    from pagedserve.loadtest.micro.gpu_check import run_with_timeout
 
     # The phase prints, starts a grandchild (as a phase starts `serve`) and hangs.
     script = ("import subprocess, sys, time; print('started', flush=True); "

@@ -18,7 +18,7 @@ LOCUST = str(Path(sys.executable).with_name("locust"))
 
 
 def _run_locust(base_url: str, csv_prefix: Path, extra: list[str], env: dict | None = None):
-    cmd = [LOCUST, "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "-H", base_url,
+    cmd = [LOCUST, "-f", str(ROOT / "pagedserve" / "loadtest" / "locustfile.py"), "--headless", "-H", base_url,
            "-u", "4", "-r", "4", "-t", "20s", "--max-requests", "20", "--prompt-len", "20", "--output-len", "10",
            "--csv", str(csv_prefix), "--only-summary", "--loglevel", "WARNING", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, cwd=ROOT,

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from loadtest import local_server
-from loadtest.local_server import (READY_BASE_S, READY_CEILING_S, READY_PER_WORKER_S,
+from pagedserve.loadtest import local_server
+from pagedserve.loadtest.local_server import (READY_BASE_S, READY_CEILING_S, READY_PER_WORKER_S,
                                    READY_RAY_START_S, readiness_timeout)
 
 

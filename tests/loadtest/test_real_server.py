@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.bench import BenchConfig, run_benchmark
+from pagedserve.loadtest.bench import BenchConfig, run_benchmark
 from tests.e2e.test_server_e2e import ServerProcess
 
 pytestmark = pytest.mark.timeout(180)
@@ -118,7 +118,7 @@ def test_bench_prefix_workload_hits_prefix_cache(server):
 
 
 def _locust(url: str, csv_prefix: Path, n: int) -> subprocess.CompletedProcess:
-    cmd = [LOCUST, "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless", "-H", url,
+    cmd = [LOCUST, "-f", str(ROOT / "pagedserve" / "loadtest" / "locustfile.py"), "--headless", "-H", url,
            "-u", "4", "-r", "4", "-t", "40s", "--max-requests", str(n),
            "--prompt-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--ignore-eos",
            "--endpoint-mix", "chat:1,completions:1", "--csv", str(csv_prefix),

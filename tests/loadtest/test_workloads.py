@@ -5,14 +5,14 @@ import random
 
 import pytest
 
-from loadtest import workloads
+from pagedserve.loadtest import workloads
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
-    from contracts.config import ConfigError, default_model_path
+    from pagedserve.contracts.config import ConfigError, default_model_path
 
     try:
         path = default_model_path()
