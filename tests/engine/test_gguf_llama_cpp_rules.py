@@ -1,5 +1,5 @@
 """GGUF byte-level BPE vocabularies read by llama.cpp's vocabulary loader's rules (llama-vocab.cpp), where
-they differ from a plain reading of the file. Found by loadtest/micro/tokenizer_vs_llama_cpp.py
+they differ from a plain reading of the file. Found by tests/engine/tokenizer_vs_llama_cpp.py
 (pagedserve against llama-cpp-python's ``Llama(path, vocab_only=True).tokenize`` on the same files), and
 each expectation here checked against llama.cpp once on these very files:
 

@@ -1,7 +1,7 @@
 """pagedserve's GGUF tokenizer against llama.cpp's own on the same GGUF files (issue 39 item 1, outside
 the suite, run once).
 
-    /work/main/.venv/bin/python -m loadtest.micro.tokenizer_vs_llama_cpp \\
+    .venv/bin/python -m tests.engine.tokenizer_vs_llama_cpp \\
         [--anchor-python ~/.cache/pagedserve-anchors/llama-cpp-venv/bin/python] [--gguf FILE ...] \\
         [--no-default] [--no-test-vocabs] [--show 3] [--keep DIR]
 
