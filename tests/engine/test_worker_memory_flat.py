@@ -15,6 +15,11 @@ WORDS = "river bright cold winter paper engine garden quiet number seven blue ma
 
 
 def _rss_bytes() -> int:
+    """Resident bytes once the C heap's free pages are given back, as the executor does every few
+    seconds (gpu/heap_trim.py): what is held, not where the allocator happens to stand."""
+    from pagedserve.gpu.heap_trim import glibc_trim
+
+    glibc_trim()
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
