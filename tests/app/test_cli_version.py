@@ -19,7 +19,7 @@ def test_version_flag(capsys, flag):
 
 
 def test_version_is_quick_and_imports_no_server():
-    code = ("import sys; from app.cli import main\n"
+    code = ("import sys; from pagedserve.app.cli import main\n"
             "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
             "assert 'starlette' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -165,10 +165,10 @@ def test_a_spawned_worker_inherits_them_and_sets_them_itself():
             "class Stop(Exception): pass\n"
             "def stop(*a, **k):\n"
             "    print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules); raise Stop\n"
-            "worker.logging.basicConfig = stop\n"
+            "worker.configure_logging = stop\n"
             "try:\n"
             "    from types import SimpleNamespace\n"
-            "    worker.worker_main(SimpleNamespace(log_level=20, rank=0))\n"
+            "    worker.worker_main(SimpleNamespace(log_level=20, log_format='text', rank=0))\n"
             "except Stop:\n"
             "    pass\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -104,8 +104,8 @@ def test_no_module_but_the_registry_reads_a_switch_from_the_environment():
     'import os\nx = os.environ["PAGEDSERVE_FUSED"]',
     'import os\nENV = "PAGEDSERVE_FUSED"\nx = ENV in os.environ',
     'import os\nENV = "PAGEDSERVE_FUSED"\nos.environ[ENV] = "1"',
-    'import os\nfrom contracts import env\nos.environ.pop(env.FUSED.name, None)',
-    'import os\nfrom gpu.ray_executor import ENV_RAY_TRANSPORT\nsaved = os.environ.get(ENV_RAY_TRANSPORT)',
+    'import os\nfrom pagedserve.contracts import env\nos.environ.pop(env.FUSED.name, None)',
+    'import os\nfrom pagedserve.gpu.ray_executor import ENV_RAY_TRANSPORT\nsaved = os.environ.get(ENV_RAY_TRANSPORT)',
     'import os\nx = {k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_")}',
 ])
 def test_the_check_sees_each_way_of_reading(source):

@@ -55,7 +55,7 @@ def ours(default_model_path):
 def test_no_torch_import():
     import subprocess
 
-    code = ("import sys; from engine.tokenizer import Tokenizer; from contracts.hf_config import load_hf_config;"
+    code = ("import sys; from pagedserve.engine.tokenizer import Tokenizer; from pagedserve.contracts.hf_config import load_hf_config;"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(
         os.path.dirname(os.path.abspath(__file__)))))

@@ -123,7 +123,7 @@ def test_write_kv_matches_the_torch_scatter(dtype):
 
 def test_portable_and_avx2_builds_agree():
     """The other builds, forced in fresh processes, give the same fp32 results."""
-    code = ("import torch; from kernels import fused; assert fused.available(); "
+    code = ("import torch; from pagedserve.kernels import fused; assert fused.available(); "
             "g = torch.Generator().manual_seed(0); x = torch.randn(3, 576, generator=g); "
             "r = torch.randn(3, 576, generator=g); w = torch.rand(576, generator=g) + 0.5; "
             "fused.add_rms_norm_(x, r, w, 1e-5); "

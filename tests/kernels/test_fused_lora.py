@@ -226,7 +226,7 @@ def check_delta_alone(dtype, lora_dtype) -> None:
 def _in_fresh_process(isa: str, dtype_name: str) -> str:
     """Run ``check`` with the fused library built for ``isa`` (PAGEDSERVE_ISA caps the level);
     returns the build's fz_isa()."""
-    code = ("import sys; from kernels import fused; from tests.kernels.test_fused_lora import check; "
+    code = ("import sys; from pagedserve.kernels import fused; from tests.kernels.test_fused_lora import check; "
             "check(sys.argv[1]); print(fused.library().fz_isa())")
     env = dict(os.environ, PAGEDSERVE_ISA=isa)
     proc = subprocess.run([sys.executable, "-c", code, dtype_name], capture_output=True, text=True, env=env,

@@ -66,7 +66,7 @@ def test_writer_rounds_like_torch_in_every_build() -> None:
     against torch's .to(bfloat16): random fp32 bit patterns (NaNs left out), ties, infinities,
     subnormals, signed zeros."""
     code = (
-        "import torch; from kernels import fused; "
+        "import torch; from pagedserve.kernels import fused; "
         "g = torch.Generator().manual_seed(6); "
         "bits = torch.randint(-2**31, 2**31, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32); "
         "x = bits.view(torch.float32); x = torch.where(x.isnan(), torch.zeros_like(x), x); "

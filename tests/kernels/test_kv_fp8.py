@@ -96,7 +96,7 @@ def test_writer_stores_torchs_bytes_in_every_build() -> None:
     torch's .to(float8_e4m3fn): random fp32 bit patterns, bf16 values (many exact ties), values
     past 448 and infinities (saturate), subnormals, signed zeros."""
     code = (
-        "import sys, torch; from kernels import fused; from kernels.kv_cache_dtype import FP8; "
+        "import sys, torch; from pagedserve.kernels import fused; from pagedserve.kernels.kv_cache_dtype import FP8; "
         "g = torch.Generator().manual_seed(5); "
         "bits = torch.randint(-2**31, 2**31, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32); "
         "x = bits.view(torch.float32); x = torch.where(x.isnan(), torch.zeros_like(x), x); "
