@@ -1,4 +1,4 @@
-"""``python -m kernels.build_all``: build now every C kernel this CPU will run (``make install`` calls it).
+"""``python -m pagedserve.kernels.build_all``: build now every C kernel this CPU will run (``make install`` calls it).
 
 Each kernel otherwise builds on first use, which needs a C compiler at run time. Built here, the
 libraries land in the kernel cache (kernels/cbuild.py) and a later process only loads them; gcc is

@@ -3,7 +3,7 @@
 The library lands in ``$PAGEDSERVE_KERNEL_CACHE`` (default ``~/.cache/pagedserve/kernels``) under
 a name keyed by the source, the flags and the compiler, so another process (a restarted server, a
 tensor-parallel worker) loads it without compiling, and a machine without a compiler loads what
-``python -m kernels.build_all`` (``make install``) built there. A cached library is code this process runs, so
+``python -m pagedserve.kernels.build_all`` (``make install``) built there. A cached library is code this process runs, so
 the directory and the file must belong to this user and be writable by no one else
 (``check_private``): otherwise another user could swap the library, and the build is refused
 with the reason (the kernel turns off; the torch path runs). Every C kernel builds here, with the

@@ -218,7 +218,7 @@ def _decode_with(lib: ctypes.CDLL):
     return functools.partial(decode_attention_c, lib)
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_attention`: build now (install step), print the path taken
+if __name__ == "__main__":  # `python -m pagedserve.kernels.cpu_attention`: build now (install step), print the path taken
     logging.basicConfig(level=logging.INFO)
     amx = " + AMX for bf16 decodes" if attn_amx.library() is not None else ""
     print(f"CPU attention kernel ready: {isa()} build{amx}")

@@ -205,7 +205,7 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
-if __name__ == "__main__":  # `python -m kernels.fused`: build now, print the path taken
+if __name__ == "__main__":  # `python -m pagedserve.kernels.fused`: build now, print the path taken
     logging.basicConfig(level=logging.INFO)
     lib = library()
     print("fused CPU ops:", "off" if lib is None else {2: "avx512-bf16", 1: "avx2", 0: "portable"}[lib.fz_isa()])

@@ -5,7 +5,7 @@ Every kernel in csrc/ is compiled for one vector ISA with explicit ``-m`` flags,
 extensions. ``KERNELS`` lists, per kernel, its builds best first: the level, the /proc/cpuinfo
 flags it needs, the compiler flags it is built with. The order is the measured preference (the
 comments say where it was measured). ``choose(kernel)`` answers "which build of this kernel here";
-every loader asks it, and ``python -m kernels.build_all`` builds each answer at install.
+every loader asks it, and ``python -m pagedserve.kernels.build_all`` builds each answer at install.
 
 ``PAGEDSERVE_ISA=<level>`` caps every kernel at that level (tests, benchmarks, comparisons): each
 takes its best build at or below it that this CPU runs, and a kernel with none is off (its torch

@@ -1,4 +1,4 @@
-"""``python -m kernels.isa_report`` (the first thing ``make test-isa`` prints): which ISA levels this CPU
+"""``python -m pagedserve.kernels.isa_report`` (the first thing ``make test-isa`` prints): which ISA levels this CPU
 has, each kernel's builds (kernels/isa.py) with the one that runs here, and which levels the
 ISA-specific tests therefore cover on this machine and which they cannot (their tests skip)."""
 from __future__ import annotations

@@ -342,6 +342,6 @@ def int4_mm(x: torch.Tensor, w4: torch.Tensor, d: torch.Tensor, mn: torch.Tensor
     return PackedLinear("q4_1", (w4, d, mn), bias)(x)
 
 
-if __name__ == "__main__":  # `python -m kernels.qgemm`: build now (install step), print the path taken
+if __name__ == "__main__":  # `python -m pagedserve.kernels.qgemm`: build now (install step), print the path taken
     logging.basicConfig(level=logging.INFO)
     print(f"qgemm kernel ready: {isa()} path")

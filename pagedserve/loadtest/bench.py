@@ -3,7 +3,7 @@
     pagedserve bench serve --base-url http://127.0.0.1:8000 --dataset-name random \\
         --random-input-len 256 --random-output-len 128 --ignore-eos --num-prompts 64 \\
         --max-concurrency 16 --save-result --plot run.png
-    python -m loadtest.bench --compare a.json b.json
+    python -m pagedserve.loadtest.bench --compare a.json b.json
 
 Flags follow `vllm bench serve`. Token counts come from the server's streamed usage
 (``stream_options.include_usage``), never from counting chunks. A request that gets a
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pagedserve.loadtest.bench", description=__doc__.split("\n")[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

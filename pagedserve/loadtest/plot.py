@@ -1,6 +1,6 @@
 """Plots for a bench.py result: latency CDFs (TTFT, TPOT/ITL, E2E) and throughput over time.
 
-    python -m loadtest.plot result.json out.png
+    python -m pagedserve.loadtest.plot result.json out.png
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def plot_result(result: dict, path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m loadtest.plot RESULT.json OUT.png", file=sys.stderr)
+        print("usage: python -m pagedserve.loadtest.plot RESULT.json OUT.png", file=sys.stderr)
         return 2
     with open(argv[0], "rb") as f:
         plot_result(orjson.loads(f.read()), argv[1])

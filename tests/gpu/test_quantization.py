@@ -7,7 +7,7 @@ Two kinds of check on the tiny random model (tests/tiny.py):
 - plain random weights, where quantization itself changes tokens: a floor under the agreement
   measured when this was written (int8 0.81 over 16 prompts x 32 tokens), so a change that makes
   quantization lossier fails. The default model's figures are in loadtest/PERF.md
-  (``python -m loadtest.micro.quant_accuracy``).
+  (``python -m pagedserve.loadtest.micro.quant_accuracy``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``python -m kernels.build_all`` (make install) builds every kernel this CPU runs, so a server
+"""``python -m pagedserve.kernels.build_all`` (make install) builds every kernel this CPU runs, so a server
 started afterwards loads them from the cache and needs no compiler."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """xgrammar behind the engine's grammar interface: validate a spec, compile it for the model's
 vocabulary, and one matcher per sequence (accept a token, fill its row of the token bitmask).
 
-Chosen over llguidance by measurement (loadtest/PERF.md, ``python -m loadtest.micro.bench_grammar``).
+Chosen over llguidance by measurement (loadtest/PERF.md, ``python -m pagedserve.loadtest.micro.bench_grammar``).
 xgrammar imports torch, so it is imported on first use, off the event loop (the compile pool).
 Its compile and mask calls release the GIL: a compile in the pool never stalls the loop.
 

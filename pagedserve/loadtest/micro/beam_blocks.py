@@ -4,7 +4,7 @@ Runs the engine with the tiny random model (block accounting does not depend on 
 one 1,000-token prompt: beam search at width k, then k independent greedy requests with and
 without prefix caching; prints the peak number of blocks held during each run.
 
-    python -m loadtest.micro.beam_blocks [--k 4] [--prompt-tokens 1000] [--max-tokens 16]
+    python -m pagedserve.loadtest.micro.beam_blocks [--k 4] [--prompt-tokens 1000] [--max-tokens 16]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """CPU timing of paged attention, the C decode kernel against the torch path (not a test; run by hand).
 
-    .venv/bin/python -m loadtest.micro.bench_attention [--threads N] [--rounds R] [--dtype bf16|fp32|both]
+    .venv/bin/python -m pagedserve.loadtest.micro.bench_attention [--threads N] [--rounds R] [--dtype bf16|fp32|both]
 
 Each case runs both paths in turn within every round (interleaved, so a busy neighbour slows both)
 and prints the median over rounds of wall time and process CPU time per call; on a shared machine

@@ -1,6 +1,6 @@
 """Decode attention kernels side by side: AVX-512 (csrc/paged_attn.c) against AMX (csrc/paged_attn_amx.c).
 
-    python -m loadtest.micro.bench_decode_attention [--batches 1 4 16] [--contexts 128 384 1024]
+    python -m pagedserve.loadtest.micro.bench_decode_attention [--batches 1 4 16] [--contexts 128 384 1024]
         [--threads 2] [--reps 7] [--layers 8] [--paths avx512 amx amx-fp8]
 
 Default-model shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, block 16, bf16).

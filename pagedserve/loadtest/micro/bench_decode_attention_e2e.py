@@ -1,6 +1,6 @@
 """Decode steps of the default model with the AMX attention kernel on and off, in one process.
 
-    python -m loadtest.micro.bench_decode_attention_e2e [--requests 16] [--prompt-len 256] [--output-len 128]
+    python -m pagedserve.loadtest.micro.bench_decode_attention_e2e [--requests 16] [--prompt-len 256] [--output-len 128]
         [--rounds 3] [--threads N]
 
 Offline ``LLM`` (bf16 where the CPU has it), ``--requests`` prompts of random token ids, greedy,

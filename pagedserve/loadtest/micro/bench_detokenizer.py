@@ -1,7 +1,7 @@
 """Per-token cost of incremental detokenization on the default model's tokenizer (not a test;
 run by hand, on any revision: it uses only the detokenizer's public API).
 
-    .venv/bin/python -m loadtest.micro.bench_detokenizer [--rounds 7]
+    .venv/bin/python -m pagedserve.loadtest.micro.bench_detokenizer [--rounds 7]
 
 One request's generated tokens are fed one at a time (add_token + take_delta, then flush), for
 outputs of 256 and 2048 tokens of mixed English / accented / CJK / emoji text, without stop

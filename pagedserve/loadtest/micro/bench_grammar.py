@@ -5,7 +5,7 @@ cache) and the per-step cost of the token masks of a batch of 16 constrained row
 benchmark walks 16 matchers through valid documents (the schemas' instances, tokenized by the
 model's tokenizer), filling every row's bitmask each step (timed), then accepting the next token.
 
-    python -m loadtest.micro.bench_grammar [--rounds 5] [--batch 16]
+    python -m pagedserve.loadtest.micro.bench_grammar [--rounds 5] [--batch 16]
 """
 from __future__ import annotations
 

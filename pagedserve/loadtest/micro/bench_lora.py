@@ -11,7 +11,7 @@ median of its rounds, each percentage the median of the per-round ratios to the 
 figure of the same round. To see how much of the cost is leaving the fused C decode path, run it
 once more with ``PAGEDSERVE_FAST_DECODE=0 ... --ranks`` (nothing given after it: the base only).
 
-    python -m loadtest.micro.bench_lora --ranks 8 16 64 --concurrency 16 --num-adapters 4
+    python -m pagedserve.loadtest.micro.bench_lora --ranks 8 16 64 --concurrency 16 --num-adapters 4
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ OpenMP's default active wait a descheduled partner thread makes whole steps stal
 alternate inside each round (c=16 base rows, c=16 with 4 adapters round-robin, 1 base stream, 1 adapter
 stream), so a load change hits both sides of a ratio. Prefill is included, as in bench_lora.
 
-    OMP_NUM_THREADS=1 python -m loadtest.micro.bench_lora_cpu --rank 16 --rounds 4
+    OMP_NUM_THREADS=1 python -m pagedserve.loadtest.micro.bench_lora_cpu --rank 16 --rounds 4
 """
 from __future__ import annotations
 

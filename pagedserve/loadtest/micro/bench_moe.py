@@ -1,7 +1,7 @@
 """A mixture-of-experts model against its dense equivalent (the same active parameters a token),
 random weights: decode tokens/s for one stream and for 16 at once.
 
-    python -m loadtest.micro.bench_moe [--quantization int4] [--layers 12]
+    python -m pagedserve.loadtest.micro.bench_moe [--quantization int4] [--layers 12]
 
 Why: a 30B-A3B model is run on CPUs because a token reads ~3B parameters; the MoE layer should
 cost about what a dense MLP of the active size costs (routing, grouping and one matmul per

@@ -1,5 +1,5 @@
 """The default model's 120 layer linears + LM head, plain F.linear against the prepacked weights
-(gpu/models/packed_linear.py), per batch size: ``python -m loadtest.micro.bench_packed_linear``.
+(gpu/models/packed_linear.py), per batch size: ``python -m pagedserve.loadtest.micro.bench_packed_linear``.
 Min and median ms of one pass over all 121 matmuls; random weights (speed does not depend on values)."""
 from __future__ import annotations
 

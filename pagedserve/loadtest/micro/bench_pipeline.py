@@ -1,6 +1,6 @@
 """Offline throughput of pipeline stages: 32 prompts x 64 greedy tokens, default model, fp32, mp executor.
 
-Usage: python -m loadtest.micro.bench_pipeline PP   (PP = --pipeline-parallel-size; 1 = one worker)"""
+Usage: python -m pagedserve.loadtest.micro.bench_pipeline PP   (PP = --pipeline-parallel-size; 1 = one worker)"""
 import sys, time
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.sampling_params import SamplingParams

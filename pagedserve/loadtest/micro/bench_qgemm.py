@@ -1,7 +1,7 @@
 """CPU timing of the quantized matmul kernel against fp32 and PyTorch's packed int8 op (not a
 test; run by hand).
 
-    .venv/bin/python -m loadtest.micro.bench_qgemm [--threads N] [--rounds R] [--m M]
+    .venv/bin/python -m pagedserve.loadtest.micro.bench_qgemm [--threads N] [--rounds R] [--m M]
 
 The candidates are timed interleaved (one batch of calls each, round after round) and the median
 per-call wall time over the rounds is printed, so a load spike from another process on a shared

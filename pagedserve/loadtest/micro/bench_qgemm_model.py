@@ -2,7 +2,7 @@
 VNNI 16-channel kernel and oneDNN's packed bf16 matmul (what `--quantization none` runs). Not a
 test; run by hand:
 
-    .venv/bin/python -m loadtest.micro.bench_qgemm_model [--threads N] [--rounds R] [--m 1 16]
+    .venv/bin/python -m pagedserve.loadtest.micro.bench_qgemm_model [--threads N] [--rounds R] [--m 1 16]
 
 bf16 activations (this machine's dtype) unless ``--fp32``. The candidates run interleaved, one
 batch of calls each per round; the median ms per call over the rounds is printed per shape, and

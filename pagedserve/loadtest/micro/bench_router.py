@@ -3,7 +3,7 @@ reading each replica's load, hashing the prompt's prefix blocks and looking them
 replica's block manager and the router's record, choosing. No model: stand-in replicas hold a
 real BlockManager with a cached shared prefix and a few hundred requests' worth of load.
 
-    python -m loadtest.micro.bench_router --replicas 2 --prompt-len 1024
+    python -m pagedserve.loadtest.micro.bench_router --replicas 2 --prompt-len 1024
 
 Prints the median and p99 per decision in microseconds, for a prompt that misses every cache
 and one whose first ``--prefix-len`` tokens are cached on one replica. Compare with a step time

@@ -4,7 +4,7 @@ A parser that copies its whole buffer per piece costs time per character that gr
 length (quadratic in all); a linear one keeps it flat. Not a test (tests/app/test_parsers_linear.py
 holds each case to a ratio); run by hand on any revision that has the parsers:
 
-    PYTHONPATH=. python -m loadtest.micro.bench_stream_parsers [--sizes 100000 200000 400000]
+    PYTHONPATH=. python -m pagedserve.loadtest.micro.bench_stream_parsers [--sizes 100000 200000 400000]
         [--piece 4] [--rounds 3] [--cases hermes pythonic ...]
 
 Prints, per case, the median over rounds of process CPU time per character (steadier than wall

@@ -7,7 +7,7 @@ default): on a machine shared with other work, wall time mostly measures the oth
 apply (TokenMask.apply) are timed on their own too. Runs alternate (free, constrained, ...)
 so the machine's load hits both alike.
 
-    python -m loadtest.micro.bench_structured [--batch 16] [--rounds 3] [--tokens 24]
+    python -m pagedserve.loadtest.micro.bench_structured [--batch 16] [--rounds 3] [--tokens 24]
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ give the tokens of an unpreempted run (it restores the K/V bit for bit), which i
 recompute the run says whether they matched: the context comes back through a prefill instead
 of the decodes that wrote it, equal only up to rounding outside fp32.
 
-    python -m loadtest.micro.bench_swap --context 2000 --repeats 7
+    python -m pagedserve.loadtest.micro.bench_swap --context 2000 --repeats 7
 """
 from __future__ import annotations
 

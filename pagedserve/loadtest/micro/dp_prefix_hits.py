@@ -5,7 +5,7 @@ Real engines end to end except HTTP: ReplicatedEngine over AsyncEngines running 
 random-weight model (loadtest/local_server.TINY_CONFIG) in worker processes, so the figure is the engine's
 own prefix_cache_hits / prefix_cache_queries, not a model of it. Hit rates do not depend on speed.
 
-    python -m loadtest.micro.dp_prefix_hits --replicas 2 --prefixes 4 --requests 64
+    python -m pagedserve.loadtest.micro.dp_prefix_hits --replicas 2 --prefixes 4 --requests 64
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ that takes 4.4 us in a graph, loadtest/PERF.md.) Printed with the KV bytes read 
 policy's own choice (``choose_splits``, DECODE_BLOCK_N) is marked. Picks the defaults in
 kernels/triton_attention.py.
 
-    python3 -m loadtest.micro.gpu_attention_sweep [--deadline 100] [--json out.json]
+    python3 -m pagedserve.loadtest.micro.gpu_attention_sweep [--deadline 100] [--json out.json]
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The prepared GPU check (issue 24): proves the CUDA path on a lent GPU in one call.
 
-    python -m loadtest.micro.gpu_check [--out $OUT/gpu_check.json] [--only kernels,serve]
-    python -m loadtest.micro.gpu_check --dry-run      # here, on the CPU, small shapes (the test)
-    python -m loadtest.micro.gpu_check --set sizes    # the second call: the 8B shape, bf16 and fp8
+    python -m pagedserve.loadtest.micro.gpu_check [--out $OUT/gpu_check.json] [--only kernels,serve]
+    python -m pagedserve.loadtest.micro.gpu_check --dry-run      # here, on the CPU, small shapes (the test)
+    python -m pagedserve.loadtest.micro.gpu_check --set sizes    # the second call: the 8B shape, bf16 and fp8
 
 How to run it on the lent machine (the wheels and the tokenizer it carries, the exact call):
 docs/gpu-check.md. Each phase runs in its own subprocess under its own timeout; its record (status
@@ -135,7 +135,7 @@ def _model_dir(assets: str, dry_run: bool) -> str:
     if (carried / "tokenizer.json").is_file():
         return str(carried.resolve())
     if not dry_run:
-        raise SystemExit(f"{carried} is missing: run `python -m loadtest.micro.gpu_check_prepare` here first "
+        raise SystemExit(f"{carried} is missing: run `python -m pagedserve.loadtest.micro.gpu_check_prepare` here first "
                          "and carry .gpu_check (docs/gpu-check.md)")
     from pagedserve.loadtest.micro.gpu_check_prepare import export_model_dir
 

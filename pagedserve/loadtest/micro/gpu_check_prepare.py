@@ -1,7 +1,7 @@
 """Prepare what the GPU check (loadtest/micro/gpu_check.py) carries to the lent GPU machine, which
 has no network: run HERE, where PyPI is reachable, before the call (docs/gpu-check.md).
 
-    python -m loadtest.micro.gpu_check_prepare [--dir .gpu_check]
+    python -m pagedserve.loadtest.micro.gpu_check_prepare [--dir .gpu_check]
 
 It fills the ignored folder ``.gpu_check/`` (the run tool's ``carry`` names it):
 

@@ -1,4 +1,4 @@
-"""The GPU check's second call (issue 41, ``python -m loadtest.micro.gpu_check --set sizes``): the
+"""The GPU check's second call (issue 41, ``python -m pagedserve.loadtest.micro.gpu_check --set sizes``): the
 decode step at the size GPU users serve, in bf16 and in FP8.
 
 - ``decode_8b``: the Llama 3.1 8B shape (hidden 4096, 32 layers, 32/8 heads, head_dim 128, MLP

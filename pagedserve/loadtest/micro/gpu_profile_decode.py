@@ -2,7 +2,7 @@
 for a lent GPU, like loadtest/micro/gpu_check.py): torch.profiler over eager steps and graph
 replays at the batch sizes given, then an engine run's step times. Prints tables, writes nothing.
 
-    python3 -m loadtest.micro.gpu_profile_decode --batches 1,64
+    python3 -m pagedserve.loadtest.micro.gpu_profile_decode --batches 1,64
 """
 from __future__ import annotations
 

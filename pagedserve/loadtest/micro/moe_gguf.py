@@ -1,7 +1,7 @@
 """Write a random-weight Qwen3-MoE GGUF that llama.cpp can load, to compare decode speed on the
 same file (issue 25: "against llama.cpp on the same GGUF").
 
-    python -m loadtest.micro.moe_gguf OUT.gguf [--layers 12 --hidden 768 --experts 32 --top-k 4 --expert-size 256]
+    python -m pagedserve.loadtest.micro.moe_gguf OUT.gguf [--layers 12 --hidden 768 --experts 32 --top-k 4 --expert-size 256]
 
 The shape is loadtest/micro/bench_moe.py's MoE config. Weights are normal(0, 0.02): attention Q8_0,
 experts Q4_1 (as the default model's file: 4-bit linears, an 8-bit embedding), norms F32. The

@@ -1,7 +1,7 @@
 """Accuracy of --quantization against the unquantized model: greedy token agreement over a fixed
 prompt set and the perplexity of a fixed text.
 
-    .venv/bin/python -m loadtest.micro.quant_accuracy [--modes auto int8 int4] [--dtype float32] [--tokens 32]
+    .venv/bin/python -m pagedserve.loadtest.micro.quant_accuracy [--modes auto int8 int4] [--dtype float32] [--tokens 32]
         [--text README.md] [--kv-cache-dtype fp8]
 
 The reference is always ``--quantization none`` in fp32 (the file dequantized, as transformers
