@@ -95,7 +95,7 @@ async def _send(client: httpx.AsyncClient, p: Planned, out: Outcome) -> None:
                 out.ok, out.aborted = True, not finishes
                 return
         if p.drop_after_events is not None:
-            out.error = f"a 400-token stream ended after {out.events} events"
+            out.error = f"a stream meant to be dropped ended after {out.events} events"
             return
         out.error = check_stream(p, finishes, decoder.done)
         out.ok = not out.error

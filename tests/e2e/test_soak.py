@@ -56,6 +56,12 @@ def test_plans_are_replayable_and_bad_ones_expect_4xx():
     assert all(400 <= p.expect_status < 500 for p in a if p.kind == "bad_input")
     assert all(p.expect_status == 200 for p in a if p.kind != "bad_input")
     assert all(p.drop_after_events is not None and p.stream for p in a if p.kind == "abort_stream")
+    # dropped streams ask for most of the context: the client must hang up long before their end
+    # (400 tokens took the tiny model ~0.2 s, and CI saw one finish before the server saw the hang-up)
+    from pagedserve.loadtest.soak_mix import abort_stream_tokens
+
+    assert abort_stream_tokens(64) == 32 and abort_stream_tokens(2048) == 1792 and abort_stream_tokens(32768) == 4096
+    assert all(p.body["max_tokens"] == 32 for p in a if p.kind == "abort_stream")
 
 
 def test_summary_fails_on_a_5xx_a_leak_or_a_busy_engine():
