@@ -7,17 +7,12 @@ tests/engine/test_tokenizer.py against the default model; llama.cpp's own "defau
 tests/engine/test_gguf_llama_cpp_rules.py."""
 from __future__ import annotations
 
-import json
-import random
 
-import gguf
-import numpy as np
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers, trainers
 
 from pagedserve.engine.tokenizer import _SPLITS, Tokenizer
-from tests.engine.test_gguf_spm import corpus, training_text
+from tests.engine.gguf_bpe_files import bpe_vocabulary, write_bpe_gguf
+from tests.engine.test_gguf_spm import corpus
 
 pytest.importorskip("transformers")
 from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # noqa: E402
@@ -28,31 +23,10 @@ NAMES = sorted(name for name in _SPLITS if name in GGUF_PRE_TOKENIZER_SPLITS)
 
 @pytest.fixture(scope="module")
 def vocabulary():
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
-    tok.train_from_iterator(training_text(random.Random(1)) + corpus(), trainer)
-    model = json.loads(tok.to_str())["model"]
-    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return tokens, merges
+    return bpe_vocabulary()
 
 
-def write(path, pre: str, tokens: list[str], merges: list[str]) -> None:
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
-    w.add_eos_token_id(tokens.index("<|endoftext|>"))
-    w.add_bos_token_id(tokens.index("<|endoftext|>"))
-    w.add_tensor("output_norm.weight", np.ones(4, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+write = write_bpe_gguf
 
 
 def test_the_names_cover_the_families():

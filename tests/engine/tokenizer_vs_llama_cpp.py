@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -76,13 +75,8 @@ def llama_cpp_ids(anchor_python: str, files: list[str], strings: list[str]) -> d
 
 def test_vocab_files(tmp: Path) -> list[tuple[str, str]]:
     """(label, path) of the tests' SentencePiece files and one BPE file per known pre-tokenizer name."""
-    import gguf
-    import numpy as np
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers, trainers
-
     from pagedserve.engine.tokenizer import _DIGIT_SPLIT, _SPLITS
-    from tests.engine.test_gguf_spm import corpus, spm, train, training_text, write_gguf
+    from tests.engine.test_gguf_spm import spm, train, write_gguf
 
     out = []
     for model_type, ggml_model in (("bpe", "llama"), ("unigram", "t5")):
@@ -106,31 +100,13 @@ def test_vocab_files(tmp: Path) -> list[tuple[str, str]]:
     write_gguf(model_file, d / "unigram.gguf", "t5")
     out.append(("sentencepiece unigram (t5), no byte fallback", str(d / "unigram.gguf")))
 
-    # The byte-level BPE vocabulary of tests/engine/test_gguf_bpe_pre.py (its `vocabulary` fixture and
-    # `write`, repeated here: that module needs transformers at import).
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
-    tok.train_from_iterator(training_text(random.Random(1)) + corpus(), trainer)
-    model = json.loads(tok.to_str())["model"]
-    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    # The byte-level BPE vocabulary of tests/engine/test_gguf_bpe_pre.py, one file per pre-tokenizer name.
+    from tests.engine.gguf_bpe_files import bpe_vocabulary, write_bpe_gguf
+
+    tokens, merges = bpe_vocabulary()
     for pre in sorted(set(_SPLITS) | _DIGIT_SPLIT | {"default", "gpt-2"}):
         path = tmp / f"bpe-{pre}.gguf"
-        w = gguf.GGUFWriter(str(path), "llama")
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(pre)
-        w.add_token_list(tokens)
-        w.add_token_merges(merges)
-        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
-        w.add_eos_token_id(tokens.index("<|endoftext|>"))
-        w.add_bos_token_id(tokens.index("<|endoftext|>"))
-        w.add_tensor("output_norm.weight", np.ones(4, dtype=np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        write_bpe_gguf(path, pre, tokens, merges)
         out.append((f"bpe pre={pre}", str(path)))
     return out
 
